@@ -1,0 +1,1 @@
+"""Pallas kernels: one kernel per module, each with a plain-JAX ``*_reference`` beside it."""

@@ -1,0 +1,1 @@
+"""Rollouts: sampler, environments, sandboxed rewards and tasks."""

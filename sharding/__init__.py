@@ -1,0 +1,1 @@
+"""Device meshes, logical-axis rules and multi-host set-up."""
