@@ -1,0 +1,258 @@
+"""Typed experiment configs: nested dataclasses, YAML files and `key.sub=value` overrides.
+
+A config is a tree of dataclasses whose defaults form the embedded tiny default run. YAML files
+in `configs/` override any subset of it; a nested section may also be given as the path of a
+YAML file (`model: model/tiny.yaml`, relative to the including file). Every value is checked
+against the field's type, and every error names the key path and the file it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or file is invalid; the message names the key path and its source."""
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    # "default" (none), "linear" or "llama3" (Llama 3.1 frequency-dependent scaling).
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama / Qwen2 / Qwen3 decoder. Defaults: the tiny byte-level model for CPU runs."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = "qwen3"  # HF architecture written on export
+    vocab_size: int = 264  # 256 bytes + specials, padded to a multiple of 8
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3)
+    tie_embeddings: bool = True
+    max_position_embeddings: int = 4096
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of activations
+    attention_backend: str = "xla"  # key of jaxagent.models.attention.BACKENDS
+    bos_token_id: int | None = 256
+    eos_token_id: int | None = 257
+    pad_token_id: int | None = 258
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    # Prompt and cache lengths are rounded up to these multiples so jitted shapes repeat.
+    prompt_bucket: int = 64
+    cache_bucket: int = 128
+    batch_bucket: int = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    """The root of every experiment config."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    checkpoint: str | None = None  # HF checkpoint directory; None = random init of `model`
+    workdir: str = "runs/default"
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Building dataclasses from plain data, with type checks that name the key path.
+
+
+def _where(path: str, source: str) -> str:
+    return f"{source}: {path}" if path else source
+
+
+def _check_scalar(tp: Any, value: Any, path: str, source: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{_where(path, source)}: expected float, got {value!r}")
+        return float(value)
+    if tp in (int, str, bool):
+        # bool is an int in Python; do not let True pass as an int or 1 as a bool.
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(
+                f"{_where(path, source)}: expected {tp.__name__}, got {type(value).__name__} "
+                f"{value!r}"
+            )
+        return value
+    raise ConfigError(f"{_where(path, source)}: unsupported field type {tp!r}")
+
+
+def _convert(tp: Any, value: Any, path: str, source: str, base_dir: Path | None) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, str) and value.endswith((".yaml", ".yml")):
+            return _from_file(tp, _resolve(value, base_dir, path, source), path)
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{_where(path, source)}: expected a mapping (or a .yaml path), got {value!r}"
+            )
+        return _build(tp, value, path, source, base_dir)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{_where(path, source)}: may not be null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, path, source, base_dir)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{_where(path, source)}: "
+                          f"{value!r} matches none of {tp}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(
+                f"{_where(path, source)}: {value!r} is not one of {', '.join(map(repr, choices))}"
+            )
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{_where(path, source)}: expected a list, got {value!r}")
+        (item_tp, *rest) = typing.get_args(tp) or (Any,)
+        items = [
+            _convert(item_tp, v, f"{path}[{i}]", source, base_dir) for i, v in enumerate(value)
+        ]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{_where(path, source)}: expected a mapping, got {value!r}")
+        return dict(value)
+    if value is None:
+        raise ConfigError(f"{_where(path, source)}: may not be null")
+    return _check_scalar(tp, value, path, source)
+
+
+def _build(cls: type, data: dict, path: str, source: str, base_dir: Path | None,
+           base: Any = None) -> Any:
+    """Make a `cls` from `data`, starting from `base` (an instance) or the defaults."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{_where(sub, source)}: unknown key{hint}")
+        current = getattr(base, key) if base is not None else None
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict) and current is not None:
+            values[key] = _build(hints[key], value, sub, source, base_dir, base=current)
+        else:
+            values[key] = _convert(hints[key], value, sub, source, base_dir)
+    if base is not None:
+        return dataclasses.replace(base, **values)
+    return cls(**values)
+
+
+def _resolve(name: str, base_dir: Path | None, path: str, source: str) -> Path:
+    candidates = [Path(name)] if Path(name).is_absolute() else []
+    if base_dir is not None:
+        candidates.append(base_dir / name)
+    candidates.append(Path.cwd() / name)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{_where(path, source)}: config file {name!r} not found")
+
+
+def _read_yaml(file: Path) -> dict:
+    try:
+        data = yaml.safe_load(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{file}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _from_file(cls: type, file: Path, path: str = "", base: Any = None) -> Any:
+    return _build(cls, _read_yaml(file), path, str(file), file.parent, base=base)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API.
+
+
+def from_dict(data: dict, cls: type = Config, source: str = "<dict>") -> Any:
+    return _build(cls, data, "", source, None)
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """Apply `a.b.c=value` strings; values are parsed as YAML scalars (`4`, `true`, `null`)."""
+    for item in overrides:
+        source = f"command-line override {item!r}"
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{source}: expected key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: invalid value: {e}") from None
+        # Build the nested mapping {a: {b: {c: value}}} and merge it like a YAML file.
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        cfg = _build(type(cfg), value, "", source, Path.cwd(), base=cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), cls: type = Config):
+    """The defaults, then the YAML file at `path` (if any), then the dotted overrides."""
+    cfg = cls() if path is None else _from_file(cls, Path(path))
+    return apply_overrides(cfg, list(overrides))
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Any, path: str | Path) -> Path:
+    """Write the resolved config as YAML (loadable again with `load_config`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(cfg))
+    return path

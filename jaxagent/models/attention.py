@@ -1,0 +1,73 @@
+"""Attention with pluggable backends.
+
+Letters: B batch, T query time, S key time, N query heads, K kv heads, G = N // K query heads
+per kv head, H head dim.
+
+Masking is described, not materialised, so that kernels can skip whole blocks: a query may
+see a key iff both carry the same non-zero segment id and the key's slot is not after the
+query's slot (causal). Segment id 0 marks padding and empty cache slots. Slots are token
+indices in the (packed or cached) sequence, not RoPE positions, which may restart per document.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+class AttentionFn(Protocol):
+    def __call__(
+        self,
+        q: jax.Array,  # [B, T, N, H]
+        k: jax.Array,  # [B, S, K, H]
+        v: jax.Array,  # [B, S, K, H]
+        *,
+        q_segment_ids: jax.Array,  # [B, T] int32
+        kv_segment_ids: jax.Array,  # [B, S] int32
+        q_slots: jax.Array,  # [B, T] int32
+        kv_slots: jax.Array,  # [B, S] int32
+    ) -> jax.Array:  # [B, T, N, H]
+        ...
+
+
+def attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots) -> jax.Array:
+    """[B, T, S] bool: same non-padding segment and causal."""
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    real = kv_segment_ids[:, None, :] != 0
+    causal = kv_slots[:, None, :] <= q_slots[:, :, None]
+    return same & real & causal
+
+
+def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
+    """Reference backend: plain einsums, softmax in float32; GQA without repeating K/V."""
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    mask = attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots)[:, None, None]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # A fully masked row (a padding query) would average all values; zero it instead.
+    probs = jnp.where(mask.any(-1, keepdims=True), probs, 0.0)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
+    return out.reshape(b, t, n, h)
+
+
+BACKENDS: dict[str, AttentionFn] = {"xla": xla_attention}
+
+
+def register_backend(name: str, fn: AttentionFn) -> None:
+    """Kernel packages add their backends here (e.g. "nsa", "flash")."""
+    BACKENDS[name] = fn
+
+
+def get_backend(name: str) -> Callable[..., jax.Array]:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"model.attention_backend: unknown backend {name!r}; known: {sorted(BACKENDS)}"
+        ) from None

@@ -1,0 +1,295 @@
+"""Hugging Face checkpoints in and out: `config.json` + `*.safetensors` (sharded or not).
+
+HF stores a linear layer as [out, in]; we store einsum-ready [in, ...out] tensors split into
+heads, so each mapping below is a transpose plus a reshape, inverted on export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxagent.config import ModelConfig, RopeScalingConfig
+from jaxagent.models.llama import Decoder
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be read: the message names the file and the field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def _rope_from_hf(hf: dict, file: Path) -> tuple[float, RopeScalingConfig]:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_theta` +
+    # `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise CheckpointError(f"{file}: rope type {rope_type!r} is not supported "
+                              "(supported: default, linear, llama3)")
+    known = {f.name for f in dataclasses.fields(RopeScalingConfig)}
+    scaling = RopeScalingConfig(rope_type=rope_type,
+                                **{k: v for k, v in params.items() if k in known})
+    return theta, scaling
+
+
+def config_from_hf(hf: dict, file: Path = Path("config.json"), **overrides) -> ModelConfig:
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{file}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+    family = ARCHITECTURES[arch]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{file}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{file}: mlp_bias=true is not supported")
+    if hf.get("use_sliding_window"):
+        raise CheckpointError(f"{file}: use_sliding_window=true is not supported")
+    try:
+        heads = hf["num_attention_heads"]
+        theta, scaling = _rope_from_hf(hf, file)
+        return ModelConfig(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            # Qwen2 always has q/k/v biases and no config key for it.
+            attention_bias=hf.get("attention_bias", family == "qwen2"),
+            qk_norm=family == "qwen3",
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            bos_token_id=_first(hf.get("bos_token_id")),
+            eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=_first(hf.get("pad_token_id")),
+            **overrides,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
+
+
+def _first(token_id):
+    return token_id[0] if isinstance(token_id, list) else token_id
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    rope = {"rope_type": cfg.rope_scaling.rope_type}
+    if cfg.rope_scaling.rope_type != "default":
+        rope["factor"] = cfg.rope_scaling.factor
+    if cfg.rope_scaling.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope_scaling.low_freq_factor,
+            high_freq_factor=cfg.rope_scaling.high_freq_factor,
+            original_max_position_embeddings=cfg.rope_scaling.original_max_position_embeddings,
+        )
+    if cfg.family == "qwen2" and not cfg.attention_bias:
+        raise CheckpointError("model.attention_bias=false cannot be exported as Qwen2 (always biased)")
+    if cfg.qk_norm != (cfg.family == "qwen3"):
+        raise CheckpointError(f"model.qk_norm={cfg.qk_norm} cannot be exported as family {cfg.family!r}")
+    return {
+        "architectures": [_FAMILY_ARCH[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling.rope_type == "default" else rope,
+        "attention_bias": cfg.attention_bias,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": cfg.param_dtype,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor name and layout mapping.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mapping:
+    hf_name: str
+    path: tuple  # our nnx parameter path
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _same(x):
+    return x
+
+
+def _tensor_map(cfg: ModelConfig) -> list[_Mapping]:
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def heads_in(num):  # [num*h, d] -> [d, num, h]
+        return _Mapping("", (), lambda w: w.T.reshape(d, num, h), lambda w: w.reshape(d, num * h).T)
+
+    def bias(num):  # [num*h] -> [num, h]
+        return _Mapping("", (), lambda b: b.reshape(num, h), lambda b: b.reshape(num * h))
+
+    transpose = _Mapping("", (), lambda w: w.T, lambda w: w.T)
+    same = _Mapping("", (), _same, _same)
+    o_proj = _Mapping("", (), lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T)
+
+    def m(hf_name, path, like):
+        return dataclasses.replace(like, hf_name=hf_name, path=path)
+
+    out = [m("model.embed_tokens.weight", ("embed",), same),
+           m("model.norm.weight", ("final_norm", "scale"), same)]
+    if not cfg.tie_embeddings:
+        out.append(m("lm_head.weight", ("lm_head",), transpose))
+    for i in range(cfg.num_layers):
+        pre, at = f"model.layers.{i}.", ("layers", i, "attn")
+        out += [
+            m(pre + "input_layernorm.weight", ("layers", i, "attn_norm", "scale"), same),
+            m(pre + "post_attention_layernorm.weight", ("layers", i, "mlp_norm", "scale"), same),
+            m(pre + "self_attn.q_proj.weight", at + ("wq",), heads_in(n)),
+            m(pre + "self_attn.k_proj.weight", at + ("wk",), heads_in(k)),
+            m(pre + "self_attn.v_proj.weight", at + ("wv",), heads_in(k)),
+            m(pre + "self_attn.o_proj.weight", at + ("wo",), o_proj),
+            m(pre + "mlp.gate_proj.weight", ("layers", i, "mlp", "w_gate"), transpose),
+            m(pre + "mlp.up_proj.weight", ("layers", i, "mlp", "w_up"), transpose),
+            m(pre + "mlp.down_proj.weight", ("layers", i, "mlp", "w_down"), transpose),
+        ]
+        if cfg.attention_bias:
+            out += [m(pre + f"self_attn.{x}_proj.bias", at + (f"b{x}",), bias(num))
+                    for x, num in (("q", n), ("k", k), ("v", k))]
+        if cfg.qk_norm:
+            out += [m(pre + f"self_attn.{x}_norm.weight", at + (f"{x}_norm", "scale"), same)
+                    for x in ("q", "k")]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and saving.
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """{tensor name: file} from the sharded index, or from every *.safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    out = {}
+    for file in files:
+        with safe_open(file, framework="numpy") as f:
+            out.update({name: file for name in f.keys()})
+    return out
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    file = path / "config.json"
+    if not file.exists():
+        raise CheckpointError(f"{file}: not found (is {path} an HF checkpoint directory?)")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: invalid JSON ({e})") from None
+    return config_from_hf(hf, file)
+
+
+def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: str | None = None,
+                    **config_overrides) -> Decoder:
+    """Load an HF Llama/Qwen2/Qwen3 checkpoint directory as a `Decoder`.
+
+    `dtype` is the parameter dtype; activations use `compute_dtype` (default: the same).
+    """
+    path = Path(path)
+    cfg = dataclasses.replace(read_config(path), param_dtype=dtype,
+                              dtype=compute_dtype or dtype, **config_overrides)
+    files = _tensor_files(path)
+    # Build the module without materialising random weights, then fill every parameter.
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    flat = dict(nnx.to_flat_state(state))
+    handles: dict[Path, object] = {}
+    try:
+        for mapping in _tensor_map(cfg):
+            file = files.get(mapping.hf_name)
+            if file is None:
+                raise CheckpointError(f"{path}: missing tensor {mapping.hf_name!r}")
+            if file not in handles:
+                handles[file] = safe_open(file, framework="numpy").__enter__()
+            value = mapping.to_ours(handles[file].get_tensor(mapping.hf_name))
+            var = flat[mapping.path]
+            if value.shape != var.value.shape:
+                raise CheckpointError(
+                    f"{file}: tensor {mapping.hf_name!r} has shape {value.shape} after "
+                    f"conversion, expected {var.value.shape} from config.json"
+                )
+            var.value = jnp.asarray(value, dtype=dtype)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    return nnx.merge(graphdef, state)
+
+
+def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 2**31) -> Path:
+    """Write `config.json` + safetensors (sharded with an index past `max_shard_bytes`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors = {m.hf_name: np.ascontiguousarray(m.to_hf(np.asarray(jax.device_get(flat[m.path].value))))
+               for m in _tensor_map(cfg)}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+             "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return path

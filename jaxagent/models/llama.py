@@ -1,0 +1,257 @@
+"""A Llama / Qwen2 / Qwen3 decoder in Flax NNX.
+
+Letters: B batch, T time, S source (keys), N heads, K kv heads, H head dim, D model, F mlp,
+V vocab.
+
+One module covers the family; the differences are config switches: q/k/v bias (Qwen2),
+per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling (Llama 3.1). Every parameter
+carries `logical_axes` metadata that `sharding/` maps to mesh axes; this file knows no mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxagent.config import ModelConfig
+from jaxagent.models.attention import get_backend
+
+_INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: a pytree passed in and returned, so jitted decode steps stay pure.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: list[jax.Array]  # per layer [B, S, K, H]
+    v: list[jax.Array]  # per layer [B, S, K, H]
+    segment_ids: jax.Array  # [B, S] int32; 0 = empty slot or padding
+    index: jax.Array  # [] int32: the next slot to write
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, size: int) -> "KVCache":
+        shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+        zeros = [jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers)]
+        return cls(
+            k=zeros,
+            v=list(zeros),
+            segment_ids=jnp.zeros((batch, size), jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def size(self) -> int:
+        return self.segment_ids.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding.
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [H/2], with the configured scaling (HF `rope_type` semantics)."""
+    h = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    scaling = cfg.rope_scaling
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, blended, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate halves of [B, T, N, H] by angle position * inv_freq (HF `rotate_half` layout)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers.
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, axis: str, *, param_dtype, rngs: nnx.Rngs):
+        self.scale = _param(rngs, (dim,), (axis,), param_dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return xf.astype(x.dtype) * self.scale.value.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, n, k, h, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
+        if n % k:
+            raise ValueError(f"model.num_heads ({n}) must be a multiple of model.num_kv_heads ({k})")
+        self.cfg = cfg
+        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd)
+        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd)
+        if cfg.attention_bias:
+            self.bq = _param(rngs, (n, h), ("heads", "head_dim"), pd, init="zeros")
+            self.bk = _param(rngs, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.bv = _param(rngs, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", param_dtype=pd, rngs=rngs)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", param_dtype=pd, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids, slots, cache_kv=None, cache_segment_ids=None,
+                 cache_index=None):
+        cfg, dt = self.cfg, x.dtype
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(dt))
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(dt))
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(dt))
+        if cfg.attention_bias:
+            q, k, v = q + self.bq.value.astype(dt), k + self.bk.value.astype(dt), v + self.bv.value.astype(dt)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_frequencies(cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
+        if cache_kv is None:
+            kv_segment_ids, kv_slots, new_kv = segment_ids, slots, None
+        else:
+            k_cache, v_cache = cache_kv
+            start = (0, cache_index, 0, 0)
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+            new_kv = (k, v)
+            kv_segment_ids = cache_segment_ids
+            kv_slots = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), kv_segment_ids.shape)
+        attend = get_backend(cfg.attention_backend)
+        out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
+                     kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots)
+        return jnp.einsum("BTNH,NHD->BTD", out, self.wo.value.astype(dt)), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x):
+        dt = x.dtype
+        gate = jnp.einsum("BTD,DF->BTF", x, self.w_gate.value.astype(dt))
+        up = jnp.einsum("BTD,DF->BTF", x, self.w_up.value.astype(dt))
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.w_down.value.astype(dt))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = cfg.param_dtype
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids, slots, **cache):
+        h, new_kv = self.attn(self.attn_norm(x), positions, segment_ids, slots, **cache)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), new_kv
+
+
+class Decoder(nnx.Module):
+    """`model(tokens) -> logits [B, T, V]`; with a cache, `(logits, new_cache)`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        v, d, pd = cfg.vocab_size, cfg.hidden_size, cfg.param_dtype
+        self.config = cfg
+        self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd)
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(d, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int
+        positions: jax.Array | None = None,  # [B, T] RoPE positions; default 0..T-1
+        segment_ids: jax.Array | None = None,  # [B, T]; packed documents, 0 = padding
+        cache: KVCache | None = None,
+    ):
+        cfg = self.config
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        slots = jnp.arange(t, dtype=jnp.int32)[None, :]
+        if cache is not None:
+            slots = slots + cache.index
+            cache_segment_ids = jax.lax.dynamic_update_slice(
+                cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index)
+            )
+        slots = jnp.broadcast_to(slots, (b, t))
+
+        x = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kw = {}
+            if cache is not None:
+                kw = dict(cache_kv=(cache.k[i], cache.v[i]), cache_segment_ids=cache_segment_ids,
+                          cache_index=cache.index)
+            x, kv = layer(x, positions, segment_ids, slots, **kw)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("BTD,VD->BTV", x, self.embed.value.astype(x.dtype))
+        else:
+            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head.value.astype(x.dtype))
+        logits = logits.astype(jnp.float32)
+        if cache is None:
+            return logits
+        return logits, KVCache(new_k, new_v, cache_segment_ids, cache.index + t)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
+    return Decoder(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def logical_axes(model: nnx.Module) -> dict:
+    """{parameter path: logical axis names}, for `sharding/` to map onto a mesh."""
+    return {
+        path: var.get_metadata()["logical_axes"]
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
