@@ -18,8 +18,10 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxagent.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A config value or file is invalid; the message names the key path and its source."""
 
 
@@ -95,6 +97,12 @@ def _check_scalar(tp: Any, value: Any, path: str, source: str) -> Any:
     if tp is Any:
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `1e-6` (no dot) as a string; accept what Python reads as a float.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{_where(path, source)}: expected float, got {value!r}")
         return float(value)

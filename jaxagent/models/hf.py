@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxagent.config import ModelConfig, RopeScalingConfig
+from jaxagent.errors import UserError
 from jaxagent.models.llama import Decoder
 
 ARCHITECTURES = {
@@ -29,7 +30,7 @@ ARCHITECTURES = {
 _FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint directory cannot be read: the message names the file and the field."""
 
 

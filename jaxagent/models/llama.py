@@ -208,6 +208,8 @@ class Decoder(nnx.Module):
         positions: jax.Array | None = None,  # [B, T] RoPE positions; default 0..T-1
         segment_ids: jax.Array | None = None,  # [B, T]; packed documents, 0 = padding
         cache: KVCache | None = None,
+        *,
+        last_only: bool = False,  # logits of the last position only (prefill)
     ):
         cfg = self.config
         b, t = tokens.shape
@@ -234,7 +236,7 @@ class Decoder(nnx.Module):
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
-        x = self.final_norm(x)
+        x = self.final_norm(x[:, -1:] if last_only else x)
         if cfg.tie_embeddings:
             logits = jnp.einsum("BTD,VD->BTV", x, self.embed.value.astype(x.dtype))
         else:

@@ -1,0 +1,5 @@
+"""Errors a user can fix: bad config values, files or inputs. The CLI prints them briefly."""
+
+
+class UserError(ValueError):
+    """Bad input; the message names the field, key path or file at fault."""

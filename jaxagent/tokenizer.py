@@ -1,0 +1,144 @@
+"""Tokenizers: HF `tokenizers` for real checkpoints, bytes for the tiny default model.
+
+Both expose `encode`, `decode`, `bos_id`, `eos_id`, `pad_id`, `stop_ids`, `vocab_size` and
+`apply_chat_template(messages)`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer(Protocol):
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int
+    vocab_size: int
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
+
+    def decode(self, ids, *, skip_special: bool = True) -> str: ...
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; then BOS, EOS, PAD. Matches the tiny default model."""
+
+    bos_id, eos_id, pad_id = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids, *, skip_special: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if not skip_special and any(i >= 256 for i in ids):
+            names = {self.bos_id: "<bos>", self.eos_id: "<eos>", self.pad_id: "<pad>"}
+            parts, run = [], []
+            for i in ids:
+                if i < 256:
+                    run.append(i)
+                else:
+                    parts += [bytes(run).decode("utf-8", "replace"), names.get(i, f"<{i}>")]
+                    run = []
+            return "".join(parts) + bytes(run).decode("utf-8", "replace")
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def _token_content(token) -> str | None:
+    # tokenizer_config.json writes special tokens as strings or as {"content": ...} dicts.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+class HFTokenizer:
+    """`tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json` when present)."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise FileNotFoundError(f"{file}: not found; the checkpoint has no fast tokenizer")
+        self._tok = _HFTokenizer.from_file(str(file))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        config = _read_json(path / "tokenizer_config.json")
+        self.chat_template = config.get("chat_template")
+        self._special = {name: _token_content(config.get(f"{name}_token"))
+                         for name in ("bos", "eos", "pad")}
+        self.bos_id = self._id(self._special["bos"])
+        self.eos_id = self._id(self._special["eos"])
+        pad = self._id(self._special["pad"])
+        self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
+        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
+        generation = _read_json(path / "generation_config.json").get("eos_token_id", [])
+        extra = generation if isinstance(generation, list) else [generation]
+        self._stop_ids = tuple(dict.fromkeys(
+            [i for i in [self.eos_id, *extra] if i is not None]))
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+
+    def decode(self, ids, *, skip_special: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("tokenizer_config.json has no chat_template")
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._special["bos"] or "", eos_token=self._special["eos"] or "", **kwargs)
+
+
+def render_chat_template(template: str, messages: list[dict], **variables) -> str:
+    """Render a Jinja chat template the way `transformers` does (sandboxed, same options)."""
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, **variables)
+
+
+def _read_json(file: Path) -> dict:
+    if not file.exists():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON ({e})") from None
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The checkpoint's HF tokenizer, or the byte tokenizer when `path` is None."""
+    return ByteTokenizer() if path is None else HFTokenizer(path)

@@ -1,0 +1,119 @@
+import dataclasses
+
+import pytest
+
+from jaxagent.config import (Config, ConfigError, ModelConfig, apply_overrides, load_config,
+                             save_config, to_yaml)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_tiny_model():
+    cfg = load_config()
+    assert cfg.model == ModelConfig()
+    assert cfg.model.num_layers == 4 and cfg.model.vocab_size == 264
+
+
+def test_repo_configs_load():
+    cfg = load_config("configs/tiny.yaml")
+    assert cfg.workdir == "runs/tiny"
+    assert cfg.model == load_config(None, ["model=configs/model/tiny.yaml"]).model
+
+
+def test_yaml_overrides_only_what_it_names(tmp_path):
+    path = write(tmp_path, "x.yaml", "model:\n  num_layers: 3\n  rope_scaling: {factor: 2.5}\nseed: 7\n")
+    cfg = load_config(path)
+    assert cfg.model.num_layers == 3 and cfg.seed == 7
+    assert cfg.model.rope_scaling.factor == 2.5
+    assert cfg.model.hidden_size == ModelConfig().hidden_size
+
+
+def test_included_section_is_relative_to_including_file(tmp_path):
+    write(tmp_path, "sub/m.yaml", "num_layers: 5\n")
+    path = write(tmp_path, "sub/top.yaml", "model: m.yaml\n")
+    assert load_config(path).model.num_layers == 5
+
+
+def test_dotted_overrides_parse_yaml_scalars(tmp_path):
+    cfg = load_config(None, ["model.num_layers=2", "workdir=/tmp/run", "model.qk_norm=false",
+                             "sampler.top_k=null", "sampler.top_p=0.9", "model.rope_theta=5e5"])
+    assert cfg.model.num_layers == 2 and cfg.workdir == "/tmp/run"
+    assert cfg.model.qk_norm is False and cfg.sampler.top_k is None
+    assert cfg.sampler.top_p == 0.9 and cfg.model.rope_theta == 5e5
+    # An int is accepted where a float is expected, and stored as a float.
+    assert isinstance(load_config(None, ["model.rope_theta=10"]).model.rope_theta, float)
+
+
+def test_override_applies_after_file(tmp_path):
+    path = write(tmp_path, "x.yaml", "model:\n  num_layers: 3\n")
+    assert load_config(path, ["model.num_layers=6"]).model.num_layers == 6
+
+
+def test_unknown_key_names_path_and_file(tmp_path):
+    path = write(tmp_path, "bad.yaml", "model:\n  num_layerz: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(path) in str(e.value)
+    assert "model.num_layerz: unknown key" in str(e.value)
+    assert "did you mean 'num_layers'" in str(e.value)
+
+
+def test_unknown_override_key_names_the_override():
+    with pytest.raises(ConfigError, match=r"override 'model.nope=1'.*model.nope: unknown key"):
+        load_config(None, ["model.nope=1"])
+
+
+@pytest.mark.parametrize("text, where, what", [
+    ("model:\n  num_layers: four\n", "model.num_layers", "expected int"),
+    ("model:\n  num_layers: 2.5\n", "model.num_layers", "expected int"),
+    ("model:\n  qk_norm: 1\n", "model.qk_norm", "expected bool"),
+    ("model:\n  num_layers: true\n", "model.num_layers", "expected int"),
+    ("model:\n  param_dtype: float16\n", "model.param_dtype", "not one of"),
+    ("model: 3\n", "model", "expected a mapping"),
+    ("sampler:\n  temperature: hot\n", "sampler.temperature", "expected float"),
+    ("workdir: null\n", "workdir", "may not be null"),
+])
+def test_wrong_type_names_key_and_file(tmp_path, text, where, what):
+    path = write(tmp_path, "bad.yaml", text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert f"{path}: {where}: " in str(e.value) and what in str(e.value)
+
+
+def test_wrong_type_in_override():
+    with pytest.raises(ConfigError, match=r"override 'seed=abc'.*seed: expected int"):
+        load_config(None, ["seed=abc"])
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        load_config(None, ["seed"])
+
+
+def test_bad_yaml_names_file(tmp_path):
+    path = write(tmp_path, "broken.yaml", "model: [unclosed\n")
+    with pytest.raises(ConfigError, match=rf"{path}: invalid YAML"):
+        load_config(path)
+    path = write(tmp_path, "list.yaml", "- 1\n- 2\n")
+    with pytest.raises(ConfigError, match=rf"{path}: top level must be a mapping"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+    path = write(tmp_path, "inc.yaml", "model: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"model: config file 'nowhere.yaml' not found"):
+        load_config(path)
+
+
+def test_save_and_reload_round_trip(tmp_path):
+    cfg = apply_overrides(Config(), ["model.num_layers=3", "model.rope_scaling.rope_type=llama3",
+                                     "sampler.top_k=40", "checkpoint=/ckpt"])
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert load_config(path) == cfg
+    assert "num_layers: 3" in to_yaml(cfg)
+
+
+def test_configs_are_immutable():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().seed = 3
