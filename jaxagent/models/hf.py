@@ -130,9 +130,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "attention_bias": cfg.attention_bias,
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "pad_token_id": cfg.pad_token_id,
+        # Special ids outside the vocabulary (a test model's defaults) would break HF loading.
+        **{f"{name}_token_id": (i if i is not None and i < cfg.vocab_size else None)
+           for name, i in (("bos", cfg.bos_token_id), ("eos", cfg.eos_token_id),
+                           ("pad", cfg.pad_token_id))},
         "torch_dtype": cfg.param_dtype,
     }
 
@@ -253,12 +254,12 @@ def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: st
                 handles[file] = safe_open(file, framework="numpy").__enter__()
             value = mapping.to_ours(handles[file].get_tensor(mapping.hf_name))
             var = flat[mapping.path]
-            if value.shape != var.value.shape:
+            if value.shape != var.shape:
                 raise CheckpointError(
                     f"{file}: tensor {mapping.hf_name!r} has shape {value.shape} after "
-                    f"conversion, expected {var.value.shape} from config.json"
+                    f"conversion, expected {var.shape} from config.json"
                 )
-            var.value = jnp.asarray(value, dtype=dtype)
+            var.set_value(jnp.asarray(value, dtype=dtype))
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
@@ -272,7 +273,7 @@ def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 2**
     cfg = model.config
     (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    tensors = {m.hf_name: np.ascontiguousarray(m.to_hf(np.asarray(jax.device_get(flat[m.path].value))))
+    tensors = {m.hf_name: np.ascontiguousarray(m.to_hf(np.asarray(jax.device_get(flat[m.path][...]))))
                for m in _tensor_map(cfg)}
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

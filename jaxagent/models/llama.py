@@ -110,7 +110,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return xf.astype(x.dtype) * self.scale.value.astype(x.dtype)
+        return xf.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -134,11 +134,11 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, segment_ids, slots, cache_kv=None, cache_segment_ids=None,
                  cache_index=None):
         cfg, dt = self.cfg, x.dtype
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq.value.astype(dt))
-        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk.value.astype(dt))
-        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv.value.astype(dt))
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq[...].astype(dt))
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk[...].astype(dt))
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv[...].astype(dt))
         if cfg.attention_bias:
-            q, k, v = q + self.bq.value.astype(dt), k + self.bk.value.astype(dt), v + self.bv.value.astype(dt)
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(cfg)
@@ -157,7 +157,7 @@ class Attention(nnx.Module):
         attend = get_backend(cfg.attention_backend)
         out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
                      kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots)
-        return jnp.einsum("BTNH,NHD->BTD", out, self.wo.value.astype(dt)), new_kv
+        return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt)), new_kv
 
 
 class MLP(nnx.Module):
@@ -171,9 +171,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = x.dtype
-        gate = jnp.einsum("BTD,DF->BTF", x, self.w_gate.value.astype(dt))
-        up = jnp.einsum("BTD,DF->BTF", x, self.w_up.value.astype(dt))
-        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.w_down.value.astype(dt))
+        gate = jnp.einsum("BTD,DF->BTF", x, self.w_gate[...].astype(dt))
+        up = jnp.einsum("BTD,DF->BTF", x, self.w_up[...].astype(dt))
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -225,7 +225,7 @@ class Decoder(nnx.Module):
             )
         slots = jnp.broadcast_to(slots, (b, t))
 
-        x = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kw = {}
@@ -238,9 +238,9 @@ class Decoder(nnx.Module):
                 new_v.append(kv[1])
         x = self.final_norm(x[:, -1:] if last_only else x)
         if cfg.tie_embeddings:
-            logits = jnp.einsum("BTD,VD->BTV", x, self.embed.value.astype(x.dtype))
+            logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(x.dtype))
         else:
-            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head.value.astype(x.dtype))
+            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
         logits = logits.astype(jnp.float32)
         if cache is None:
             return logits
