@@ -118,6 +118,7 @@ class Attention(nnx.Module):
         d, n, k, h, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         if n % k:
             raise ValueError(f"model.num_heads ({n}) must be a multiple of model.num_kv_heads ({k})")
+        get_backend(cfg.attention_backend)  # fail at construction, not at the first call
         self.cfg = cfg
         self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd)
         self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
@@ -248,7 +249,8 @@ class Decoder(nnx.Module):
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
-    return Decoder(cfg, rngs=nnx.Rngs(params=seed))
+    """A randomly initialised decoder (one compiled program, not one dispatch per parameter)."""
+    return nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(params=seed)))()
 
 
 def logical_axes(model: nnx.Module) -> dict:

@@ -1,0 +1,121 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from jaxagent.config import ModelConfig, RopeScalingConfig
+from jaxagent.models import KVCache, init_model, logical_axes
+from jaxagent.models.attention import attention_mask, xla_attention
+from jaxagent.models.llama import rope_frequencies
+
+CFG = ModelConfig(vocab_size=83, hidden_size=45, intermediate_size=71, num_layers=2, num_heads=6,
+                  num_kv_heads=3, head_dim=14, attention_bias=True, qk_norm=True,
+                  tie_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CFG, seed=0)
+
+
+@nnx.jit
+def forward(model, tokens, positions=None, segment_ids=None, cache=None):
+    return model(tokens, positions, segment_ids, cache)
+
+
+def test_every_parameter_has_logical_axes_of_its_rank(model):
+    axes = logical_axes(model)
+    state = {path: var[...] for path, var in nnx.to_flat_state(nnx.state(model))}
+    assert set(axes) == set(state)
+    for path, names in axes.items():
+        assert len(names) == state[path].ndim, path
+        assert set(names) <= {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"}
+    assert axes[("layers", 1, "attn", "wq")] == ("embed", "heads", "head_dim")
+
+
+def test_llama3_rope_frequencies_match_transformers():
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    hf = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=32, rope_scaling=dict(scaling),
+                     rope_theta=50000.0)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    ours = rope_frequencies(dataclasses.replace(
+        CFG, head_dim=32, rope_theta=50000.0, rope_scaling=RopeScalingConfig(**scaling)))
+    np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
+    # And the scaling really changes something at these settings.
+    plain = rope_frequencies(dataclasses.replace(CFG, head_dim=32, rope_theta=50000.0))
+    assert np.abs(plain - ours).max() > 1e-3
+
+
+def test_xla_attention_matches_float64_reference():
+    rng = np.random.default_rng(0)
+    b, t, s, n, k, h = 2, 5, 7, 6, 2, 3
+    q, kk, v = (rng.standard_normal(shape) for shape in [(b, t, n, h), (b, s, k, h), (b, s, k, h)])
+    q_seg = rng.integers(1, 3, (b, t)); kv_seg = rng.integers(0, 3, (b, s))
+    q_slots = np.sort(rng.integers(0, s, (b, t))); kv_slots = np.tile(np.arange(s), (b, 1))
+    out = xla_attention(*(jnp.asarray(x, jnp.float32) for x in (q, kk, v)),
+                        q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slots,
+                        kv_slots=kv_slots)
+    ref = np.zeros((b, t, n, h))
+    for bi in range(b):
+        for ti in range(t):
+            for ni in range(n):
+                ki = ni // (n // k)
+                ok = (kv_seg[bi] == q_seg[bi, ti]) & (kv_seg[bi] != 0) & (kv_slots[bi] <= q_slots[bi, ti])
+                if not ok.any():
+                    continue
+                scores = kk[bi, :, ki] @ q[bi, ti, ni] / np.sqrt(h)
+                scores = np.where(ok, scores, -np.inf)
+                p = np.exp(scores - scores.max()); p /= p.sum()
+                ref[bi, ti, ni] = p @ v[bi, :, ki]
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
+    assert attention_mask(q_seg, kv_seg, q_slots, kv_slots).shape == (b, t, s)
+
+
+def test_packed_sequences_equal_separate_runs(model):
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 83, 9), rng.integers(0, 83, 6)
+    packed = jnp.asarray(np.concatenate([a, b, [0, 0]])[None])
+    segment_ids = jnp.asarray([[1] * 9 + [2] * 6 + [0, 0]])
+    positions = jnp.asarray([list(range(9)) + list(range(6)) + [0, 0]])
+    out = forward(model, packed, positions, segment_ids)
+    np.testing.assert_allclose(out[0, :9], forward(model, jnp.asarray(a[None]))[0], atol=1e-5)
+    np.testing.assert_allclose(out[0, 9:15], forward(model, jnp.asarray(b[None]))[0], atol=1e-5)
+
+
+def test_incremental_decoding_with_cache_equals_full_forward(model):
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 83, (3, 13)))
+    full = forward(model, tokens)
+    cache = KVCache.empty(CFG, 3, 16)
+    logits, cache = forward(model, tokens[:, :8], cache=cache)  # prefill 8
+    chunks = [logits]
+    for t in range(8, 13):  # then one token at a time
+        positions = jnp.full((3, 1), t)
+        logits, cache = forward(model, tokens[:, t:t + 1], positions, cache=cache)
+        chunks.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(chunks, 1), full, atol=1e-5)
+    assert int(cache.index) == 13
+    assert np.asarray(cache.segment_ids)[:, 13:].sum() == 0
+
+
+def test_unknown_attention_backend_is_named():
+    with pytest.raises(ValueError, match="model.attention_backend: unknown backend 'nope'"):
+        init_model(dataclasses.replace(CFG, attention_backend="nope"))
+
+
+def test_heads_must_divide():
+    with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of model.num_kv_heads \(4\)"):
+        init_model(dataclasses.replace(CFG, num_kv_heads=4))
+
+
+def test_bfloat16_params_and_compute():
+    cfg = dataclasses.replace(CFG, param_dtype="bfloat16", dtype="bfloat16")
+    m = init_model(cfg)
+    assert m.layers[0].attn.wq.dtype == jnp.bfloat16
+    out = forward(m, jnp.zeros((1, 4), jnp.int32))
+    assert out.dtype == jnp.float32 and bool(jnp.isfinite(out).all())

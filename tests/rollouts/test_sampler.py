@@ -1,0 +1,169 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxagent.config import ModelConfig
+from jaxagent.models import init_model
+from rollouts import sampler as sampler_lib
+from rollouts.sampler import Sampler
+
+CFG = ModelConfig(vocab_size=67, hidden_size=36, intermediate_size=53, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=10, tie_embeddings=False)
+OPTS = dict(prompt_bucket=8, cache_bucket=16, batch_bucket=4, segment_steps=6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # Larger weights than the default init give peaked, token-varied distributions.
+    m = init_model(CFG, seed=0)
+    state = nnx.state(m, nnx.Param)
+    nnx.update(m, jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, state))
+    return m
+
+
+@nnx.jit
+def forward(model, tokens):
+    return model(tokens)
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+def teacher_forced_logprobs(model, prompt, tokens, temperature=1.0):
+    seq = jnp.asarray([prompt + tokens])
+    logp = jax.nn.log_softmax(forward(model, seq)[0] / temperature, axis=-1)
+    return np.asarray([logp[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_log_softmax(model, temperature):
+    prompts = prompts_of([5, 11, 3])
+    out = Sampler(model, **OPTS).generate(prompts, num_samples=2, max_new_tokens=23,
+                                          temperature=temperature, seed=3)
+    assert len(out.tokens) == 6
+    for r, tokens in enumerate(out.tokens):
+        assert len(tokens) == len(out.logprobs[r]) == 23
+        ref = teacher_forced_logprobs(model, prompts[r // 2], tokens, temperature)
+        np.testing.assert_allclose(out.logprobs[r], ref, atol=1e-4)
+    # Different samples of one prompt differ (each row has its own randomness).
+    assert out.tokens[0] != out.tokens[1]
+
+
+def test_top_k_logprobs_are_of_the_truncated_distribution(model):
+    prompts = prompts_of([6])
+    out = Sampler(model, **OPTS).generate(prompts, max_new_tokens=9, temperature=1.0, top_k=3)
+    seq = jnp.asarray([prompts[0] + out.tokens[0]])
+    logits = np.asarray(forward(model, seq)[0], np.float64)
+    for i, token in enumerate(out.tokens[0]):
+        row = logits[len(prompts[0]) - 1 + i]
+        top = np.argsort(row)[-3:]
+        assert token in top
+        ref = row[token] - np.log(np.exp(row[top]).sum())
+        assert abs(out.logprobs[0][i] - ref) < 1e-4
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    keys = jax.random.split(jax.random.key(0), 2000)
+    mode = sampler_lib._SamplingMode(greedy=False, top_k=None, top_p=True)
+    tokens, logp = sampler_lib.sample_tokens(logits, keys, 1.0, 0.75, mode)
+    counts = np.bincount(np.asarray(tokens), minlength=4) / 2000
+    assert counts[2] == counts[3] == 0  # 0.5 + 0.3 >= 0.75: two tokens kept
+    assert abs(counts[0] - 0.625) < 0.04
+    np.testing.assert_allclose(np.exp(np.asarray(logp))[tokens == 0], 0.625, rtol=1e-5)
+
+
+def test_prefix_sharing_gives_the_same_tokens_as_separate_prefills(model):
+    prompts = prompts_of([7, 4])
+    shared = Sampler(model, **OPTS).generate(prompts, num_samples=3, max_new_tokens=17, seed=5)
+    separate = Sampler(model, prefix_sharing=False, **OPTS).generate(
+        prompts, num_samples=3, max_new_tokens=17, seed=5)
+    assert shared.tokens == separate.tokens
+    for a, b in zip(shared.logprobs, separate.logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # The shared run prefilled each prompt once, the separate run every row.
+    assert shared.stats["prefill_tokens"] == 11
+    assert separate.stats["prefill_tokens"] == 33
+
+
+def test_greedy_is_deterministic_and_independent_of_batching(model):
+    prompts = prompts_of([3, 9, 6, 12, 5])
+    sampler = Sampler(model, **OPTS)
+    batched = sampler.generate(prompts, max_new_tokens=15, temperature=0.0, seed=1)
+    again = sampler.generate(prompts, max_new_tokens=15, temperature=0.0, seed=2)
+    assert batched.tokens == again.tokens
+    for i, prompt in enumerate(prompts):
+        alone = sampler.generate([prompt], max_new_tokens=15, temperature=0.0)
+        assert alone.tokens[0] == batched.tokens[i]
+        seq = jnp.asarray([prompt + batched.tokens[i]])
+        argmax = np.asarray(jnp.argmax(forward(model, seq)[0], -1))[len(prompt) - 1:-1]
+        assert argmax.tolist() == batched.tokens[i]
+
+
+def test_stop_tokens_end_rows_early(model):
+    prompts = prompts_of([5, 8, 4, 6], seed=9)
+    sampler = Sampler(model, **OPTS)
+    free = sampler.generate(prompts, max_new_tokens=30, temperature=0.0)
+    stop = free.tokens[0][4]
+    out = sampler.generate(prompts, max_new_tokens=30, temperature=0.0, stop_token_ids=(stop,))
+    for full, cut, reason in zip(free.tokens, out.tokens, out.finish_reasons):
+        if stop in full:
+            assert cut == full[:full.index(stop) + 1] and reason == "stop"
+        else:
+            assert cut == full and reason == "length"
+    assert out.tokens[0][-1] == stop and len(out.tokens[0]) <= 5
+
+
+def test_compaction_keeps_results_and_saves_work(model):
+    # Rows stop at different times: compaction must not change any row's tokens.
+    prompts = prompts_of([4, 7, 5, 9, 3, 6, 8, 2], seed=11)
+    kwargs = dict(max_new_tokens=40, temperature=0.9, seed=4)
+    free = Sampler(model, **OPTS).generate(prompts, **kwargs)
+    # A stop token that some rows sample early, some late and some never.
+    counts = {t: sum(t in row[:25] for row in free.tokens) for t in range(CFG.vocab_size)}
+    stop = min(counts, key=lambda t: abs(counts[t] - 4))
+    kwargs["stop_token_ids"] = (stop,)
+    compact = Sampler(model, **OPTS).generate(prompts, **kwargs)
+    plain = Sampler(model, compact=False, **OPTS).generate(prompts, **kwargs)
+    assert compact.tokens == plain.tokens
+    assert compact.finish_reasons == plain.finish_reasons
+    assert "stop" in compact.finish_reasons and "length" in compact.finish_reasons
+    assert compact.stats["decode_row_steps"] < plain.stats["decode_row_steps"]
+
+
+def test_no_recompilation_for_same_buckets(model):
+    sampler = Sampler(model, **OPTS)
+    sampler.generate(prompts_of([5, 6]), max_new_tokens=20, seed=0)
+    sizes = (sampler_lib._decode_segment._cache_size(), sampler_lib._prefill._cache_size())
+    sampler.generate(prompts_of([7, 3], seed=1), max_new_tokens=18, seed=1)
+    assert (sampler_lib._decode_segment._cache_size(), sampler_lib._prefill._cache_size()) == sizes
+
+
+def test_update_weights_changes_outputs_without_recompiling(model):
+    sampler = Sampler(model, **OPTS)
+    prompts = prompts_of([5])
+    before = sampler.generate(prompts, max_new_tokens=12, temperature=0.0)
+    size = sampler_lib._decode_segment._cache_size()
+    other = init_model(CFG, seed=1)
+    sampler.update_weights(other)
+    after = sampler.generate(prompts, max_new_tokens=12, temperature=0.0)
+    assert after.tokens != before.tokens
+    assert sampler_lib._decode_segment._cache_size() == size
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[]), "prompts: empty list"),
+    (dict(prompts=[[1], []]), r"prompts\[1\]: empty prompt"),
+    (dict(prompts=[[1, 99]]), r"prompts\[0\]: token id 99 outside vocab"),
+    (dict(prompts=[[1]], num_samples=0), "num_samples"),
+    (dict(prompts=[[1]], top_p=1.5), "top_p"),
+    (dict(prompts=[[1]], temperature=-1.0), "temperature"),
+])
+def test_bad_arguments_are_named(model, kwargs, message):
+    kwargs.setdefault("max_new_tokens", 4)
+    with pytest.raises(ValueError, match=message):
+        Sampler(model, **OPTS).generate(**kwargs)
