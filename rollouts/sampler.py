@@ -209,7 +209,9 @@ class Sampler:
     def _pad_prompts(self, prompts: list[list[int]]):
         """Left-pad to a bucketed length and a bucketed batch; padding rows have row id -1."""
         length = _round_up(max(map(len, prompts)), self.prompt_bucket)
-        batch = _round_up(len(prompts), self.batch_bucket)
+        # Powers of two below one batch bucket, so one shared prompt prefills one row.
+        n = len(prompts)
+        batch = 1 << (n - 1).bit_length() if n < self.batch_bucket else _round_up(n, self.batch_bucket)
         tokens = np.zeros((batch, length), np.int32)
         segment_ids = np.zeros((batch, length), np.int32)
         positions = np.zeros((batch, length), np.int32)
@@ -257,6 +259,7 @@ class Sampler:
         source = np.minimum(np.arange(batch) // repeat, len(to_prefill) - 1)
         cache, logits = _take_rows_jit((cache, logits), source)
         rows = np.where(np.arange(batch) < num_rows, np.arange(batch), -1).astype(np.int32)
+        jax.block_until_ready(logits)  # so prefill_seconds times the prefill, not its dispatch
         prefill_s = time.perf_counter() - t0
 
         max_new = _round_up(max_new_tokens, 64)
