@@ -147,7 +147,7 @@ def _decode_segment(graphdef, params, state, limit, max_new, key, temperature, t
 
 @functools.partial(jax.jit, static_argnames=("extra",))
 def _grow_cache(cache: KVCache, extra: int) -> KVCache:
-    pad = [(0, 0), (0, extra), (0, 0), (0, 0)]
+    pad = [(0, 0), (0, 0), (0, extra), (0, 0)]
     return KVCache(
         k=[jnp.pad(x, pad) for x in cache.k],
         v=[jnp.pad(x, pad) for x in cache.v],

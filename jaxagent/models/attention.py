@@ -3,6 +3,9 @@
 Letters: B batch, T query time, S key time, N query heads, K kv heads, G = N // K query heads
 per kv head, H head dim.
 
+Keys and values are laid out [B, K, S, H], the KV cache's layout: a decode step then reads
+each (batch, kv head) slice contiguously instead of transposing the whole cache.
+
 Masking is described, not materialised, so that kernels can skip whole blocks: a query may
 see a key iff both carry the same non-zero segment id and the key's slot is not after the
 query's slot (causal). Segment id 0 marks padding and empty cache slots. Slots are token
@@ -21,8 +24,8 @@ class AttentionFn(Protocol):
     def __call__(
         self,
         q: jax.Array,  # [B, T, N, H]
-        k: jax.Array,  # [B, S, K, H]
-        v: jax.Array,  # [B, S, K, H]
+        k: jax.Array,  # [B, K, S, H]
+        v: jax.Array,  # [B, K, S, H]
         *,
         q_segment_ids: jax.Array,  # [B, T] int32
         kv_segment_ids: jax.Array,  # [B, S] int32
@@ -43,16 +46,16 @@ def attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots) -> jax.Arra
 def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
     """Reference backend: plain einsums, softmax in float32; GQA without repeating K/V."""
     b, t, n, h = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
     mask = attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots)[:, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     # A fully masked row (a padding query) would average all values; zero it instead.
     probs = jnp.where(mask.any(-1, keepdims=True), probs, 0.0)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
+    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(v.dtype), v)
     return out.reshape(b, t, n, h)
 
 

@@ -41,14 +41,14 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: list[jax.Array]  # per layer [B, S, K, H]
-    v: list[jax.Array]  # per layer [B, S, K, H]
+    k: list[jax.Array]  # per layer [B, K, S, H]
+    v: list[jax.Array]  # per layer [B, K, S, H]
     segment_ids: jax.Array  # [B, S] int32; 0 = empty slot or padding
     index: jax.Array  # [] int32: the next slot to write
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, size: int) -> "KVCache":
-        shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, size, cfg.head_dim)
         zeros = [jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers)]
         return cls(
             k=zeros,
@@ -144,17 +144,18 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], cache layout
 
         if cache_kv is None:
             kv_segment_ids, kv_slots, new_kv = segment_ids, slots, None
         else:
             k_cache, v_cache = cache_kv
-            start = (0, cache_index, 0, 0)
+            start = (0, 0, cache_index, 0)
             k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
             v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
             new_kv = (k, v)
             kv_segment_ids = cache_segment_ids
-            kv_slots = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), kv_segment_ids.shape)
+            kv_slots = jnp.broadcast_to(jnp.arange(k.shape[2], dtype=jnp.int32), kv_segment_ids.shape)
         attend = get_backend(cfg.attention_backend)
         out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
                      kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots)

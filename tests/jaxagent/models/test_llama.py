@@ -55,7 +55,7 @@ def test_llama3_rope_frequencies_match_transformers():
 def test_xla_attention_matches_float64_reference():
     rng = np.random.default_rng(0)
     b, t, s, n, k, h = 2, 5, 7, 6, 2, 3
-    q, kk, v = (rng.standard_normal(shape) for shape in [(b, t, n, h), (b, s, k, h), (b, s, k, h)])
+    q, kk, v = (rng.standard_normal(shape) for shape in [(b, t, n, h), (b, k, s, h), (b, k, s, h)])
     q_seg = rng.integers(1, 3, (b, t)); kv_seg = rng.integers(0, 3, (b, s))
     q_slots = np.sort(rng.integers(0, s, (b, t))); kv_slots = np.tile(np.arange(s), (b, 1))
     out = xla_attention(*(jnp.asarray(x, jnp.float32) for x in (q, kk, v)),
@@ -69,10 +69,10 @@ def test_xla_attention_matches_float64_reference():
                 ok = (kv_seg[bi] == q_seg[bi, ti]) & (kv_seg[bi] != 0) & (kv_slots[bi] <= q_slots[bi, ti])
                 if not ok.any():
                     continue
-                scores = kk[bi, :, ki] @ q[bi, ti, ni] / np.sqrt(h)
+                scores = kk[bi, ki] @ q[bi, ti, ni] / np.sqrt(h)
                 scores = np.where(ok, scores, -np.inf)
                 p = np.exp(scores - scores.max()); p /= p.sum()
-                ref[bi, ti, ni] = p @ v[bi, :, ki]
+                ref[bi, ti, ni] = p @ v[bi, ki]
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
     assert attention_mask(q_seg, kv_seg, q_slots, kv_slots).shape == (b, t, s)
 
