@@ -17,40 +17,27 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_config(args):
-    from jaxagent.config import load_config
-
-    return load_config(args.config, args.overrides)
-
-
-def load_model_and_tokenizer(cfg, checkpoint: str | None = None):
-    """The HF checkpoint (with its tokenizer) if one is given, else `cfg.model` at random init
-    with the byte tokenizer."""
     from pathlib import Path
 
-    from jaxagent.models import from_pretrained, init_model
-    from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
+    from jaxagent.config import load_config
 
-    checkpoint = checkpoint or cfg.checkpoint
-    if checkpoint is None:
-        return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
-    model = from_pretrained(checkpoint, dtype=cfg.model.param_dtype, compute_dtype=cfg.model.dtype)
-    if (Path(checkpoint) / "tokenizer.json").exists():
-        return model, HFTokenizer(checkpoint)
-    if model.config.vocab_size < ByteTokenizer.vocab_size:
-        raise SystemExit(f"{checkpoint}: no tokenizer.json, and the vocabulary is too small "
-                         "for the byte tokenizer")
-    return model, ByteTokenizer()
+    path = args.config
+    default = getattr(args, "default_config", None)
+    if path is None and default and Path(default).is_file():
+        path = default
+    return load_config(path, args.overrides)
 
 
 def _cmd_generate(args) -> int:
     from rich.console import Console
 
+    from jaxagent.trainer import load_model_and_tokenizer
     from rollouts.sampler import Sampler
 
     console = Console(stderr=True)
     cfg = _load_config(args)
     model, tokenizer = load_model_and_tokenizer(cfg, args.model)
-    if args.model is None and cfg.checkpoint is None:
+    if args.model is None and cfg.init_from is None:
         console.print("[yellow]No --model or checkpoint: sampling the tiny default model at "
                       "random init.[/yellow]")
     text = args.prompt
@@ -74,6 +61,39 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from jaxagent.trainer import train
+
+    train(_load_config(args))
+    return 0
+
+
+def _cmd_sft(args) -> int:
+    from rich.console import Console
+
+    from jaxagent.trainer import run_sft
+
+    out = run_sft(_load_config(args))
+    Console(stderr=True).print(f"SFT model written to {out}")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    import json
+
+    from jaxagent.trainer import run_eval
+
+    cfg = _load_config(args)
+    scores, rows = run_eval(cfg, checkpoint=args.checkpoint, tasks=args.tasks,
+                            ks=[int(k) for k in args.k.split(",")], samples=args.samples)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    for key, value in scores.items():
+        print(f"{key}: {value:.4f}")
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxagent",
@@ -93,6 +113,29 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1)
     _add_config_args(p)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("train", help="RL training (SFT warm-up, then GRPO/RLOO); resumes",
+                       description="Train with the config (default: configs/default.yaml when "
+                                   "present, else the built-in defaults). Re-running the same "
+                                   "command resumes from the newest checkpoint.")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_train, default_config="configs/default.yaml")
+
+    p = sub.add_parser("sft", help="supervised fine-tuning on reference solutions",
+                       description="Run `sft.steps` of SFT on the tasks' references and save "
+                                   "an HF checkpoint to WORKDIR/sft.")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_sft, default_config="configs/default.yaml")
+
+    p = sub.add_parser("eval", help="pass@k of a checkpoint on a task set")
+    p.add_argument("--checkpoint", help="HF checkpoint dir or a run's workdir (its newest "
+                                        "checkpoint); default: the config's model")
+    p.add_argument("--tasks", default=None, help="humaneval | synthetic[:N[:SEED]] | FILE.jsonl")
+    p.add_argument("--k", default="1", help="comma-separated k values")
+    p.add_argument("--samples", type=int, default=None, help="completions per task")
+    p.add_argument("--out", help="write per-sample results as JSONL here")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_eval)
     return parser
 
 

@@ -75,12 +75,99 @@ class SamplerConfig:
 
 
 @dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 1e-4
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"  # after warmup
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    # grpo: (r - mean) / std; dr_grpo: r - mean with a constant length normaliser;
+    # rloo: leave-one-out baseline; dapo: grpo + clip-higher + dynamic sampling + overlong.
+    algorithm: Literal["grpo", "rloo", "dr_grpo", "dapo"] = "grpo"
+    group_size: int = 8  # G completions per prompt
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # dapo default below raises it (clip-higher)
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_coef: float = 0.0  # > 0 keeps a frozen reference copy
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    importance_cap: float = 2.0  # truncation of sampler -> trainer importance weights
+    drop_zero_variance_groups: bool = False  # DAPO dynamic sampling (on for dapo)
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
+    overlong_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class TasksConfig:
+    source: Literal["synthetic", "humaneval", "jsonl"] = "synthetic"
+    path: str | None = None  # jsonl file
+    num_train: int = 4000  # synthetic only
+    num_eval: int = 200  # held-out tasks (synthetic: a disjoint seed)
+    families: tuple[str, ...] = ()  # synthetic families; empty = all
+
+
+@dataclass(frozen=True)
+class RewardsConfig:
+    kind: Literal["all_pass", "fraction"] = "all_pass"
+    hack_penalty: float = 0.0
+    lint_penalty: float = 0.0
+    backend: Literal["bwrap", "docker", "process"] = "bwrap"
+    workers: int = 2
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    prompts_per_step: int = 16  # groups per step; the batch is prompts_per_step * group_size
+    micro_batch: int = 0  # sequences per gradient-accumulation micro-batch; 0 = whole batch
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    log_rollouts: int = 4  # rollouts per step written to rollouts.jsonl
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 0  # supervised warm-up steps before RL (on the tasks' reference solutions)
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10  # steps; 0 = only at the end
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0  # steps; 0 = before RL and at the end only
+    samples: int = 4  # completions per task
+    k: tuple[int, ...] = (1,)
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
 class Config:
     """The root of every experiment config."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    checkpoint: str | None = None  # HF checkpoint directory; None = random init of `model`
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    init_from: str | None = None  # HF checkpoint directory; None = random init of `model`
     workdir: str = "runs/default"
     seed: int = 0
 

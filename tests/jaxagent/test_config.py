@@ -108,7 +108,8 @@ def test_bad_yaml_names_file(tmp_path):
 
 def test_save_and_reload_round_trip(tmp_path):
     cfg = apply_overrides(Config(), ["model.num_layers=3", "model.rope_scaling.rope_type=llama3",
-                                     "sampler.top_k=40", "checkpoint=/ckpt"])
+                                     "sampler.top_k=40", "init_from=/ckpt", "eval.k=[1, 5]",
+                                     "tasks.families=[add, mul]"])
     path = save_config(cfg, tmp_path / "run" / "config.yaml")
     assert load_config(path) == cfg
     assert "num_layers: 3" in to_yaml(cfg)

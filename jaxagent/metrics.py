@@ -1,0 +1,95 @@
+"""Run metrics: `workdir/metrics.jsonl` (one object per line: `step` + namespaced keys),
+TensorBoard event files, and a PNG of the reward and eval curves.
+
+Only the writer's owner (process 0 in a multi-host run) should write; others pass
+`enabled=False` and every call becomes a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut short by a kill: everything before it is intact
+    return rows
+
+
+class MetricsWriter:
+    """Appends metrics rows; on resume from `resume_step`, rows of later steps (trained after
+    the last checkpoint, before a crash) are dropped so each step appears once."""
+
+    def __init__(self, workdir: str | Path, *, resume_step: int | None = None,
+                 enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.path = Path(workdir) / "metrics.jsonl"
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = read_metrics(self.path)
+        if resume_step is not None:
+            rows = [r for r in rows if r.get("step", 0) <= resume_step]
+        else:
+            rows = []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"), purge_step=(
+                resume_step + 1 if resume_step is not None else None))
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step)}
+        for key, value in metrics.items():
+            value = float(value)
+            row[key] = value if math.isfinite(value) else None
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and value is not None:
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def plot_curves(metrics_path: str | Path, out: str | Path,
+                keys=("rollout/reward_mean", "rollout/pass_rate", "eval/pass@1")) -> Path | None:
+    """A PNG with one panel per key that has data; None if no key has any."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; keep the choice local to this call's backend
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.2), squeeze=False)
+    for ax, (key, points) in zip(axes[0], series.items()):
+        steps, values = zip(*points)
+        ax.plot(steps, values, marker="o" if len(points) < 30 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)

@@ -1,0 +1,340 @@
+"""The training loop, top to bottom: optional SFT warm-up, then RL.
+
+    producer (sample G completions per task -> sandbox rewards)
+      -> consumer (advantages -> clipped policy-gradient update -> publish weights)
+      -> metrics, evaluation, checkpoints
+
+The producer and the consumer exchange versioned `RolloutBatch`es; this synchronous schedule
+trains each batch right after sampling it (policy lag 0).
+
+Resuming: running the same command again restores the newest checkpoint in
+`workdir/checkpoints/` (params, optimizer, data-iterator state, step) and trains each remaining
+step exactly once. Sampling seeds derive from (seed, step), so a resumed run reproduces an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxagent import rl
+from jaxagent.checkpoint import Checkpointer
+from jaxagent.config import Config, RLConfig, save_config
+from jaxagent.eval import mean_pass_at_k
+from jaxagent.metrics import MetricsWriter, plot_curves
+from jaxagent.optim import make_optimizer
+from jaxagent.steps import LossOptions, TrainBatch, pack, rl_step, sft_step
+from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
+from rollouts.rewards import RewardConfig, Scorer
+from rollouts.sampler import Sampler
+from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
+from rollouts.tasks.humaneval import humaneval_tasks
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up helpers.
+
+
+def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
+    """The HF checkpoint (with its tokenizer) if one is given, else `cfg.model` at random init
+    with the byte tokenizer."""
+    from jaxagent.models import from_pretrained, init_model
+    from jaxagent.models.hf import CheckpointError
+    from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
+
+    checkpoint = checkpoint or cfg.init_from
+    if checkpoint is None:
+        return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
+    model = from_pretrained(checkpoint, dtype=cfg.model.param_dtype, compute_dtype=cfg.model.dtype)
+    if (Path(checkpoint) / "tokenizer.json").exists():
+        return model, HFTokenizer(checkpoint)
+    if model.config.vocab_size < ByteTokenizer.vocab_size:
+        raise CheckpointError(f"{checkpoint}: no tokenizer.json, and the vocabulary is too "
+                              "small for the byte tokenizer")
+    return model, ByteTokenizer()
+
+
+def load_task_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
+    """(train, held-out eval) tasks. Synthetic eval tasks come from a disjoint seed and never
+    share a prompt with a training task."""
+    t = cfg.tasks
+    if t.source == "synthetic":
+        families = list(t.families) or None
+        train = synthetic_tasks(t.num_train, seed=cfg.seed, families=families)
+        seen = {task.prompt for task in train}
+        held = [x for x in synthetic_tasks(t.num_eval * 2, seed=cfg.seed + 10_000,
+                                           families=families) if x.prompt not in seen]
+        return train, held[:t.num_eval]
+    tasks = humaneval_tasks() if t.source == "humaneval" else load_jsonl_tasks(t.path)
+    order = np.random.default_rng(cfg.seed).permutation(len(tasks))
+    held = [tasks[i] for i in order[:t.num_eval]]
+    return [tasks[i] for i in order[t.num_eval:]], held
+
+
+def make_scorer(cfg: Config) -> Scorer:
+    r = cfg.rewards
+    return Scorer(RewardConfig(kind=r.kind, hack_penalty=r.hack_penalty,
+                               lint_penalty=r.lint_penalty),
+                  backend=r.backend, workers=r.workers)
+
+
+def loss_options(cfg: Config) -> LossOptions:
+    r = cfg.rl
+    aggregation = "seq-mean-token-sum-norm" if r.algorithm == "dr_grpo" else r.aggregation
+    return LossOptions(
+        clip_low=r.clip_low,
+        clip_high=max(r.clip_high, 0.28) if r.algorithm == "dapo" else r.clip_high,
+        aggregation=aggregation,
+        norm_length=cfg.train.max_new_tokens if aggregation == "seq-mean-token-sum-norm" else None,
+        kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy_coef=r.entropy_coef,
+        importance_cap=r.importance_cap if r.importance_cap > 0 else None,
+    )
+
+
+def compute_advantages(r: RLConfig, batch: RolloutBatch, max_new_tokens: int):
+    """Per-rollout advantages [B] and a keep mask [B] (DAPO drops zero-variance groups)."""
+    rewards = batch.rewards()
+    if r.algorithm == "dapo" and r.overlong_buffer:
+        lengths = np.asarray([len(x.completion) for x in batch.rollouts]).reshape(rewards.shape)
+        rewards = rewards + np.asarray(rl.overlong_penalty(
+            lengths, max_len=max_new_tokens, buffer_len=r.overlong_buffer,
+            penalty=r.overlong_penalty))
+    if r.algorithm == "rloo":
+        adv = rl.rloo_advantages(rewards)
+    else:
+        adv = rl.grpo_advantages(rewards, normalize_std=r.algorithm != "dr_grpo")
+    keep = np.ones(rewards.shape[0], bool)
+    if r.drop_zero_variance_groups or r.algorithm == "dapo":
+        keep = np.asarray(rl.group_has_signal(rewards))
+    keep_rows = np.repeat(keep, rewards.shape[1])
+    return np.asarray(adv).reshape(-1), keep_rows
+
+
+def evaluate(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *, samples: int,
+             ks, temperature: float, max_new_tokens: int, seed: int):
+    """({"eval/pass@k": ...}, rollouts): the unbiased pass@k estimator over `tasks` with
+    `samples` completions each."""
+    rollouts, _ = sample_and_score(sampler, tokenizer, scorer, tasks, num_samples=samples,
+                                   max_new_tokens=max_new_tokens, temperature=temperature,
+                                   seed=seed)
+    scores = mean_pass_at_k([(r.task_id, r.status == "passed") for r in rollouts],
+                            [k for k in ks if k <= samples])
+    return {f"eval/pass@{k}": v for k, v in scores.items()}, rollouts
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised warm-up.
+
+
+def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], progress=None):
+    """`cfg.sft.steps` of token-mean cross-entropy on the tasks' reference completions."""
+    s = cfg.sft
+    data = [(tokenizer.encode(t.prompt, add_bos=getattr(tokenizer, "add_bos", False)),
+             tokenizer.encode(t.metadata["reference"]) + list(tokenizer.stop_ids[:1]))
+            for t in tasks if "reference" in t.metadata]
+    if not data:
+        raise ValueError("sft.steps > 0 but no task has metadata['reference'] to imitate")
+    tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
+                        s.steps)
+    opt_state = tx.init(params)
+    rng = np.random.default_rng(cfg.seed)
+    task_bar = progress.add_task("sft", total=s.steps) if progress else None
+    metrics = {}
+    for _ in range(s.steps):
+        rows = [data[i] for i in rng.integers(0, len(data), s.batch_size)]
+        batch = pack([p for p, _ in rows], [c for _, c in rows])
+        params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
+                                              cfg.train.micro_batch)
+        if progress:
+            progress.update(task_bar, advance=1, info=f"loss {float(metrics['sft/loss']):.3f}")
+    return params, {k: float(v) for k, v in metrics.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def train(cfg: Config, console: Console | None = None) -> dict:
+    console = console or Console(stderr=True)
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, workdir / "config.yaml")
+
+    model, tokenizer = load_model_and_tokenizer(cfg)
+    graphdef, params = nnx.split(model)
+    # A frozen reference copy only when KL is on (a copy: the train step donates params).
+    frozen_copy = lambda p: jax.tree.map(jnp.copy, p) if cfg.rl.kl_coef else None  # noqa: E731
+    ref_params = frozen_copy(params)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    opt_state = tx.init(params)
+    train_tasks, eval_tasks = load_task_splits(cfg)
+    task_iter = iter(task_dataset(train_tasks, seed=cfg.seed,
+                                  shard_index=jax.process_index(),
+                                  shard_count=jax.process_count()))
+    ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep)
+    start = ckpt.latest_step()
+    metrics_writer = MetricsWriter(workdir, resume_step=start,
+                                   enabled=jax.process_index() == 0)
+    options = loss_options(cfg)
+    scorer = make_scorer(cfg)
+    t = cfg.train
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                        console=console, disable=jax.process_index() != 0)
+    summary: dict = {}
+    try:
+        with progress:
+            if start is not None:
+                state, extra = ckpt.restore(start, {"params": params, "opt_state": opt_state})
+                params, opt_state = state["params"], state["opt_state"]
+                task_iter.set_state(extra["data"])
+                console.print(f"Resuming from checkpoint step {start} in {ckpt.directory}")
+            else:
+                start = 0
+                if cfg.sft.steps:
+                    params, sft_metrics = sft(cfg, graphdef, params, tokenizer, train_tasks,
+                                              progress)
+                    ref_params = frozen_copy(params)
+                    metrics_writer.write(0, sft_metrics)
+                ckpt.save(0, {"params": params, "opt_state": opt_state},
+                          {"step": 0, "data": task_iter.get_state()})
+            sampler = Sampler(nnx.merge(graphdef, params), tokenizer,
+                              prompt_bucket=cfg.sampler.prompt_bucket,
+                              cache_bucket=cfg.sampler.cache_bucket,
+                              batch_bucket=cfg.sampler.batch_bucket)
+
+            def run_eval(step):
+                m, _ = evaluate(sampler, tokenizer, scorer, eval_tasks,
+                                samples=cfg.eval.samples, ks=cfg.eval.k,
+                                temperature=cfg.eval.temperature,
+                                max_new_tokens=t.max_new_tokens, seed=cfg.seed + 7)
+                metrics_writer.write(step, m)
+                summary.setdefault("eval", {})[step] = m
+                console.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
+
+            if start == 0 and eval_tasks:
+                run_eval(0)
+            producer = RolloutProducer(
+                sampler, tokenizer, scorer, task_iter, prompts_per_step=t.prompts_per_step,
+                group_size=cfg.rl.group_size, max_new_tokens=t.max_new_tokens,
+                temperature=t.temperature, seed=cfg.seed)
+            bar = progress.add_task("rl", total=t.steps, completed=start, info="")
+            rollout_log = (workdir / "rollouts.jsonl").open("a")
+            for step in range(start, t.steps):
+                t0 = time.perf_counter()
+                batch = producer.produce(version=step)
+                advantages, keep = compute_advantages(cfg.rl, batch, t.max_new_tokens)
+                train_batch = to_train_batch(batch, advantages, keep)
+                t1 = time.perf_counter()
+                params, opt_state, step_metrics = rl_step(
+                    graphdef, tx, params, opt_state, train_batch, ref_params,
+                    options=options, micro_batch=t.micro_batch)
+                sampler.update_weights(params)
+                step_metrics = {k: float(v) for k, v in step_metrics.items()}
+                t2 = time.perf_counter()
+                row = {**batch.stats, **step_metrics, "rollout/kept_fraction": float(keep.mean()),
+                       "time/train_s": t2 - t1, "time/step_s": t2 - t0}
+                metrics_writer.write(step + 1, row)
+                for r in batch.rollouts[:t.log_rollouts]:
+                    rollout_log.write(json.dumps({"step": step + 1, **r.to_json()}) + "\n")
+                rollout_log.flush()
+                progress.update(bar, advance=1, info=(
+                    f"reward {row['rollout/reward_mean']:.3f}  "
+                    f"pass {row['rollout/pass_rate']:.2f}  loss {row['train/loss']:+.4f}"))
+                done = step + 1
+                if cfg.eval.every and done % cfg.eval.every == 0 and done < t.steps:
+                    run_eval(done)
+                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == t.steps:
+                    ckpt.save(done, {"params": params, "opt_state": opt_state},
+                              {"step": done, "data": task_iter.get_state()})
+                summary["last"] = row
+            rollout_log.close()
+            if eval_tasks and start < t.steps:
+                run_eval(t.steps)
+    finally:
+        ckpt.close()
+        scorer.close()
+        metrics_writer.close()
+    if jax.process_index() == 0:
+        plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
+    return summary
+
+
+def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray) -> TrainBatch:
+    """Pack a rollout batch; dropped groups stay in the batch (fixed shapes) with no loss."""
+    rows = batch.rollouts
+    masks = [[float(k)] * len(r.completion) for r, k in zip(rows, keep)]
+    return pack([r.prompt for r in rows], [r.completion for r in rows],
+                 [r.logprobs for r in rows], advantages, completion_masks=masks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points for `jaxagent sft` and `jaxagent eval`.
+
+
+def run_sft(cfg: Config) -> Path:
+    """SFT on the training tasks' references; writes an HF checkpoint to `workdir/sft`."""
+    from jaxagent.models import save_pretrained
+
+    if cfg.sft.steps <= 0:
+        raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
+    model, tokenizer = load_model_and_tokenizer(cfg)
+    graphdef, params = nnx.split(model)
+    train_tasks, _ = load_task_splits(cfg)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("{task.fields[info]}")) as progress:
+        params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, progress)
+    out = Path(cfg.workdir) / "sft"
+    save_pretrained(nnx.merge(graphdef, params), out)
+    (out / "sft_metrics.json").write_text(json.dumps(metrics))
+    return out
+
+
+def load_policy(cfg: Config, checkpoint: str | None):
+    """(model, tokenizer, cfg) from an HF directory, a run's workdir (its newest orbax
+    checkpoint, with the run's own config) or, with no checkpoint, the config's model."""
+    from jaxagent.config import load_config
+
+    path = Path(checkpoint) if checkpoint else None
+    if path is not None and (path / "checkpoints").is_dir():
+        run_cfg = load_config(path / "config.yaml")
+        model, tokenizer = load_model_and_tokenizer(run_cfg)
+        graphdef, params = nnx.split(model)
+        ckpt = Checkpointer(path / "checkpoints")
+        step = ckpt.latest_step()
+        if step is None:
+            raise ValueError(f"{path / 'checkpoints'}: no complete checkpoint")
+        tx = make_optimizer(run_cfg.optim, run_cfg.train.steps)
+        state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
+        ckpt.close()
+        return nnx.merge(graphdef, state["params"]), tokenizer, run_cfg
+    model, tokenizer = load_model_and_tokenizer(cfg, checkpoint)
+    return model, tokenizer, cfg
+
+
+def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = None,
+             ks=(1,), samples: int | None = None) -> tuple[dict, list[dict]]:
+    from rollouts.tasks import load_tasks
+
+    model, tokenizer, cfg = load_policy(cfg, checkpoint)
+    task_list = load_tasks(tasks) if tasks else load_task_splits(cfg)[1]
+    samples = samples or max(cfg.eval.samples, max(ks))
+    sampler = Sampler(model, tokenizer, prompt_bucket=cfg.sampler.prompt_bucket,
+                      cache_bucket=cfg.sampler.cache_bucket, batch_bucket=cfg.sampler.batch_bucket)
+    with make_scorer(cfg) as scorer:
+        scores, rollouts = evaluate(sampler, tokenizer, scorer, task_list, samples=samples,
+                                    ks=ks, temperature=cfg.eval.temperature,
+                                    max_new_tokens=cfg.train.max_new_tokens, seed=cfg.seed + 7)
+    rows = [{"task_id": r.task_id, "completion": r.text, "status": r.status,
+             "reward": r.reward} for r in rollouts]
+    return scores, rows
