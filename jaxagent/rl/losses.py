@@ -1,0 +1,172 @@
+"""Policy-gradient losses, KL estimators and per-token log-prob helpers.
+
+Letters: B sequences, T time (token positions), V vocabulary.
+
+mask [B, T] marks the tokens that count (the response tokens the policy generated): nonzero
+means "counts". Values at masked-out positions may be garbage (inf, NaN, padding); they never
+reach the result or its gradient. Options such as ``aggregation`` and ``estimator`` are
+strings and must be static under jit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _as_bool(mask):
+    return jnp.asarray(mask) != 0
+
+
+def aggregate(values, mask, *, aggregation, norm_length=None):
+    """Reduce a per-token quantity [B, T] to a scalar over the masked tokens.
+
+    With x = values, m = mask, n_b = sum_t m_bt (tokens of sequence b):
+
+        "token-mean":               sum_bt m x / sum_bt m
+        "seq-mean-token-mean":      mean over {b : n_b > 0} of (sum_t m x / n_b)
+        "seq-mean-token-sum-norm":  (1/B) sum_b (sum_t m x) / norm_length      (Dr.GRPO)
+
+    The Dr.GRPO form divides by the constant B * norm_length (all B rows, empty ones included),
+    so a token's weight does not depend on the lengths in the batch. ``norm_length`` is
+    required for it (typically the max response length) and ignored by the other two.
+    Empty rows contribute nothing; an all-masked batch gives 0, never NaN.
+    """
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    if aggregation == "seq-mean-token-sum-norm":
+        if norm_length is None:
+            raise ValueError('aggregation="seq-mean-token-sum-norm" needs norm_length '
+                             "(a constant, e.g. the max response length)")
+        if isinstance(norm_length, (int, float)) and norm_length <= 0:
+            raise ValueError(f"norm_length must be positive, got {norm_length}")
+    mask = _as_bool(mask)
+    # where, not multiply: 0 * garbage (inf / NaN) would be NaN.
+    masked = jnp.where(mask, values, 0.0)
+    if aggregation == "token-mean":
+        return jnp.sum(masked) / jnp.maximum(jnp.sum(mask), 1)
+    row_sums = jnp.sum(masked, axis=-1)
+    if aggregation == "seq-mean-token-mean":
+        row_counts = jnp.sum(mask, axis=-1)
+        row_means = row_sums / jnp.maximum(row_counts, 1)
+        nonempty = row_counts > 0
+        return jnp.sum(jnp.where(nonempty, row_means, 0.0)) / jnp.maximum(jnp.sum(nonempty), 1)
+    return jnp.mean(row_sums) / norm_length
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2,
+                aggregation="token-mean", norm_length=None, importance_weights=None):
+    """PPO-clip surrogate (GRPO / DAPO / Dr.GRPO), to be minimised.
+
+        rho_bt  = exp(logp_bt - old_logp_bt)
+        l_bt    = -w_bt * min(rho_bt A_b, clip(rho_bt, 1 - clip_low, 1 + clip_high) A_b)
+        loss    = aggregate(l, mask, aggregation, norm_length)
+
+    w = stop_gradient(importance_weights) if given, else 1: the truncated IS weight between the
+    proximal (old) and the behaviour (sampler) policy, decoupled PPO. clip_high > clip_low is
+    DAPO's clip-higher. On-policy (logp == old_logp) the gradient is the REINFORCE one,
+    -A_b * grad logp_bt, aggregated the same way.
+
+    logprobs, old_logprobs, mask: [B, T]; advantages: [B]; importance_weights: [B, T] or None.
+    Returns (loss, metrics); metrics are token means over the masked tokens, whatever the
+    aggregation, and carry no gradient:
+        clip_fraction  fraction of tokens where the clipped term is the smaller (active) one
+        ratio_mean     mean rho;   ratio_max  max rho (0 if nothing is masked in)
+        approx_kl      mean(old_logp - logp), the k1 estimate of KL(old || new)
+    """
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    mask = _as_bool(mask)
+    # Zero the log-ratio off-mask before exp: garbage there could overflow to inf, and inf
+    # times a zero cotangent is NaN in the backward pass.
+    log_ratio = jnp.where(mask, logprobs - old_logprobs, 0.0)
+    ratio = jnp.exp(log_ratio)
+    adv = jnp.asarray(advantages)[:, None]
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -jnp.minimum(unclipped, clipped)
+    if importance_weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(importance_weights)
+    loss = aggregate(per_token, mask, aggregation=aggregation, norm_length=norm_length)
+
+    token_mean = lambda x: aggregate(x, mask, aggregation="token-mean")  # noqa: E731
+    metrics = {
+        "clip_fraction": token_mean((clipped < unclipped).astype(ratio.dtype)),
+        "ratio_mean": token_mean(ratio),
+        # ratio > 0, so 0 off-mask never wins the max unless nothing is masked in.
+        "ratio_max": jnp.max(jnp.where(mask, ratio, 0.0)),
+        "approx_kl": token_mean(-log_ratio),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def kl_penalty(logprobs, ref_logprobs, *, estimator="k3"):
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman, 2020).
+
+    With d = log pi_ref - log pi at the sampled token:
+        k1 = -d                     unbiased, can be negative
+        k2 = d^2 / 2                biased, >= 0; its gradient is the unbiased KL gradient
+        k3 = exp(d) - 1 - d         unbiased, >= 0, low variance (the GRPO default)
+
+    logprobs, ref_logprobs: [B, T] -> [B, T]. Reduce it with ``aggregate``.
+    """
+    _check_choice("estimator", estimator, KL_ESTIMATORS)
+    d = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    # expm1 keeps precision for small d; the max guards k3 >= 0 against rounding.
+    return jnp.maximum(jnp.expm1(d) - d, 0.0)
+
+
+def _at_least_f32(x):
+    x = jnp.asarray(x)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def token_logprobs(logits, tokens):
+    """log softmax(logits)_bt at the given tokens.
+
+        logp_bt = logits_bt[tokens_bt] - logsumexp_v logits_btv
+
+    logits: [B, T, V] (computed in at least float32); tokens: [B, T] int in [0, V) -> [B, T].
+    Gathering first avoids materialising a second [B, T, V] array for log_softmax.
+    """
+    logits = _at_least_f32(logits)
+    picked = jnp.take_along_axis(logits, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def entropy_from_logits(logits, mask):
+    """Mean per-token entropy of softmax(logits) over the masked tokens.
+
+        H_bt = -sum_v p_btv log p_btv,   p = softmax(logits_bt),   result = token-mean of H
+
+    logits: [B, T, V]; mask: [B, T] -> scalar. Stable for large logits (log_softmax) and for
+    -inf logits (banned tokens: p log p = 0 there, no NaN in value or gradient).
+    """
+    logp = jax.nn.log_softmax(_at_least_f32(logits), axis=-1)
+    p = jnp.exp(logp)
+    safe_logp = jnp.where(p > 0, logp, 0.0)
+    entropy = -jnp.sum(p * safe_logp, axis=-1)
+    return aggregate(entropy, mask, aggregation="token-mean")
+
+
+def truncated_importance_weights(proximal_logprobs, behaviour_logprobs, *, cap=2.0):
+    """Truncated IS weights between the proximal (trainer's old) and behaviour (sampler) policy.
+
+        w_bt = stop_gradient(min(exp(proximal_bt - behaviour_bt), cap))
+
+    The two log-probs differ even on-policy (different kernels, precision, batching), so the
+    weight corrects for it; the cap bounds the variance. Computed as exp(min(delta, log cap)),
+    which never overflows. [B, T] -> [B, T]; masked-out positions may hold garbage.
+    """
+    log_w = jnp.minimum(proximal_logprobs - behaviour_logprobs, jnp.log(cap))
+    return jax.lax.stop_gradient(jnp.exp(log_w))

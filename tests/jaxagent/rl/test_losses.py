@@ -1,0 +1,436 @@
+"""jaxagent.rl.losses against plain float64 NumPy references (loops on purpose).
+
+Gradients are compared with the analytic gradient written out in the reference, which is
+itself checked against central finite differences once.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.rl import (AGGREGATIONS, aggregate, entropy_from_logits, kl_penalty, policy_loss,
+                         token_logprobs, truncated_importance_weights)
+
+B, T, V = 9, 13, 11  # sequences, time, vocabulary: distinct odd sizes
+EMPTY_ROW = 2  # fully masked in make_batch
+
+
+def make_batch(seed=0):
+    """Random float64 batch: ratios spread around 1 so some tokens clip, row 2 fully masked,
+    row 5 with zero advantage (a zero-variance group), responses at random offsets."""
+    rng = np.random.default_rng(seed)
+    old = -rng.uniform(0.05, 3.0, size=(B, T))
+    new = old + rng.normal(0.0, 0.25, size=(B, T))
+    adv = rng.normal(size=B)
+    adv[5] = 0.0
+    mask = np.zeros((B, T), bool)
+    for b in range(B):
+        start = rng.integers(0, 4)
+        mask[b, start:start + rng.integers(1, T - start + 1)] = True
+    mask[EMPTY_ROW] = False
+    weights = rng.uniform(0.3, 2.0, size=(B, T))
+    return new, old, adv, mask, weights
+
+
+def ref_coefficients(mask, aggregation, norm_length):
+    """Weight of each token in the aggregate: loss = sum_bt coef_bt * x_bt."""
+    coef = np.zeros(mask.shape)
+    total = mask.sum()
+    nonempty = sum(1 for row in mask if row.any())
+    for b in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if not mask[b, t]:
+                continue
+            if aggregation == "token-mean":
+                coef[b, t] = 1.0 / total
+            elif aggregation == "seq-mean-token-mean":
+                coef[b, t] = 1.0 / (mask[b].sum() * nonempty)
+            else:
+                coef[b, t] = 1.0 / (mask.shape[0] * norm_length)
+    return coef
+
+
+def ref_policy_loss(new, old, adv, mask, clip_low, clip_high, aggregation, norm_length, weights=None):
+    """Returns loss, d loss / d new (analytic), metrics, and the clipped-token map."""
+    coef = ref_coefficients(mask, aggregation, norm_length)
+    loss, grad = 0.0, np.zeros(new.shape)
+    clipped_map = np.zeros(new.shape, bool)
+    ratios, kls = [], []
+    for b in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            if not mask[b, t]:
+                continue
+            rho = math.exp(new[b, t] - old[b, t])
+            w = 1.0 if weights is None else weights[b, t]
+            unclipped = rho * adv[b]
+            clipped = min(max(rho, 1 - clip_low), 1 + clip_high) * adv[b]
+            loss += coef[b, t] * -w * min(unclipped, clipped)
+            clipped_map[b, t] = clipped < unclipped
+            # The clipped term is constant in new when active; otherwise d(rho A)/d new = rho A.
+            grad[b, t] = 0.0 if clipped_map[b, t] else coef[b, t] * -w * adv[b] * rho
+            ratios.append(rho)
+            kls.append(old[b, t] - new[b, t])
+    n = max(len(ratios), 1)
+    metrics = {"clip_fraction": clipped_map.sum() / n, "ratio_mean": sum(ratios) / n,
+               "ratio_max": max(ratios, default=0.0), "approx_kl": sum(kls) / n}
+    return loss, grad, metrics, clipped_map
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_loss_and_grad(options):
+    return jax.jit(jax.value_and_grad(functools.partial(policy_loss, **dict(options)), has_aux=True))
+
+
+def jax_loss_and_grad(new, old, adv, mask, weights=None, **options):
+    """policy_loss and its gradient w.r.t. logprobs, jitted (one compile per option set)."""
+    fn = _compiled_loss_and_grad(tuple(sorted(options.items())))
+    (loss, metrics), grad = fn(jnp.asarray(new), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
+                               importance_weights=None if weights is None else jnp.asarray(weights))
+    return loss, grad, metrics
+
+
+def test_reference_gradient_matches_finite_differences():
+    new, old, adv, mask, weights = make_batch(1)
+    args = (old, adv, mask, 0.1, 0.3, "seq-mean-token-mean", None, weights)
+    _, grad, _, clipped = ref_policy_loss(new, *args)
+    assert clipped.any() and (mask & ~clipped).any()
+    fd = np.zeros_like(new)
+    h = 1e-6
+    for idx in np.ndindex(new.shape):
+        up, down = new.copy(), new.copy()
+        up[idx] += h
+        down[idx] -= h
+        fd[idx] = (ref_policy_loss(up, *args)[0] - ref_policy_loss(down, *args)[0]) / (2 * h)
+    np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_policy_loss_matches_reference(aggregation, with_weights):
+    new, old, adv, mask, weights = make_batch(2)
+    weights = weights if with_weights else None
+    options = dict(clip_low=0.2, clip_high=0.28, aggregation=aggregation, norm_length=17)
+    want_loss, want_grad, want_metrics, clipped = ref_policy_loss(
+        new, old, adv, mask, 0.2, 0.28, aggregation, 17, weights)
+    assert 0 < clipped.sum() < mask.sum()  # the batch exercises both branches
+    with jax.enable_x64(True):
+        loss, grad, metrics = jax_loss_and_grad(new, old, adv, mask, weights, **options)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-12)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-10, atol=1e-15)
+    assert sorted(metrics) == sorted(want_metrics)
+    if with_weights:  # the weights are data: stop_gradient, no gradient into them
+        with jax.enable_x64(True):
+            w_grad = jax.grad(lambda w: policy_loss(*map(jnp.asarray, (new, old, adv, mask)), importance_weights=w,
+                                                    **options)[0])(jnp.asarray(weights))
+        assert np.all(np.asarray(w_grad) == 0.0)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-12, err_msg=key)
+    # float32, the trainer's dtype: same within float32 rounding.
+    loss32, grad32, _ = jax_loss_and_grad(*(np.float32(x) for x in (new, old, adv)), mask,
+                                          None if weights is None else np.float32(weights), **options)
+    assert loss32.dtype == jnp.float32
+    np.testing.assert_allclose(loss32, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad32, want_grad, rtol=1e-4, atol=1e-7)
+
+
+def test_asymmetric_clipping_clips_the_right_tokens():
+    ratios = np.array([0.75, 0.85, 0.95, 1.25, 1.4])
+    old = np.full((2, 5), -1.0)
+    new = old + np.log(ratios)
+    adv = np.array([1.5, -1.5])
+    mask = np.ones((2, 5), bool)
+    # clip_low=0.1, clip_high=0.3: A > 0 clips rho > 1.3 only; A < 0 clips rho < 0.9 only.
+    loss, grad, metrics = jax_loss_and_grad(new, old, adv, mask, clip_low=0.1, clip_high=0.3)
+    expected_clipped = np.array([[0, 0, 0, 0, 1], [1, 1, 0, 0, 0]], bool)
+    want_loss, want_grad, _, clipped = ref_policy_loss(new, old, adv, mask, 0.1, 0.3, "token-mean", None)
+    np.testing.assert_array_equal(clipped, expected_clipped)
+    np.testing.assert_array_equal(np.asarray(grad) == 0, expected_clipped)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["clip_fraction"], 3 / 10)
+    # Symmetric 0.2 clips a different set: rho > 1.2 for A > 0, rho < 0.8 for A < 0.
+    _, grad, metrics = jax_loss_and_grad(new, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    np.testing.assert_array_equal(np.asarray(grad) == 0, [[0, 0, 0, 1, 1], [1, 0, 0, 0, 0]])
+    np.testing.assert_allclose(metrics["clip_fraction"], 3 / 10)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_on_policy_gradient_is_reinforce(aggregation):
+    """logp == old_logp: d loss / d theta = d/d theta aggregate(-A * logp), through a real
+    log-softmax (theta = the logits)."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, V, size=(B, T)))
+    _, _, adv, mask, _ = make_batch(3)
+    adv, mask = jnp.asarray(adv, jnp.float32), jnp.asarray(mask)
+    options = dict(aggregation=aggregation, norm_length=T)
+
+    def ppo(theta):
+        logp = token_logprobs(theta, tokens)
+        loss, metrics = policy_loss(logp, jax.lax.stop_gradient(logp), adv, mask, **options)
+        return loss, metrics
+
+    def reinforce(theta):
+        return aggregate(-adv[:, None] * token_logprobs(theta, tokens), mask, **options)
+
+    grad_ppo, metrics = jax.jit(jax.grad(ppo, has_aux=True))(logits)
+    grad_reinforce = jax.jit(jax.grad(reinforce))(logits)
+    assert float(jnp.abs(grad_reinforce).max()) > 1e-3
+    np.testing.assert_allclose(grad_ppo, grad_reinforce, rtol=1e-5, atol=1e-8)
+    assert metrics == {"clip_fraction": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0, "approx_kl": 0.0}
+
+
+def test_drgrpo_constant_normaliser():
+    new, old, adv, mask, _ = make_batch(4)
+    options = dict(aggregation="seq-mean-token-sum-norm")
+    loss7, grad7, _ = jax_loss_and_grad(new, old, adv, mask, norm_length=7, **options)
+    loss50, grad50, _ = jax_loss_and_grad(new, old, adv, mask, norm_length=50, **options)
+    np.testing.assert_allclose(loss7 * 7, loss50 * 50, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad7) * 7, np.asarray(grad50) * 50, rtol=1e-5, atol=1e-9)
+    # On-policy, each token's gradient is -A_b / (B * norm_length) whatever the lengths.
+    short = mask.copy()
+    short[:, 6:] = False
+    for m in (mask, short):
+        _, grad, _ = jax_loss_and_grad(old, old, adv, m, norm_length=7, **options)
+        want = np.where(m, -adv[:, None] / (B * 7), 0.0)
+        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-9)
+    # token-mean, by contrast, reweights every token when the lengths change.
+    _, long_grad, _ = jax_loss_and_grad(old, old, adv, mask)
+    _, short_grad, _ = jax_loss_and_grad(old, old, adv, short)
+    assert not np.allclose(np.asarray(long_grad)[short], np.asarray(short_grad)[short])
+    with pytest.raises(ValueError, match="norm_length"):
+        policy_loss(jnp.asarray(new), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), **options)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_all_masked_batch_is_zero_not_nan(aggregation):
+    new, old, adv, _, weights = make_batch(5)
+    mask = np.zeros((B, T), bool)
+    loss, grad, metrics = jax_loss_and_grad(new, old, adv, mask, weights, aggregation=aggregation, norm_length=T)
+    assert float(loss) == 0.0
+    assert np.all(np.asarray(grad) == 0.0)
+    assert {k: float(v) for k, v in metrics.items()} == {
+        "clip_fraction": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "approx_kl": 0.0}
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_garbage_off_mask_never_reaches_loss_or_gradient(aggregation):
+    new, old, adv, mask, weights = make_batch(6)
+    clean = jax_loss_and_grad(new, old, adv, mask, weights, aggregation=aggregation, norm_length=T)
+    dirty_new, dirty_old, dirty_w = new.copy(), old.copy(), weights.copy()
+    dirty_new[~mask] = np.array([np.inf, -np.inf, np.nan, 1e30])[np.arange((~mask).sum()) % 4]
+    dirty_old[~mask] = np.nan
+    dirty_w[~mask] = np.inf
+    dirty = jax_loss_and_grad(dirty_new, dirty_old, adv, mask.astype(np.float32), dirty_w,
+                              aggregation=aggregation, norm_length=T)
+    for c, d in zip(clean[:2], dirty[:2]):
+        assert np.all(np.isfinite(d))
+        np.testing.assert_array_equal(c, d)
+    assert np.all(np.asarray(dirty[1])[~mask] == 0.0)
+    for key in clean[2]:
+        np.testing.assert_array_equal(clean[2][key], dirty[2][key], err_msg=key)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_aggregate_matches_reference(aggregation):
+    rng = np.random.default_rng(7)
+    values = rng.normal(size=(B, T))
+    _, _, _, mask, _ = make_batch(7)
+    want = np.sum(ref_coefficients(mask, aggregation, 19) * values)
+    with jax.enable_x64(True):
+        got = aggregate(jnp.asarray(values), jnp.asarray(mask), aggregation=aggregation, norm_length=19)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    # The empty row really is excluded from the sequence count of seq-mean-token-mean.
+    if aggregation == "seq-mean-token-mean":
+        rows = [values[b][mask[b]].mean() for b in range(B) if mask[b].any()]
+        np.testing.assert_allclose(got, np.mean(rows), rtol=1e-12)
+
+
+def test_option_names_are_validated():
+    x, m = jnp.zeros((B, T)), jnp.ones((B, T))
+    with pytest.raises(ValueError, match=r"aggregation must be one of .*token-mean.*'seq-mean'"):
+        aggregate(x, m, aggregation="seq-mean")
+    with pytest.raises(ValueError, match="aggregation.*'sum'"):
+        policy_loss(x, x, jnp.zeros(B), m, aggregation="sum")
+    with pytest.raises(ValueError, match=r"estimator must be one of \('k1', 'k2', 'k3'\), got 'k4'"):
+        kl_penalty(x, x, estimator="k4")
+    with pytest.raises(ValueError, match="norm_length must be positive"):
+        aggregate(x, m, aggregation="seq-mean-token-sum-norm", norm_length=0)
+
+
+def test_kl_estimators_known_values():
+    # pi = 0.5, ref = 0.25 at the sampled token: log pi - log ref = log 2.
+    logp, ref = jnp.log(jnp.array([[0.5]])), jnp.log(jnp.array([[0.25]]))
+    np.testing.assert_allclose(kl_penalty(logp, ref, estimator="k1"), [[math.log(2)]], rtol=1e-6)
+    np.testing.assert_allclose(kl_penalty(logp, ref, estimator="k2"), [[0.5 * math.log(2) ** 2]], rtol=1e-6)
+    np.testing.assert_allclose(kl_penalty(logp, ref, estimator="k3"), [[0.5 - 1 + math.log(2)]], rtol=1e-6)
+    np.testing.assert_allclose(kl_penalty(logp, ref), kl_penalty(logp, ref, estimator="k3"))  # default
+
+
+def test_kl_estimators_match_reference_values_and_gradients():
+    rng = np.random.default_rng(8)
+    logp = -rng.uniform(0.01, 4, size=(B, T))
+    ref = logp + rng.normal(0, 1.0, size=(B, T))
+    ref[0, :5] = logp[0, :5] + np.array([0.0, 1e-8, -1e-8, 1e-4, -1e-4])  # near-equal policies
+    refs = {"k1": (lambda a, r: a - r, lambda a, r: 1.0),
+            "k2": (lambda a, r: 0.5 * (a - r) ** 2, lambda a, r: a - r),
+            "k3": (lambda a, r: math.exp(r - a) - 1 - (r - a), lambda a, r: 1 - math.exp(r - a))}
+    for name, (value_fn, grad_fn) in refs.items():
+        want = np.array([[value_fn(a, r) for a, r in zip(ra, rr)] for ra, rr in zip(logp, ref)])
+        want_grad = np.array([[grad_fn(a, r) for a, r in zip(ra, rr)] for ra, rr in zip(logp, ref)])
+        with jax.enable_x64(True):
+            got = jax.jit(functools.partial(kl_penalty, estimator=name))(jnp.asarray(logp), jnp.asarray(ref))
+            grad = jax.jit(jax.grad(lambda a: jnp.sum(kl_penalty(a, jnp.asarray(ref), estimator=name))))(
+                jnp.asarray(logp))
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15, err_msg=name)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-7, atol=1e-15, err_msg=name)
+        got32 = kl_penalty(jnp.asarray(logp, jnp.float32), jnp.asarray(ref, jnp.float32), estimator=name)
+        np.testing.assert_allclose(got32, want, rtol=1e-4, atol=1e-6, err_msg=name)
+        if name != "k1":
+            assert np.all(np.asarray(got32) >= 0) and np.all(np.asarray(got) >= 0)
+
+
+def test_k1_and_k3_are_unbiased_for_the_exact_kl():
+    """Expectation over the sampled token v ~ pi: sum_v pi_v k(v) = KL(pi || ref) for k1 and k3."""
+    rng = np.random.default_rng(9)
+    logits_pi, logits_ref = rng.normal(size=(2, V)), rng.normal(size=(2, V))
+    log_pi = logits_pi - np.log(np.exp(logits_pi).sum(-1, keepdims=True))
+    log_ref = logits_ref - np.log(np.exp(logits_ref).sum(-1, keepdims=True))
+    exact = np.sum(np.exp(log_pi) * (log_pi - log_ref), axis=-1)
+    with jax.enable_x64(True):
+        for name in ("k1", "k3"):
+            k = kl_penalty(jnp.asarray(log_pi), jnp.asarray(log_ref), estimator=name)
+            np.testing.assert_allclose(np.sum(np.exp(log_pi) * np.asarray(k), axis=-1), exact, rtol=1e-10)
+
+
+def ref_log_softmax(row):
+    top = max(row)
+    lse = top + math.log(sum(math.exp(z - top) for z in row))
+    return np.array([z - lse for z in row])
+
+
+def test_token_logprobs_matches_reference_values_and_gradient():
+    rng = np.random.default_rng(10)
+    logits = rng.normal(0, 3, size=(B, T, V))
+    tokens = rng.integers(0, V, size=(B, T))
+    upstream = rng.normal(size=(B, T))
+    want = np.zeros((B, T))
+    want_grad = np.zeros((B, T, V))
+    for b in range(B):
+        for t in range(T):
+            logp = ref_log_softmax(logits[b, t])
+            want[b, t] = logp[tokens[b, t]]
+            # d logp_v / d z = onehot(v) - softmax(z)
+            want_grad[b, t] = upstream[b, t] * (np.eye(V)[tokens[b, t]] - np.exp(logp))
+    with jax.enable_x64(True):
+        got = token_logprobs(jnp.asarray(logits), jnp.asarray(tokens))
+        grad = jax.jit(jax.grad(lambda z: jnp.sum(upstream * token_logprobs(z, jnp.asarray(tokens)))))(
+            jnp.asarray(logits))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-10, atol=1e-14)
+    # float32 and bfloat16 logits give float32 log-probs.
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)):
+        got = token_logprobs(jnp.asarray(logits, dtype), jnp.asarray(tokens))
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_token_logprobs_and_entropy_are_stable_for_large_logits():
+    rng = np.random.default_rng(11)
+    logits = (rng.normal(0, 50, size=(B, T, V)) + 1000).astype(np.float32)
+    tokens = rng.integers(0, V, size=(B, T))
+    want = np.array([[ref_log_softmax(logits[b, t].astype(np.float64))[tokens[b, t]] for t in range(T)]
+                     for b in range(B)])
+    got = token_logprobs(jnp.asarray(logits), jnp.asarray(tokens))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    entropy = entropy_from_logits(jnp.asarray(logits), jnp.ones((B, T)))
+    assert np.isfinite(float(entropy)) and float(entropy) >= 0
+
+
+def test_entropy_matches_reference_values_and_gradient():
+    rng = np.random.default_rng(12)
+    logits = rng.normal(0, 2, size=(B, T, V))
+    _, _, _, mask, _ = make_batch(12)
+    total = mask.sum()
+    want, want_grad = 0.0, np.zeros((B, T, V))
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            logp = ref_log_softmax(logits[b, t])
+            h = -sum(math.exp(lp) * lp for lp in logp)
+            want += h / total
+            # dH/dz_v = -p_v (log p_v + H)
+            want_grad[b, t] = -np.exp(logp) * (logp + h) / total
+    with jax.enable_x64(True):
+        got = entropy_from_logits(jnp.asarray(logits), jnp.asarray(mask))
+        grad = jax.jit(jax.grad(entropy_from_logits))(jnp.asarray(logits), jnp.asarray(mask))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-10, atol=1e-14)
+    got32 = entropy_from_logits(jnp.asarray(logits, jnp.float32), jnp.asarray(mask))
+    np.testing.assert_allclose(got32, want, rtol=1e-5)
+    assert float(entropy_from_logits(jnp.asarray(logits), jnp.zeros((B, T)))) == 0.0
+
+
+def test_entropy_with_banned_tokens_has_no_nan():
+    """-inf logits (banned tokens) have p log p = 0: the entropy is that of the other tokens."""
+    rng = np.random.default_rng(13)
+    logits = rng.normal(size=(B, T, V)).astype(np.float32)
+    logits[..., :4] = -np.inf
+    mask = jnp.ones((B, T))
+    got, grad = jax.jit(jax.value_and_grad(entropy_from_logits))(jnp.asarray(logits), mask)
+    want = entropy_from_logits(jnp.asarray(logits[..., 4:]), mask)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.all(np.isfinite(np.asarray(grad)))
+    assert np.all(np.asarray(grad)[..., :4] == 0.0)
+
+
+def test_truncated_importance_weights():
+    rng = np.random.default_rng(14)
+    behaviour = -rng.uniform(0.1, 3, size=(B, T))
+    proximal = behaviour + rng.normal(0, 0.8, size=(B, T))
+    proximal[0, 0] = behaviour[0, 0] + 1000.0  # would overflow exp
+
+    def ref(cap):
+        return np.array([[cap if p - q > math.log(cap) else math.exp(p - q) for p, q in zip(rp, rq)]
+                         for rp, rq in zip(proximal, behaviour)])
+
+    want = ref(1.5)
+    assert (want == 1.5).sum() > 1 and (want < 1.5).sum() > B  # both regimes present
+    with jax.enable_x64(True):
+        got = truncated_importance_weights(jnp.asarray(proximal), jnp.asarray(behaviour), cap=1.5)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    got32 = truncated_importance_weights(jnp.asarray(proximal, jnp.float32), jnp.asarray(behaviour, jnp.float32))
+    assert np.all(np.isfinite(np.asarray(got32)))
+    np.testing.assert_allclose(got32, ref(2.0), rtol=1e-5)  # default cap
+    # No gradient flows through the weights, to either argument.
+    grads = jax.grad(lambda p, q: jnp.sum(truncated_importance_weights(p, q) * 3.0), argnums=(0, 1))(
+        jnp.asarray(proximal, jnp.float32), jnp.asarray(behaviour, jnp.float32))
+    assert all(np.all(np.asarray(g) == 0.0) for g in grads)
+
+
+def test_loss_functions_jit():
+    new, old, adv, mask, weights = (np.asarray(x, np.float32) if x.dtype != bool else x for x in make_batch(15))
+    rng = np.random.default_rng(15)
+    logits = rng.normal(size=(B, T, V)).astype(np.float32)
+    tokens = rng.integers(0, V, size=(B, T))
+    calls = [
+        (functools.partial(policy_loss, clip_low=0.2, clip_high=0.28, aggregation="seq-mean-token-sum-norm",
+                           norm_length=T), (new, old, adv, mask)),
+        (lambda *a: policy_loss(*a[:4], importance_weights=a[4], aggregation="seq-mean-token-mean"),
+         (new, old, adv, mask, weights)),
+        (functools.partial(aggregate, aggregation="token-mean"), (new, mask)),
+        (functools.partial(kl_penalty, estimator="k2"), (new, old)),
+        (token_logprobs, (logits, tokens)),
+        (entropy_from_logits, (logits, mask)),
+        (functools.partial(truncated_importance_weights, cap=1.3), (new, old)),
+    ]
+    for fn, args in calls:
+        args = tuple(jnp.asarray(a) for a in args)
+        eager, jitted = fn(*args), jax.jit(fn)(*args)
+        for e, j in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+            np.testing.assert_allclose(j, e, rtol=1e-5, atol=1e-6)
