@@ -151,8 +151,10 @@ def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Arr
     """This micro-batch's weight in the whole batch's aggregate."""
     if aggregation == "token-mean":
         return mask_mb.sum() / jnp.maximum(mask_all.sum(), 1.0)
-    seqs = lambda m: (m.sum(-1) > 0).sum()  # noqa: E731
-    return seqs(mask_mb) / jnp.maximum(seqs(mask_all), 1)
+    if aggregation == "seq-mean-token-mean":  # averages over the non-empty sequences
+        seqs = lambda m: (m.sum(-1) > 0).sum()  # noqa: E731
+        return seqs(mask_mb) / jnp.maximum(seqs(mask_all), 1)
+    return mask_mb.shape[0] / mask_all.shape[0]  # Dr.GRPO: over all rows
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "options", "micro_batch"),
