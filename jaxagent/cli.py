@@ -18,7 +18,9 @@ def _cmd_check_solutions(args: argparse.Namespace) -> int:
     tasks = load_tasks(args.tasks)
     limits = Limits(wall_s=args.timeout, cpu_s=args.timeout)
     with open(args.out, "w", encoding="utf-8") as out:
-        summary = check_solutions(tasks, args.solutions, out, args.backend, args.workers, limits)
+        summary = check_solutions(
+            tasks, args.solutions, out, args.backend, args.workers, limits
+        )
     counts = ", ".join(f"{k}={v}" for k, v in sorted(summary.statuses.items()))
     print(f"{summary.total} results written to {args.out}: {counts}")
     for error in summary.bad_lines:
@@ -39,7 +41,9 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
         print(f"error: no task {args.task_id!r} in {args.tasks}", file=sys.stderr)
         return 1
     task = found[0]
-    print(f"# {task.id} (entry point: {task.entry_point}, {len(task.tests)} tests)\n{task.prompt}")
+    print(
+        f"# {task.id} (entry point: {task.entry_point}, {len(task.tests)} tests)\n{task.prompt}"
+    )
     for case in task.tests:
         print(f"# {case.name}\n{case.code}")
     return 0
@@ -53,19 +57,39 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("check-solutions", help="grade completions in the sandbox, one JSON result per line")
-    p.add_argument("--tasks", required=True, help="humaneval | synthetic[:N[:SEED]] | tasks.jsonl")
-    p.add_argument("--solutions", required=True, help='JSONL of {"task_id", "completion"} lines')
-    p.add_argument("--out", required=True, help="JSONL results, same order as --solutions")
+    p = sub.add_parser(
+        "check-solutions",
+        help="grade completions in the sandbox, one JSON result per line",
+    )
+    p.add_argument(
+        "--tasks", required=True, help="humaneval | synthetic[:N[:SEED]] | tasks.jsonl"
+    )
+    p.add_argument(
+        "--solutions", required=True, help='JSONL of {"task_id", "completion"} lines'
+    )
+    p.add_argument(
+        "--out", required=True, help="JSONL results, same order as --solutions"
+    )
     p.add_argument("--backend", choices=("bwrap", "docker", "process"), default="bwrap")
-    p.add_argument("--workers", type=int, default=None, help="parallel sandboxes (default: CPU count)")
-    p.add_argument("--timeout", type=float, default=10.0, help="wall and CPU seconds per solution")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="parallel sandboxes (default: CPU count)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=10.0, help="wall and CPU seconds per solution"
+    )
     p.set_defaults(func=_cmd_check_solutions)
 
     p = sub.add_parser("tasks", help="list or show tasks of a task set")
     p.add_argument("action", choices=("list", "show"))
     p.add_argument("task_id", nargs="?", help="the task to show")
-    p.add_argument("--tasks", default="humaneval", help="humaneval | synthetic[:N[:SEED]] | tasks.jsonl")
+    p.add_argument(
+        "--tasks",
+        default="humaneval",
+        help="humaneval | synthetic[:N[:SEED]] | tasks.jsonl",
+    )
     p.set_defaults(func=_cmd_tasks)
     return parser
 

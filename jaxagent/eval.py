@@ -13,11 +13,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     1 - C(n-c, k) / C(n, k), computed with exact integers.
     """
     if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+        raise ValueError(
+            f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}"
+        )
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def mean_pass_at_k(results: Iterable[tuple[str, bool]], ks: Iterable[int]) -> dict[int, float]:
+def mean_pass_at_k(
+    results: Iterable[tuple[str, bool]], ks: Iterable[int]
+) -> dict[int, float]:
     """Mean pass@k over tasks from (task_id, passed) samples; tasks with fewer than k samples are skipped."""
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for task_id, passed in results:

@@ -45,7 +45,9 @@ def read_submissions(path: str | Path, tasks: dict[str, Task]) -> Iterator[Submi
                 yield _parse(line, lineno, path, tasks)
 
 
-def _parse(line: str, lineno: int, path: str | Path, tasks: dict[str, Task]) -> Submission:
+def _parse(
+    line: str, lineno: int, path: str | Path, tasks: dict[str, Task]
+) -> Submission:
     where = f"{path}:{lineno}"
     try:
         obj = json.loads(line)
@@ -55,17 +57,32 @@ def _parse(line: str, lineno: int, path: str | Path, tasks: dict[str, Task]) -> 
         return Submission(lineno, None, None, f"{where}: expected a JSON object")
     task_id, completion = obj.get("task_id"), obj.get("completion")
     if not isinstance(task_id, str):
-        return Submission(lineno, None, None, f"{where}: field 'task_id': missing or not a string")
+        return Submission(
+            lineno, None, None, f"{where}: field 'task_id': missing or not a string"
+        )
     if not isinstance(completion, str):
-        return Submission(lineno, task_id, None, f"{where}: field 'completion': missing or not a string")
+        return Submission(
+            lineno,
+            task_id,
+            None,
+            f"{where}: field 'completion': missing or not a string",
+        )
     if task_id not in tasks:
-        return Submission(lineno, task_id, None, f"{where}: field 'task_id': unknown task {task_id!r}")
+        return Submission(
+            lineno, task_id, None, f"{where}: field 'task_id': unknown task {task_id!r}"
+        )
     return Submission(lineno, task_id, completion)
 
 
 def _record(sub: Submission, reward: Reward | None) -> dict:
     if reward is None:
-        return {"task_id": sub.task_id, "passed": False, "reward": 0.0, "status": "error", "message": sub.error}
+        return {
+            "task_id": sub.task_id,
+            "passed": False,
+            "reward": 0.0,
+            "status": "error",
+            "message": sub.error,
+        }
     r = reward.result
     return {
         "task_id": sub.task_id,
@@ -98,7 +115,8 @@ def check_solutions(
     summary = Summary()
     with Scorer(config, backend=backend, workers=workers, limits=limits) as scorer:
         futures: list[Future[Reward] | None] = [
-            None if s.error else scorer.submit(by_id[s.task_id], s.completion) for s in subs
+            None if s.error else scorer.submit(by_id[s.task_id], s.completion)
+            for s in subs
         ]
         with Progress(disable=not progress, transient=True) as bar:
             job = bar.add_task("checking solutions", total=len(subs))

@@ -38,9 +38,13 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("all_pass", "fraction"):
-            raise ValueError(f"RewardConfig.kind must be 'all_pass' or 'fraction', got {self.kind!r}")
+            raise ValueError(
+                f"RewardConfig.kind must be 'all_pass' or 'fraction', got {self.kind!r}"
+            )
         if self.hack_penalty < 0 or self.lint_penalty < 0:
-            raise ValueError("RewardConfig penalties must be >= 0 (they are subtracted)")
+            raise ValueError(
+                "RewardConfig penalties must be >= 0 (they are subtracted)"
+            )
 
 
 @dataclass(frozen=True)
@@ -59,16 +63,24 @@ class Reward:
         return self.result.passed
 
 
-def combine(task_id: str, result: RunResult, config: RewardConfig, lint: Sequence[str] = ()) -> Reward:
+def combine(
+    task_id: str, result: RunResult, config: RewardConfig, lint: Sequence[str] = ()
+) -> Reward:
     """The reward for one sandbox result (pure: no I/O)."""
     graded = result.status in ("passed", "failed")
-    tests = float(result.passed) if config.kind == "all_pass" else (result.fraction_passed if graded else 0.0)
+    tests = (
+        float(result.passed)
+        if config.kind == "all_pass"
+        else (result.fraction_passed if graded else 0.0)
+    )
     breakdown = {
         "tests": tests,
         "hack": -float(config.hack_penalty) if result.status == "hack" else 0.0,
         "lint": -float(config.lint_penalty) if lint else 0.0,
     }
-    return Reward(task_id, sum(breakdown.values()), result.status, breakdown, result, tuple(lint))
+    return Reward(
+        task_id, sum(breakdown.values()), result.status, breakdown, result, tuple(lint)
+    )
 
 
 class Scorer:
@@ -85,11 +97,19 @@ class Scorer:
         self.config = config or RewardConfig()
         self._owned = sandbox is None
         self.sandbox = sandbox or Sandbox(backend, workers=workers, limits=limits)
-        self._lint_pool = ThreadPoolExecutor(self.sandbox.workers) if self.config.lint_penalty else None
+        self._lint_pool = (
+            ThreadPoolExecutor(self.sandbox.workers)
+            if self.config.lint_penalty
+            else None
+        )
 
     def submit(self, task: Task, completion: str) -> Future[Reward]:
         run = self.sandbox.submit(task.request(completion))
-        lint = self._lint_pool.submit(self._lint, task.program(completion)) if self._lint_pool else None
+        lint = (
+            self._lint_pool.submit(self._lint, task.program(completion))
+            if self._lint_pool
+            else None
+        )
         out: Future[Reward] = Future()
 
         def finish(_: Future) -> None:
@@ -97,7 +117,14 @@ class Scorer:
                 lint.add_done_callback(finish)
                 return
             try:
-                out.set_result(combine(task.id, run.result(), self.config, lint.result() if lint else ()))
+                out.set_result(
+                    combine(
+                        task.id,
+                        run.result(),
+                        self.config,
+                        lint.result() if lint else (),
+                    )
+                )
             except Exception as e:
                 out.set_exception(e)
 
@@ -110,7 +137,9 @@ class Scorer:
     async def score(self, task: Task, completion: str) -> Reward:
         return await asyncio.wrap_future(self.submit(task, completion))
 
-    def score_batch(self, tasks: Sequence[Task], completions: Sequence[str]) -> list[Reward]:
+    def score_batch(
+        self, tasks: Sequence[Task], completions: Sequence[str]
+    ) -> list[Reward]:
         if len(tasks) != len(completions):
             raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
         futures = [self.submit(t, c) for t, c in zip(tasks, completions)]

@@ -7,6 +7,22 @@ import jax or model code.
 
 from rollouts.sandbox.launchers import SandboxUnavailable
 from rollouts.sandbox.pool import Sandbox
-from rollouts.sandbox.types import STATUSES, Limits, RunRequest, RunResult, Status, TestCase
+from rollouts.sandbox.types import (
+    STATUSES,
+    Limits,
+    RunRequest,
+    RunResult,
+    Status,
+    TestCase,
+)
 
-__all__ = ["STATUSES", "Limits", "RunRequest", "RunResult", "Sandbox", "SandboxUnavailable", "Status", "TestCase"]
+__all__ = [
+    "STATUSES",
+    "Limits",
+    "RunRequest",
+    "RunResult",
+    "Sandbox",
+    "SandboxUnavailable",
+    "Status",
+    "TestCase",
+]

@@ -56,7 +56,9 @@ class Cgroup:
         return [int(p) for p in text.split()]
 
     def oom_kills(self) -> int:
-        for line in (self.dirs["memory"] / "memory.oom_control").read_text().splitlines():
+        for line in (
+            (self.dirs["memory"] / "memory.oom_control").read_text().splitlines()
+        ):
             key, _, value = line.partition(" ")
             if key == "oom_kill":
                 return int(value)

@@ -28,7 +28,12 @@ PRELOAD = (
     "bisect", "collections", "copy", "dataclasses", "decimal", "fractions", "functools", "hashlib",
     "heapq", "itertools", "json", "math", "operator", "random", "re", "statistics", "string", "typing",
 )  # fmt: skip
-_PYTHON_FLAGS = ("-S", "-B", "-E", "-s")  # no site-packages, no .pyc writes, no PYTHON* env
+_PYTHON_FLAGS = (
+    "-S",
+    "-B",
+    "-E",
+    "-s",
+)  # no site-packages, no .pyc writes, no PYTHON* env
 _CGROUP_OVERHEAD_MB = 96  # zygote + grader + bwrap, on top of the solution's budget
 
 
@@ -48,7 +53,9 @@ class Launcher(Protocol):
     name: str
 
     def launch(self, image: str | None) -> Channel: ...
-    def wrap(self, command: list[str], binds: tuple[str, ...] = ()) -> list[str]: ...  # one-shot tools
+    def wrap(
+        self, command: list[str], binds: tuple[str, ...] = ()
+    ) -> list[str]: ...  # one-shot tools
 
 
 def base_python() -> str:
@@ -61,16 +68,26 @@ def hello(channel: Channel, workroot: str, timeout: float = 30.0) -> dict:
     reply = channel.recv(timeout)
     if not isinstance(reply, dict) or not reply.get("ready"):
         channel.close()
-        raise SandboxUnavailable(f"zygote failed to start (reply {reply!r}); see stderr above")
+        raise SandboxUnavailable(
+            f"zygote failed to start (reply {reply!r}); see stderr above"
+        )
     return reply
 
 
 class PipeChannel:
     """A zygote subprocess on stdin/stdout pipes, optionally inside a cgroup."""
 
-    def __init__(self, argv: list[str], cgroup: Cgroup | None = None, cleanup_dir: str | None = None, **popen):
+    def __init__(
+        self,
+        argv: list[str],
+        cgroup: Cgroup | None = None,
+        cleanup_dir: str | None = None,
+        **popen,
+    ):
         self.cgroup, self.cleanup_dir = cgroup, cleanup_dir
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **popen)
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **popen
+        )
         self.baseline = 0
 
     def send(self, obj: object) -> None:
@@ -113,15 +130,33 @@ class BwrapLauncher:
     def __init__(self, limits: Limits, use_cgroups: bool = True):
         self.bwrap = shutil.which("bwrap")
         if self.bwrap is None:
-            raise SandboxUnavailable("bwrap not found: install it with `apt-get install -y bubblewrap`")
+            raise SandboxUnavailable(
+                "bwrap not found: install it with `apt-get install -y bubblewrap`"
+            )
         self.limits, self.use_cgroups = limits, use_cgroups
         self.python = base_python()
 
     def wrap(self, command: list[str], binds: tuple[str, ...] = ()) -> list[str]:
         """bwrap argv running `command` in the sandbox; `binds` are extra read-only paths."""
         prefix = os.path.realpath(sys.base_prefix)
-        argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
-        argv += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]
+        argv = [
+            self.bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+        ]
+        argv += [
+            "--setenv",
+            "PATH",
+            "/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+        ]
         argv += ["--ro-bind", "/usr", "/usr"]
         for name in ("bin", "sbin", "lib", "lib32", "lib64"):
             path = f"/{name}"
@@ -131,20 +166,35 @@ class BwrapLauncher:
                 argv += ["--ro-bind", path, path]
         if not prefix.startswith("/usr/"):
             argv += ["--ro-bind", prefix, prefix]
-        for site in _site_dirs(prefix):  # installed packages (datasets with answers) stay hidden
+        for site in _site_dirs(
+            prefix
+        ):  # installed packages (datasets with answers) stay hidden
             argv += ["--tmpfs", site]
         for path in binds:
             argv += ["--ro-bind", path, path]
         argv += ["--ro-bind", str(GUEST_DIR), "/harness"]
         argv += ["--size", str(self.limits.tmpfs_mb << 20), "--tmpfs", "/tmp"]
-        argv += ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
+        argv += [
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--remount-ro",
+            "/dev",
+            "--remount-ro",
+            "/",
+            "--chdir",
+            "/tmp",
+        ]
         return argv + command
 
     def launch(self, image: str | None) -> Channel:
         del image  # one host root for every task
         cgroup = None
         if self.use_cgroups:
-            mem = (self.limits.memory_mb + self.limits.tmpfs_mb + _CGROUP_OVERHEAD_MB) << 20
+            mem = (
+                self.limits.memory_mb + self.limits.tmpfs_mb + _CGROUP_OVERHEAD_MB
+            ) << 20
             cgroup = Cgroup.create(self.limits.max_procs + 8, mem)
         argv = self.wrap([self.python, *_PYTHON_FLAGS, "/harness/zygote.py"])
         if cgroup:
@@ -230,7 +280,10 @@ class DockerChannel:
         try:
             self.container.remove(force=True)
         except Exception as e:  # already gone is fine; anything else is worth a warning
-            warnings.warn(f"could not remove container {self.container.short_id}: {e}", stacklevel=2)
+            warnings.warn(
+                f"could not remove container {self.container.short_id}: {e}",
+                stacklevel=2,
+            )
 
 
 class DockerLauncher:
@@ -238,7 +291,9 @@ class DockerLauncher:
 
     name = "docker"
 
-    def __init__(self, limits: Limits, image: str = "python:3.11-slim", python: str = "python3"):
+    def __init__(
+        self, limits: Limits, image: str = "python:3.11-slim", python: str = "python3"
+    ):
         try:
             import docker
 
@@ -281,7 +336,13 @@ class DockerLauncher:
 
 
 def make_launcher(backend: str, limits: Limits, **options) -> Launcher:
-    launchers = {"bwrap": BwrapLauncher, "docker": DockerLauncher, "process": ProcessLauncher}
+    launchers = {
+        "bwrap": BwrapLauncher,
+        "docker": DockerLauncher,
+        "process": ProcessLauncher,
+    }
     if backend not in launchers:
-        raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {', '.join(launchers)}")
+        raise ValueError(
+            f"unknown sandbox backend {backend!r}; choose one of {', '.join(launchers)}"
+        )
     return launchers[backend](limits, **options)

@@ -24,7 +24,9 @@ _STOP = object()
 
 
 def _result(status: str, req: RunRequest, message: str) -> RunResult:
-    return RunResult(status=status, tests_passed=0, tests_total=len(req.cases), message=message)
+    return RunResult(
+        status=status, tests_passed=0, tests_total=len(req.cases), message=message
+    )
 
 
 class _Worker:
@@ -57,14 +59,20 @@ class _Worker:
             reply = channel.recv(self.limits.wall_s + _HOST_GRACE_S)
         except TimeoutError:
             self.discard()
-            return _result("timeout", req, "sandbox stopped responding; it was killed and restarted")
+            return _result(
+                "timeout",
+                req,
+                "sandbox stopped responding; it was killed and restarted",
+            )
         except (OSError, wire.FrameError):
             reply = None
         oom = channel.oom_kills() > oom_before
         if not isinstance(reply, dict):
             self.discard()
             if oom:
-                return _result("oom", req, "memory limit exceeded; the sandbox was killed")
+                return _result(
+                    "oom", req, "memory limit exceeded; the sandbox was killed"
+                )
             return _result("hack", req, "the sandbox process was killed during the run")
         if reply.get("recycle") or channel.leftover():
             self.discard()
@@ -103,14 +111,24 @@ class Sandbox:
     ...     res = await sb.run(request)             # asyncio
     """
 
-    def __init__(self, backend: str = "bwrap", workers: int | None = None, limits: Limits | None = None, **options):
+    def __init__(
+        self,
+        backend: str = "bwrap",
+        workers: int | None = None,
+        limits: Limits | None = None,
+        **options,
+    ):
         self.limits = limits or Limits()
         self.launcher = make_launcher(backend, self.limits, **options)
         self.backend = backend
         self.workers = workers or os.cpu_count() or 1
         self._queue: queue.Queue = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._serve, args=(_Worker(self.launcher, self.limits),), daemon=True)
+            threading.Thread(
+                target=self._serve,
+                args=(_Worker(self.launcher, self.limits),),
+                daemon=True,
+            )
             for _ in range(self.workers)
         ]
         for t in self._threads:
@@ -139,13 +157,17 @@ class Sandbox:
         return await asyncio.wrap_future(self.submit(req))
 
     def map(
-        self, reqs: Iterable[RunRequest], on_result: Callable[[int, RunResult], None] | None = None
+        self,
+        reqs: Iterable[RunRequest],
+        on_result: Callable[[int, RunResult], None] | None = None,
     ) -> list[RunResult]:
         """Results in input order; `on_result(index, result)` fires as each completes."""
         futures = [self.submit(r) for r in reqs]
         if on_result:
             for i, f in enumerate(futures):
-                f.add_done_callback(lambda f, i=i: f.exception() is None and on_result(i, f.result()))
+                f.add_done_callback(
+                    lambda f, i=i: f.exception() is None and on_result(i, f.result())
+                )
         return [f.result() for f in futures]
 
     def close(self) -> None:

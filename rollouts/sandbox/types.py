@@ -25,7 +25,9 @@ class Limits:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if getattr(self, f.name) <= 0:
-                raise ValueError(f"Limits.{f.name} must be positive, got {getattr(self, f.name)!r}")
+                raise ValueError(
+                    f"Limits.{f.name} must be positive, got {getattr(self, f.name)!r}"
+                )
 
 
 @dataclass(frozen=True)

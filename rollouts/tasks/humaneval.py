@@ -16,8 +16,14 @@ def split_check(test_source: str, task_id: str) -> tuple[str, tuple[TestCase, ..
     every case runs in order in one namespace, as in the original `check`.
     """
     module = ast.parse(test_source)
-    setup = [s for s in module.body if not (isinstance(s, ast.FunctionDef) and s.name == "check")]
-    checks = [s for s in module.body if isinstance(s, ast.FunctionDef) and s.name == "check"]
+    setup = [
+        s
+        for s in module.body
+        if not (isinstance(s, ast.FunctionDef) and s.name == "check")
+    ]
+    checks = [
+        s for s in module.body if isinstance(s, ast.FunctionDef) and s.name == "check"
+    ]
     if len(checks) != 1:
         raise ValueError(f"{task_id}: test module must define exactly one check()")
     check = checks[0]

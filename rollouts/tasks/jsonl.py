@@ -21,7 +21,12 @@ from pathlib import Path
 from rollouts.sandbox.types import TestCase
 from rollouts.tasks.task import Task, TaskFormatError
 
-_ALIASES = {"text": "prompt", "test_list": "tests", "test_setup_code": "test_setup", "code": "reference"}
+_ALIASES = {
+    "text": "prompt",
+    "test_list": "tests",
+    "test_setup_code": "test_setup",
+    "code": "reference",
+}
 _REQUIRED = ("task_id", "prompt", "entry_point", "tests")
 _OPTIONAL = ("test_setup", "completion_mode", "reference", "files", "metadata")
 
@@ -31,13 +36,19 @@ def _field_error(where: str, name: str, problem: str) -> TaskFormatError:
 
 
 def _str_list(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, str) for v in value)
+    )
 
 
 def parse_task(obj: object, where: str) -> Task:
     """One validated Task from a decoded JSON object; `where` is 'file:line' for errors."""
     if not isinstance(obj, dict):
-        raise TaskFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise TaskFormatError(
+            f"{where}: expected a JSON object, got {type(obj).__name__}"
+        )
     rec = {_ALIASES.get(k, k): v for k, v in obj.items()}
     for key in rec:
         if key not in _REQUIRED and key not in _OPTIONAL:
@@ -51,7 +62,9 @@ def parse_task(obj: object, where: str) -> Task:
         if not isinstance(rec[key], str):
             raise _field_error(where, key, "expected a string")
     if not rec["entry_point"].isidentifier():
-        raise _field_error(where, "entry_point", f"{rec['entry_point']!r} is not a Python identifier")
+        raise _field_error(
+            where, "entry_point", f"{rec['entry_point']!r} is not a Python identifier"
+        )
     if not _str_list(rec["tests"]):
         raise _field_error(where, "tests", "expected a non-empty list of strings")
     for key in ("test_setup", "reference"):
@@ -59,10 +72,16 @@ def parse_task(obj: object, where: str) -> Task:
             raise _field_error(where, key, "expected a string")
     mode = rec.get("completion_mode", "full")
     if mode not in ("full", "continue"):
-        raise _field_error(where, "completion_mode", f"expected 'full' or 'continue', got {mode!r}")
+        raise _field_error(
+            where, "completion_mode", f"expected 'full' or 'continue', got {mode!r}"
+        )
     files = rec.get("files", {})
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-        raise _field_error(where, "files", "expected an object mapping paths to strings")
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
+        raise _field_error(
+            where, "files", "expected an object mapping paths to strings"
+        )
     metadata = rec.get("metadata", {})
     if not isinstance(metadata, dict):
         raise _field_error(where, "metadata", "expected an object")
@@ -73,7 +92,9 @@ def parse_task(obj: object, where: str) -> Task:
         id=task_id,
         prompt=rec["prompt"],
         entry_point=rec["entry_point"],
-        tests=tuple(TestCase(f"{task_id}#{i}", code) for i, code in enumerate(rec["tests"])),
+        tests=tuple(
+            TestCase(f"{task_id}#{i}", code) for i, code in enumerate(rec["tests"])
+        ),
         test_setup=rec.get("test_setup", ""),
         files=files,
         completion_mode=mode,
@@ -96,7 +117,11 @@ def load_jsonl_tasks(path: str | Path) -> list[Task]:
                 raise TaskFormatError(f"{where}: invalid JSON: {e.msg}") from None
             task = parse_task(obj, where)
             if task.id in seen:
-                raise _field_error(where, "task_id", f"duplicate {task.id!r} (first on line {seen[task.id]})")
+                raise _field_error(
+                    where,
+                    "task_id",
+                    f"duplicate {task.id!r} (first on line {seen[task.id]})",
+                )
             seen[task.id] = lineno
             tasks.append(task)
     return tasks

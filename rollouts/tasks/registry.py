@@ -17,10 +17,17 @@ def load_tasks(spec: str) -> list[Task]:
     if spec == "synthetic" or spec.startswith("synthetic:"):
         parts = spec.split(":")[1:]
         try:
-            n, seed = (int(parts[0]) if parts else 1000), (int(parts[1]) if len(parts) > 1 else 0)
+            n, seed = (
+                (int(parts[0]) if parts else 1000),
+                (int(parts[1]) if len(parts) > 1 else 0),
+            )
         except ValueError:
-            raise ValueError(f"bad task set {spec!r}: expected synthetic[:N[:SEED]] with integers") from None
+            raise ValueError(
+                f"bad task set {spec!r}: expected synthetic[:N[:SEED]] with integers"
+            ) from None
         return synthetic_tasks(n, seed)
     if Path(spec).is_file():
         return load_jsonl_tasks(spec)
-    raise ValueError(f"unknown task set {spec!r}: use 'humaneval', 'synthetic[:N[:SEED]]' or a JSONL file")
+    raise ValueError(
+        f"unknown task set {spec!r}: use 'humaneval', 'synthetic[:N[:SEED]]' or a JSONL file"
+    )

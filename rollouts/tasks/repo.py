@@ -23,7 +23,11 @@ def _check_member(name: str, source: str) -> str:
 
 
 def _read_dir(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _read_tar(path: Path) -> dict[str, bytes]:
@@ -32,7 +36,9 @@ def _read_tar(path: Path) -> dict[str, bytes]:
         for member in tar.getmembers():
             name = _check_member(member.name, str(path))
             if member.issym() or member.islnk():
-                raise TaskFormatError(f"{path}: member {name!r} is a link; repositories must be plain files")
+                raise TaskFormatError(
+                    f"{path}: member {name!r} is a link; repositories must be plain files"
+                )
             if member.isfile():
                 files[name] = tar.extractfile(member).read()
     return files
@@ -56,7 +62,9 @@ def load_repo_task(
     if sum(len(b) for b in raw.values()) > MAX_REPO_BYTES:
         raise TaskFormatError(f"{path}: repository exceeds {MAX_REPO_BYTES} bytes")
     if not test_command:
-        raise TaskFormatError(f"{path}: field 'test_command' must be a non-empty command")
+        raise TaskFormatError(
+            f"{path}: field 'test_command' must be a non-empty command"
+        )
     files = {}
     for name, data in raw.items():
         try:

@@ -43,26 +43,43 @@ FAMILIES: dict[str, _Family] = {
         lambda k: f"{k[0]} times x plus {k[1]}",
         lambda k: f"{k[0]}*x+{k[1]}",
     ),
-    "reverse": _Family("s", lambda rng: (), lambda k: "s reversed", lambda k: "s[::-1]"),
-    "upper": _Family("s", lambda rng: (), lambda k: "s in upper case", lambda k: "s.upper()"),
-    "repeat": _Family("s", _k(2, 4), lambda k: f"s repeated {k[0]} times", lambda k: f"s*{k[0]}"),
-    "prefix": _Family("s", _k(1, 3), lambda k: f"first {k[0]} chars of s", lambda k: f"s[:{k[0]}]"),
-    "double_last": _Family("s", lambda rng: (), lambda k: "s plus its last char", lambda k: "s+s[-1:]"),
+    "reverse": _Family(
+        "s", lambda rng: (), lambda k: "s reversed", lambda k: "s[::-1]"
+    ),
+    "upper": _Family(
+        "s", lambda rng: (), lambda k: "s in upper case", lambda k: "s.upper()"
+    ),
+    "repeat": _Family(
+        "s", _k(2, 4), lambda k: f"s repeated {k[0]} times", lambda k: f"s*{k[0]}"
+    ),
+    "prefix": _Family(
+        "s", _k(1, 3), lambda k: f"first {k[0]} chars of s", lambda k: f"s[:{k[0]}]"
+    ),
+    "double_last": _Family(
+        "s", lambda rng: (), lambda k: "s plus its last char", lambda k: "s+s[-1:]"
+    ),
 }
 
 
 def _inputs(arg: str, rng: random.Random) -> list:
     if arg == "x":
         return rng.sample(range(-20, 50), _N_TESTS)
-    return ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, 6))) for _ in range(_N_TESTS)]
+    return [
+        "".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, 6)))
+        for _ in range(_N_TESTS)
+    ]
 
 
-def synthetic_tasks(n: int, seed: int = 0, families: Sequence[str] | None = None) -> list[Task]:
+def synthetic_tasks(
+    n: int, seed: int = 0, families: Sequence[str] | None = None
+) -> list[Task]:
     """n tasks drawn from `families` (default: all); `metadata["reference"]` passes."""
     names = list(families or FAMILIES)
     unknown = [f for f in names if f not in FAMILIES]
     if unknown:
-        raise ValueError(f"unknown synthetic families {unknown}; known: {', '.join(FAMILIES)}")
+        raise ValueError(
+            f"unknown synthetic families {unknown}; known: {', '.join(FAMILIES)}"
+        )
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(seed)
@@ -73,9 +90,14 @@ def synthetic_tasks(n: int, seed: int = 0, families: Sequence[str] | None = None
         consts = fam.draw(rng)
         expr = fam.expression(consts)
         fn = eval(f"lambda {fam.arg}: {expr}")  # our own template, never model output
+        inputs = _inputs(fam.arg, rng)
+        while len({repr(fn(v)) for v in inputs}) < 2:  # a constant answer must not pass
+            inputs = _inputs(fam.arg, rng)
         tests = tuple(
-            TestCase(f"synthetic/{seed}/{i}#{j}", f"assert candidate({v!r}) == {fn(v)!r}")
-            for j, v in enumerate(_inputs(fam.arg, rng))
+            TestCase(
+                f"synthetic/{seed}/{i}#{j}", f"assert candidate({v!r}) == {fn(v)!r}"
+            )
+            for j, v in enumerate(inputs)
         )
         tasks.append(
             Task(

@@ -38,13 +38,21 @@ class Task:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def program(self, completion: str) -> str:
-        return self.prompt + completion if self.completion_mode == "continue" else completion
+        return (
+            self.prompt + completion
+            if self.completion_mode == "continue"
+            else completion
+        )
 
     def request(self, completion: str, image: str | None = None) -> RunRequest:
         if self.language != "python":
-            raise ValueError(f"task {self.id}: language {self.language!r} is not supported by the sandbox")
+            raise ValueError(
+                f"task {self.id}: language {self.language!r} is not supported by the sandbox"
+            )
         if self.repo is not None:
-            raise ValueError(f"task {self.id}: repository tasks are graded by their test command, not run here")
+            raise ValueError(
+                f"task {self.id}: repository tasks are graded by their test command, not run here"
+            )
         return RunRequest(
             program=self.program(completion),
             entry_point=self.entry_point,

@@ -10,7 +10,14 @@ import pytest
 from rollouts.sandbox import Limits, Sandbox
 from rollouts.tasks import Task, humaneval_tasks
 
-HOSTILE_LIMITS = Limits(wall_s=2.0, cpu_s=2.0, memory_mb=256, max_procs=24, tmpfs_mb=32, output_bytes=256 << 10)
+HOSTILE_LIMITS = Limits(
+    wall_s=2.0,
+    cpu_s=2.0,
+    memory_mb=256,
+    max_procs=24,
+    tmpfs_mb=32,
+    output_bytes=256 << 10,
+)
 
 
 def _processes() -> dict[int, tuple[int, list[str]]]:
@@ -43,7 +50,9 @@ def leftover_processes() -> list[str]:
     todo, leaks = list(children.get(os.getpid(), [])), []
 
     def is_zygote(argv: list[str]) -> bool:
-        return os.path.basename(argv[0]) != "bwrap" and any(a.endswith("zygote.py") for a in argv)
+        return os.path.basename(argv[0]) != "bwrap" and any(
+            a.endswith("zygote.py") for a in argv
+        )
 
     while todo:
         pid = todo.pop()

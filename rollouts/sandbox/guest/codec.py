@@ -39,7 +39,9 @@ def _check_suspicious(value: object) -> None:
     cls = type(value)
     for base in _BASES:
         if isinstance(value, base):
-            raise HackSuspected(f"result type {cls.__qualname__} subclasses {base.__name__}")
+            raise HackSuspected(
+                f"result type {cls.__qualname__} subclasses {base.__name__}"
+            )
     if cls.__eq__ is not object.__eq__ or cls.__ne__ is not object.__ne__:
         raise HackSuspected(f"result type {cls.__qualname__} overrides equality")
 

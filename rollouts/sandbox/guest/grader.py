@@ -12,7 +12,6 @@ from __future__ import annotations
 import builtins
 import os
 import resource
-import select
 import signal
 import socket
 import threading
@@ -97,9 +96,13 @@ def _become_solution(sock: socket.socket, out_w: int, spec: dict, workdir: str) 
         signal.signal(sig, signal.SIG_DFL)
     os.chdir(workdir)
     os.environ.clear()
-    os.environ.update(PATH="/usr/bin:/bin", HOME=workdir, TMPDIR=workdir, LANG="C.UTF-8")
+    os.environ.update(
+        PATH="/usr/bin:/bin", HOME=workdir, TMPDIR=workdir, LANG="C.UTF-8"
+    )
     _set_limits(spec["limits"])
-    runner.serve(socket.socket(fileno=_SOLUTION_FD), spec["program"], spec["entry_point"])
+    runner.serve(
+        socket.socket(fileno=_SOLUTION_FD), spec["program"], spec["entry_point"]
+    )
 
 
 class Solution:
@@ -126,7 +129,10 @@ class Solution:
         self.drain.start()
 
     def kill(self) -> None:
-        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
+        for target in (
+            lambda: os.killpg(self.pid, signal.SIGKILL),
+            lambda: os.kill(self.pid, signal.SIGKILL),
+        ):
             try:
                 target()
             except OSError:
@@ -150,7 +156,9 @@ class Solution:
         try:
             return self.sock.recv(n)
         except TimeoutError:
-            raise Abort("timeout", f"wall time limit of {self.wall_s}s exceeded") from None
+            raise Abort(
+                "timeout", f"wall time limit of {self.wall_s}s exceeded"
+            ) from None
         except OSError:
             return b""
 
@@ -177,9 +185,14 @@ class Solution:
     def _call(self, args: tuple, kwargs: dict) -> object:
         try:
             self.sock.settimeout(self._timeout())
-            wire.send_sock(self.sock, {"args": codec.encode(list(args)), "kwargs": codec.encode(kwargs)})
+            wire.send_sock(
+                self.sock,
+                {"args": codec.encode(list(args)), "kwargs": codec.encode(kwargs)},
+            )
         except TimeoutError:
-            raise Abort("timeout", f"wall time limit of {self.wall_s}s exceeded") from None
+            raise Abort(
+                "timeout", f"wall time limit of {self.wall_s}s exceeded"
+            ) from None
         except OSError:
             raise self._death() from None
         reply = self.receive()
@@ -202,9 +215,14 @@ class Solution:
         if self.drain.overflowed:
             return Abort("error", f"output limit of {self.drain.limit} bytes exceeded")
         if os.WIFEXITED(status):
-            return Abort("hack", f"solution process exited early (status {os.WEXITSTATUS(status)})")
+            return Abort(
+                "hack",
+                f"solution process exited early (status {os.WEXITSTATUS(status)})",
+            )
         sig = os.WTERMSIG(status)
-        return Abort(*_SIGNAL_STATUS.get(sig, ("hack", f"solution killed by signal {sig}")))
+        return Abort(
+            *_SIGNAL_STATUS.get(sig, ("hack", f"solution killed by signal {sig}"))
+        )
 
 
 def _reply_error(reply: list) -> Exception:
@@ -212,7 +230,9 @@ def _reply_error(reply: list) -> Exception:
     if kind == "raise" and len(reply) == 3:
         exc_type = getattr(builtins, str(reply[1]), None)
         if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-            return exc_type(reply[2])  # tests may expect e.g. ValueError from the candidate
+            return exc_type(
+                reply[2]
+            )  # tests may expect e.g. ValueError from the candidate
         return CandidateError(f"{reply[1]}: {reply[2]}")
     if kind in ("hack", "oom") and len(reply) == 2:
         return Abort(kind, str(reply[1]))
@@ -232,7 +252,11 @@ def _run_cases(spec: dict, solution: Solution) -> dict:
         err = _reply_error(ready)
         if isinstance(err, Abort):
             raise err
-        return {"status": "failed", "tests_passed": 0, "message": f"loading the solution failed: {err}"}
+        return {
+            "status": "failed",
+            "tests_passed": 0,
+            "message": f"loading the solution failed: {err}",
+        }
 
     def candidate(*args, **kwargs):
         return solution.call(args, kwargs)

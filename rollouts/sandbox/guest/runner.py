@@ -40,7 +40,9 @@ def _classify(thunk: Callable[[], object]) -> list:
         return ["raise", type(e).__name__, str(e)[:_MESSAGE_CHARS]]
     except SystemExit:
         return ["hack", "solution raised SystemExit (sys.exit/exit/quit)"]
-    except BaseException as e:  # KeyboardInterrupt or custom: an attempt to abort the harness
+    except (
+        BaseException
+    ) as e:  # KeyboardInterrupt or custom: an attempt to abort the harness
         return ["hack", f"solution raised {type(e).__name__}"]
 
 
@@ -51,7 +53,11 @@ def _load(program: str, entry_point: str) -> tuple[list, Callable | None]:
         return reply, None
     fn = namespace.get(entry_point)
     if not callable(fn):
-        return ["raise", "NameError", f"entry point {entry_point!r} is not defined"], None
+        return [
+            "raise",
+            "NameError",
+            f"entry point {entry_point!r} is not defined",
+        ], None
     return ["ready"], fn
 
 
@@ -63,4 +69,5 @@ def serve(sock: socket.socket, program: str, entry_point: str) -> None:
     while (call := wire.recv_with(sock.recv)) is not None:
         args = codec.decode(call["args"])
         kwargs = codec.decode(call["kwargs"])
-        wire.send_sock(sock, _attempt(lambda: codec.encode(fn(*args, **kwargs))))
+        reply = _attempt(lambda a=args, k=kwargs: codec.encode(fn(*a, **k)))
+        wire.send_sock(sock, reply)

@@ -52,7 +52,9 @@ def recv(fd: int, max_bytes: int = MAX_FRAME) -> object | None:
     return recv_with(lambda n: os.read(fd, n), max_bytes)
 
 
-def recv_with(read: Callable[[int], bytes], max_bytes: int = MAX_FRAME) -> object | None:
+def recv_with(
+    read: Callable[[int], bytes], max_bytes: int = MAX_FRAME
+) -> object | None:
     """The next frame's JSON value, or None on EOF."""
     header = read_exact(read, _HEADER.size)
     if header is None:

@@ -103,7 +103,10 @@ def wipe(root: str) -> bool:
 
 def oom_kills() -> int | None:
     """The container's OOM-kill count where its cgroup is visible (docker); else None."""
-    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+    for path in (
+        "/sys/fs/cgroup/memory.events",
+        "/sys/fs/cgroup/memory/memory.oom_control",
+    ):
         try:
             with open(path) as f:
                 for line in f:
@@ -147,17 +150,26 @@ def run_one(spec: dict, host_in: int, host_out: int, workroot: str) -> dict:
     except OSError:
         pass  # the grader is already gone; the missing verdict says so
     os.close(nonce_w)
-    raw = _read_verdict(verdict_r, time.monotonic() + spec["limits"]["wall_s"] + _GRACE_S)
+    raw = _read_verdict(
+        verdict_r, time.monotonic() + spec["limits"]["wall_s"] + _GRACE_S
+    )
     os.close(verdict_r)
     clean = kill_descendants() & wipe(workroot)
     if raw is None:
         reason = "grader did not finish in time (stopped or stuck)"
-        return {"verdict": None, "reason": reason, "timeout": True, "recycle": not clean}
+        return {
+            "verdict": None,
+            "reason": reason,
+            "timeout": True,
+            "recycle": not clean,
+        }
     try:
         verdict = wire.recv_with(_reader(raw))
     except wire.FrameError:
         verdict = None
-    reason = "" if verdict else "grader died without a verdict (killed by the solution?)"
+    reason = (
+        "" if verdict else "grader died without a verdict (killed by the solution?)"
+    )
     return {"verdict": verdict, "reason": reason, "recycle": not clean}
 
 

@@ -14,7 +14,10 @@ from rollouts.sandbox.launchers import BwrapLauncher
 ADD = RunRequest(
     program="def f(x):\n    return x + 1\n",
     entry_point="f",
-    cases=(TestCase("one", "assert candidate(1) == 2"), TestCase("two", "assert f(2) == 3")),
+    cases=(
+        TestCase("one", "assert candidate(1) == 2"),
+        TestCase("two", "assert f(2) == 3"),
+    ),
 )
 
 
@@ -24,11 +27,17 @@ def _with_program(program: str) -> RunRequest:
 
 def test_correct_solution_passes(bwrap_sandbox):
     result = bwrap_sandbox.submit(ADD).result()
-    assert result.status == "passed" and result.tests_passed == 2 and result.fraction_passed == 1.0
+    assert (
+        result.status == "passed"
+        and result.tests_passed == 2
+        and result.fraction_passed == 1.0
+    )
 
 
 def test_partial_solution_fails_with_the_failing_case_named(bwrap_sandbox):
-    result = bwrap_sandbox.submit(_with_program("def f(x):\n    return 2 if x == 1 else 0\n")).result()
+    result = bwrap_sandbox.submit(
+        _with_program("def f(x):\n    return 2 if x == 1 else 0\n")
+    ).result()
     assert result.status == "failed" and result.tests_passed == 1
     assert result.message.startswith("two: assert f(2) == 3")
 
@@ -47,7 +56,10 @@ def test_solution_exceptions_fail_and_builtin_types_reach_the_tests(bwrap_sandbo
 def test_syntax_error_and_missing_entry_point_fail(bwrap_sandbox):
     for program in ("def f(x) return x\n", "def g(x):\n    return x + 1\n"):
         result = bwrap_sandbox.submit(_with_program(program)).result()
-        assert result.status == "failed" and "loading the solution failed" in result.message
+        assert (
+            result.status == "failed"
+            and "loading the solution failed" in result.message
+        )
 
 
 def test_files_are_written_into_the_work_dir(bwrap_sandbox):
@@ -61,8 +73,12 @@ def test_files_are_written_into_the_work_dir(bwrap_sandbox):
 
 
 def test_work_dir_is_wiped_between_runs(bwrap_sandbox):
-    write = _with_program("open('/tmp/cache', 'w').write('x')\ndef f(x):\n    return x + 1\n")
-    read = _with_program("import os\ndef f(x):\n    return x + 1 + os.path.exists('/tmp/cache')\n")
+    write = _with_program(
+        "open('/tmp/cache', 'w').write('x')\ndef f(x):\n    return x + 1\n"
+    )
+    read = _with_program(
+        "import os\ndef f(x):\n    return x + 1 + os.path.exists('/tmp/cache')\n"
+    )
     results = [bwrap_sandbox.submit(r).result() for r in (write, read, write, read)]
     assert [r.status for r in results] == ["passed", "passed", "passed", "passed"]
 
@@ -80,7 +96,11 @@ def test_sandbox_root_is_minimal_and_read_only():
         assert flag in argv
     triples = [argv[i : i + 3] for i in range(len(argv))]
     assert ["--remount-ro", "/", "--chdir"] in triples  # the root is read-only...
-    assert ["--tmpfs", "/tmp", "--dev"] in triples  # ...but for a private, size-capped /tmp
+    assert [
+        "--tmpfs",
+        "/tmp",
+        "--dev",
+    ] in triples  # ...but for a private, size-capped /tmp
     assert argv[argv.index("--tmpfs", argv.index("/harness")) - 2] == "--size"
     assert ["--ro-bind", "/", "/"] not in triples  # only what Python needs is mounted
 
@@ -94,8 +114,13 @@ def test_lifecycle_leaves_no_process_or_cgroup_behind(humaneval, leftovers):
     before = set(_our_cgroups())
     zygotes_before = _zygotes()
     with Sandbox("bwrap", workers=2, limits=Limits(wall_s=2, cpu_s=2)) as sb:
-        bomb = humaneval["HumanEval/0"].request("    import os\n    while True:\n        try: os.fork()\n        except OSError: pass\n")
-        assert [f.result().status for f in [sb.submit(bomb), sb.submit(bomb)]] == ["timeout", "timeout"]
+        bomb = humaneval["HumanEval/0"].request(
+            "    import os\n    while True:\n        try: os.fork()\n        except OSError: pass\n"
+        )
+        assert [f.result().status for f in [sb.submit(bomb), sb.submit(bomb)]] == [
+            "timeout",
+            "timeout",
+        ]
         assert leftovers() == []
         mine = set(_our_cgroups()) - before
         if mine:  # cgroups writable here: each idle sandbox is exactly sh->bwrap, bwrap init, zygote
@@ -106,7 +131,11 @@ def test_lifecycle_leaves_no_process_or_cgroup_behind(humaneval, leftovers):
 
 
 def _zygotes() -> set[int]:
-    return {int(p) for p in os.listdir("/proc") if p.isdigit() and "zygote.py" in _cmdline(int(p))}
+    return {
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and "zygote.py" in _cmdline(int(p))
+    }
 
 
 def _cmdline(pid: int) -> str:

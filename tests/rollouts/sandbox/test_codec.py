@@ -46,7 +46,17 @@ def test_other_objects_decode_to_opaque_values_equal_to_nothing():
         bool(opaque)
 
 
-@pytest.mark.parametrize("data", [{"t": 1}, {"x": []}, {"t": [], "d": []}, {"d": [[1]]}, {"f": 3}, {"d": [[[1], 2]]}])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"t": 1},
+        {"x": []},
+        {"t": [], "d": []},
+        {"d": [[1]]},
+        {"f": 3},
+        {"d": [[[1], 2]]},
+    ],
+)
 def test_malformed_input_is_rejected(data):
     with pytest.raises((ValueError, TypeError)):
         codec.decode(data)

