@@ -216,7 +216,7 @@ class ProcessLauncher:
     def __init__(self, limits: Limits):
         warnings.warn(
             "sandbox backend 'process' runs solutions WITHOUT isolation; use it only for trusted code",
-            stacklevel=3,
+            stacklevel=4,  # point at the Sandbox(...) call
         )
         self.limits = limits
 
