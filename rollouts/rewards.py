@@ -104,7 +104,21 @@ class Scorer:
         )
 
     def submit(self, task: Task, completion: str) -> Future[Reward]:
-        run = self.sandbox.submit(task.request(completion))
+        try:
+            request = task.request(completion)
+        except (
+            ValueError
+        ) as e:  # e.g. a repository edit that is not JSON: a failed attempt
+            failed: Future[Reward] = Future()
+            failed.set_result(
+                combine(
+                    task.id,
+                    RunResult("failed", 0, len(task.tests), str(e)),
+                    self.config,
+                )
+            )
+            return failed
+        run = self.sandbox.submit(request)
         lint = (
             self._lint_pool.submit(self._lint, task.program(completion))
             if self._lint_pool

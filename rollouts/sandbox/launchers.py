@@ -6,6 +6,7 @@ is one sandbox holding one zygote, running one solution at a time.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import select
 import shutil
@@ -35,6 +36,16 @@ _PYTHON_FLAGS = (
     "-s",
 )  # no site-packages, no .pyc writes, no PYTHON* env
 _CGROUP_OVERHEAD_MB = 96  # zygote + grader + bwrap, on top of the solution's budget
+_PYTEST_PACKAGES = (
+    "pytest",
+    "_pytest",
+    "pluggy",
+    "iniconfig",
+    "packaging",
+    "pygments",
+    "py",
+)
+SANDBOX_PYLIB = "/pylib"  # where repository tasks find pytest inside bwrap/docker
 
 
 class SandboxUnavailable(RuntimeError):
@@ -63,8 +74,27 @@ def base_python() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
-def hello(channel: Channel, workroot: str, timeout: float = 30.0) -> dict:
-    channel.send({"workroot": workroot, "preload": list(PRELOAD)})
+def pytest_paths() -> dict[str, str]:
+    """name -> host path of pytest and its dependencies, for repository tasks ({} if absent)."""
+    if importlib.util.find_spec("pytest") is None:
+        return {}
+    paths = {}
+    for name in _PYTEST_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            path = (
+                os.path.dirname(spec.origin)
+                if spec.submodule_search_locations
+                else spec.origin
+            )
+            paths[os.path.basename(path)] = path
+    return paths
+
+
+def hello(
+    channel: Channel, workroot: str, pylib: list[str], timeout: float = 30.0
+) -> dict:
+    channel.send({"workroot": workroot, "preload": list(PRELOAD), "pylib": pylib})
     reply = channel.recv(timeout)
     if not isinstance(reply, dict) or not reply.get("ready"):
         channel.close()
@@ -172,6 +202,8 @@ class BwrapLauncher:
             argv += ["--tmpfs", site]
         for path in binds:
             argv += ["--ro-bind", path, path]
+        for name, path in pytest_paths().items():
+            argv += ["--ro-bind", path, f"{SANDBOX_PYLIB}/{name}"]
         argv += ["--ro-bind", str(GUEST_DIR), "/harness"]
         argv += ["--size", str(self.limits.tmpfs_mb << 20), "--tmpfs", "/tmp"]
         argv += [
@@ -203,7 +235,7 @@ class BwrapLauncher:
             join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f"; shift; done; exec "$@"'
             argv = ["/bin/sh", "-c", join, "sh", *cgroup.procs_files, "--", *argv]
         channel = PipeChannel(argv, cgroup=cgroup)
-        hello(channel, "/tmp")
+        hello(channel, "/tmp", [SANDBOX_PYLIB])
         channel.baseline = len(cgroup.pids()) if cgroup else 0
         return channel
 
@@ -230,7 +262,11 @@ class ProcessLauncher:
         argv = [base_python(), *_PYTHON_FLAGS, str(GUEST_DIR / "zygote.py")]
         env = {"PATH": "/usr/bin:/bin", "HOME": workroot, "LANG": "C.UTF-8"}
         channel = PipeChannel(argv, cleanup_dir=workroot, cwd=workroot, env=env)
-        hello(channel, workroot)
+        hello(
+            channel,
+            workroot,
+            sorted({os.path.dirname(p) for p in pytest_paths().values()}),
+        )
         return channel
 
 
@@ -322,7 +358,13 @@ class DockerLauncher:
             pids_limit=self.limits.max_procs + 8,
             read_only=True,
             tmpfs={"/tmp": f"size={self.limits.tmpfs_mb}m,mode=1777"},
-            volumes={str(GUEST_DIR): {"bind": "/harness", "mode": "ro"}},
+            volumes={
+                str(GUEST_DIR): {"bind": "/harness", "mode": "ro"},
+                **{
+                    path: {"bind": f"{SANDBOX_PYLIB}/{name}", "mode": "ro"}
+                    for name, path in pytest_paths().items()
+                },
+            },
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             user="65534:65534",
@@ -331,7 +373,7 @@ class DockerLauncher:
         )
         raw = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
         channel = DockerChannel(container, getattr(raw, "_sock", raw))
-        hello(channel, "/tmp", timeout=60.0)
+        hello(channel, "/tmp", [SANDBOX_PYLIB], timeout=60.0)
         return channel
 
 

@@ -91,10 +91,15 @@ class _Worker:
         if status not in STATUSES:
             return _result("error", req, f"harness returned unknown status {status!r}")
         passed = int(verdict.get("tests_passed", 0))
+        total = (
+            int(verdict.get("tests_total", 0))
+            if req.mode == "pytest"
+            else len(req.cases)
+        )
         return RunResult(
             status=status,
             tests_passed=passed if status in ("passed", "failed") else 0,
-            tests_total=len(req.cases),
+            tests_total=total,
             message=str(verdict.get("message", "")),
             output=str(verdict.get("output", "")),
             output_bytes=int(verdict.get("output_bytes", 0)),

@@ -43,8 +43,11 @@ class TestCase:
 class RunRequest:
     """What to run: the solution program and the trusted tests that grade it.
 
-    `setup` is trusted code (task helpers, test module top level) executed in the
-    grader before the cases; `files` are written into the work dir first.
+    mode "call": `setup` is trusted code (task helpers, test module top level)
+    executed in the grader before the `cases`; `files` are written into the
+    work dir first. mode "pytest" (repository tasks): `files` is the pristine
+    repository, `edits` the solution's files, `protected` the test paths the
+    solution may not touch, `pytest_args` the test command's arguments.
     """
 
     program: str
@@ -53,6 +56,10 @@ class RunRequest:
     setup: str = ""
     files: dict[str, str] = field(default_factory=dict)
     image: str | None = None  # docker backend: the task's image
+    mode: Literal["call", "pytest"] = "call"
+    edits: dict[str, str] = field(default_factory=dict)
+    protected: tuple[str, ...] = ()
+    pytest_args: tuple[str, ...] = ()
 
     def spec(self, limits: Limits) -> dict:
         return {
@@ -62,6 +69,10 @@ class RunRequest:
             "cases": [{"name": c.name, "code": c.code} for c in self.cases],
             "files": dict(self.files),
             "limits": dataclasses.asdict(limits),
+            "mode": self.mode,
+            "edits": dict(self.edits),
+            "protected": list(self.protected),
+            "pytest_args": list(self.pytest_args),
         }
 
 

@@ -1,8 +1,10 @@
-"""Repository tasks: a directory or tarball plus a test command.
+"""Repository tasks: a directory or tarball plus a pytest command.
 
-The repository is read into memory as the task's pristine files. The agent's
-edits are applied on a copy in the sandbox; paths under `test_paths` are then
-restored from the pristine copy, so editing tests never helps.
+The repository is read into memory as the task's pristine files. A completion
+is a JSON object {path: new content}; the sandbox writes the pristine files,
+then the edits, and scores `hack` for edits under `test_paths`, outside the
+repository, or to conftest/pytest config/`.pth` files. The tests run with
+pytest in the sandbox (`python -m pytest ARGS` from the repository root).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from rollouts.tasks.task import Task, TaskFormatError
+from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
 MAX_REPO_BYTES = 16 << 20
 
@@ -65,6 +67,10 @@ def load_repo_task(
         raise TaskFormatError(
             f"{path}: field 'test_command' must be a non-empty command"
         )
+    try:
+        pytest_args(tuple(test_command))
+    except ValueError as e:
+        raise TaskFormatError(f"{path}: field 'test_command': {e}") from None
     files = {}
     for name, data in raw.items():
         try:

@@ -80,3 +80,15 @@ def test_batch_length_mismatch_is_an_error(bwrap_sandbox):
         pytest.raises(ValueError, match="2 tasks but 1 completions"),
     ):
         scorer.score_batch(synthetic_tasks(2), ["x"])
+
+
+def test_unusable_completion_scores_as_failed_not_an_exception(bwrap_sandbox, tmp_path):
+    from rollouts.tasks import load_repo_task
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("def test_a():\n    pass\n")
+    task = load_repo_task(tmp_path, ["pytest", "tests"])
+    with Scorer(sandbox=bwrap_sandbox) as scorer:
+        reward = scorer.submit(task, "not json").result()
+    assert (reward.status, reward.reward) == ("failed", 0.0)
+    assert "completion is not JSON" in reward.result.message

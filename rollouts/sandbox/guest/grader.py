@@ -9,8 +9,10 @@ to a pipe the solution process never held.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import os
+import posixpath
 import resource
 import signal
 import socket
@@ -100,9 +102,11 @@ def _become_solution(sock: socket.socket, out_w: int, spec: dict, workdir: str) 
         PATH="/usr/bin:/bin", HOME=workdir, TMPDIR=workdir, LANG="C.UTF-8"
     )
     _set_limits(spec["limits"])
-    runner.serve(
-        socket.socket(fileno=_SOLUTION_FD), spec["program"], spec["entry_point"]
-    )
+    sock = socket.socket(fileno=_SOLUTION_FD)
+    if spec["mode"] == "pytest":
+        runner.run_pytest(sock, spec["pytest_args"], spec["pylib"])
+    else:
+        runner.serve(sock, spec["program"], spec["entry_point"])
 
 
 class Solution:
@@ -255,6 +259,7 @@ def _run_cases(spec: dict, solution: Solution) -> dict:
         return {
             "status": "failed",
             "tests_passed": 0,
+            "tests_total": len(cases),
             "message": f"loading the solution failed: {err}",
         }
 
@@ -277,7 +282,111 @@ def _run_cases(spec: dict, solution: Solution) -> dict:
     if solution.aborted:  # a test swallowed the abort with a bare except
         raise solution.aborted
     status = "passed" if passed == len(cases) else "failed"
-    return {"status": status, "tests_passed": passed, "message": message}
+    return {
+        "status": status,
+        "tests_passed": passed,
+        "tests_total": len(cases),
+        "message": message,
+    }
+
+
+# Files through which a solution could load code into pytest or the interpreter.
+_INJECTION_NAMES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+                    "sitecustomize.py", "usercustomize.py"}  # fmt: skip
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _edit_problem(rel: str, protected: list[str]) -> str:
+    """Why an edit is a hack ('' if it is fine)."""
+    norm = posixpath.normpath(rel)
+    if rel.startswith("/") or norm == "." or norm.startswith(".."):
+        return f"edit {rel!r} escapes the repository"
+    if _under(norm, protected):
+        return f"edit {rel!r} tampers with the protected tests"
+    base = posixpath.basename(norm)
+    if base in _INJECTION_NAMES or base.endswith(".pth"):
+        return (
+            f"edit {rel!r} injects pytest configuration or plugins (conftest/ini/.pth)"
+        )
+    return ""
+
+
+def _apply_edits(spec: dict, workdir: str) -> str:
+    """Write the solution's files over the pristine repository; a hack reason or ''."""
+    for rel in spec["edits"]:
+        problem = _edit_problem(rel, spec["protected"])
+        if problem:
+            return problem
+    _write_files(spec["edits"], workdir)
+    return ""
+
+
+def _expected_tests(spec: dict) -> set[str]:
+    """Test node ids found by parsing the pristine test files (trusted, no imports)."""
+    expected = set()
+    for rel, text in spec["files"].items():
+        base = posixpath.basename(rel)
+        is_test_file = base.endswith(".py") and (
+            base.startswith("test_") or base.endswith("_test.py")
+        )
+        if not (is_test_file and _under(rel, spec["protected"])):
+            continue
+        for node in ast.parse(text).body:
+            if isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef)
+            ) and node.name.startswith("test"):
+                expected.add(f"{rel}::{node.name}")
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                expected.update(
+                    f"{rel}::{node.name}::{m.name}"
+                    for m in node.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and m.name.startswith("test")
+                )
+    return expected
+
+
+def _run_pytest(spec: dict, solution: Solution) -> dict:
+    collected: list[str] = []
+    outcomes: dict[str, str] = {}
+    message = ""
+    while (msg := solution.receive())[0] != "done":
+        if msg[0] == "collected" and len(msg) == 2 and isinstance(msg[1], list):
+            collected = [str(n) for n in msg[1]]
+        elif msg[0] == "report" and len(msg) == 5:
+            nodeid, when, outcome, detail = map(str, msg[1:])
+            if outcome == "failed" and "SystemExit" in detail:
+                raise Abort(
+                    "hack", f"{nodeid}: solution raised SystemExit under pytest"
+                )
+            if outcomes.get(nodeid, "passed") == "passed":  # keep the first non-pass
+                outcomes[nodeid] = outcome
+            if outcome != "passed" and not message:
+                message = f"{nodeid} ({when}) {outcome}: {detail}"[:1500]
+        else:
+            err = _reply_error(msg)
+            raise (
+                err
+                if isinstance(err, Abort)
+                else Abort("error", f"pytest did not run: {err}")
+            )
+    for test in sorted(_expected_tests(spec)):
+        if not any(n == test or n.startswith(test + "[") for n in collected):
+            raise Abort(
+                "hack",
+                f"test {test} was not run (deselected, skipped at collection or hidden)",
+            )
+    passed = sum(outcomes.get(n) == "passed" for n in collected)
+    ok = bool(collected) and passed == len(collected) and msg[1:] == [0]
+    if not collected:
+        message = "no tests collected"
+    elif not ok and not message:
+        message = f"pytest exited with status {msg[1:]}"
+    return {"status": "passed" if ok else "failed", "tests_passed": passed, "tests_total": len(collected),
+            "message": message}  # fmt: skip
 
 
 def _write_files(files: dict, workdir: str) -> None:
@@ -292,21 +401,35 @@ def grade(spec: dict, nonce_fd: int, verdict_fd: int, workdir: str) -> None:
     """Run one spec; write {"nonce", "status", ...} to verdict_fd."""
     started = time.monotonic()
     os.makedirs(workdir, exist_ok=True)
-    _write_files(spec.get("files", {}), workdir)
-    solution = Solution(spec, workdir)
+    _write_files(spec["files"], workdir)
+    problem = _apply_edits(spec, workdir) if spec["mode"] == "pytest" else ""
+    solution = None if problem else Solution(spec, workdir)
     nonce = wire.recv(nonce_fd)  # read only now: the forked solution never saw it
-    try:
-        verdict = _run_cases(spec, solution)
-    except Abort as e:
-        verdict = {"status": e.status, "tests_passed": 0, "message": str(e)}
-    solution.kill()
-    solution.reap(block=True)
-    solution.drain.join(0.2)
+    verdict = {
+        "status": "hack",
+        "tests_passed": 0,
+        "tests_total": 0,
+        "message": problem,
+    }
+    if solution is not None:
+        run = _run_pytest if spec["mode"] == "pytest" else _run_cases
+        try:
+            verdict = run(spec, solution)
+        except Abort as e:
+            verdict = {
+                "status": e.status,
+                "tests_passed": 0,
+                "tests_total": len(spec["cases"]),
+                "message": str(e),
+            }
+        solution.kill()
+        solution.reap(block=True)
+        solution.drain.join(0.2)
+    drain = solution.drain if solution else None
     verdict.update(
         nonce=nonce,
-        tests_total=len(spec["cases"]),
         seconds=time.monotonic() - started,
-        output=bytes(solution.drain.head).decode("utf-8", "replace"),
-        output_bytes=solution.drain.total,
+        output=bytes(drain.head).decode("utf-8", "replace") if drain else "",
+        output_bytes=drain.total if drain else 0,
     )
     wire.send(verdict_fd, verdict)

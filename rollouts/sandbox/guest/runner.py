@@ -8,6 +8,8 @@ for the verdict: the grader checks every reply (see `codec`). Replies are
 from __future__ import annotations
 
 import builtins
+import importlib
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -71,3 +73,24 @@ def serve(sock: socket.socket, program: str, entry_point: str) -> None:
         kwargs = codec.decode(call["kwargs"])
         reply = _attempt(lambda a=args, k=kwargs: codec.encode(fn(*a, **k)))
         wire.send_sock(sock, reply)
+
+
+def run_pytest(sock: socket.socket, args: list[str], pylib: list[str]) -> None:
+    """Run pytest in this process (it imports the solution) with the reporting plugin."""
+    sys.path[:0] = [
+        *pylib,
+        os.getcwd(),
+    ]  # like `python -m pytest` from the repository root
+    loaded = _attempt(lambda: importlib.import_module("pytest"))
+    if loaded[0] != "ok":
+        wire.send_sock(
+            sock, ["raise", "ImportError", "pytest is not available in the sandbox"]
+        )
+        return
+    import pytest_verdict
+
+    pytest = loaded[1]
+    plugin = pytest_verdict.Reporter(sock)
+    argv = [*args, "--rootdir", os.getcwd(), "-p", "no:cacheprovider", "-q"]
+    reply = _attempt(lambda: int(pytest.main(argv, plugins=[plugin])))
+    wire.send_sock(sock, ["done", reply[1]] if reply[0] == "ok" else reply)

@@ -1,7 +1,7 @@
 """The fork-server: a long-lived process that never runs untrusted code.
 
 Protocol on fds 0/1 (frames, see `wire`): the host sends a hello
-{"workroot", "preload"}; the zygote answers {"ready", "pid"}. Then per run the
+{"workroot", "preload", "pylib"}; the zygote answers {"ready", "pid"}. Then per run the
 host sends {"spec"} followed by {"nonce"}. The zygote forks a grader *before*
 reading the nonce, hands the nonce to the grader through a pipe (the grader
 reads it after forking the solution), waits for the verdict, kills every
@@ -196,9 +196,10 @@ def main() -> None:
     for name in hello["preload"]:
         importlib.import_module(name)
     workroot = hello["workroot"]
+    pylib = hello["pylib"]
     wire.send(host_out, {"ready": True, "pid": os.getpid(), "oom_kills": oom_kills()})
     while (msg := wire.recv(host_in)) is not None:
-        reply = run_one(msg["spec"], host_in, host_out, workroot)
+        reply = run_one({**msg["spec"], "pylib": pylib}, host_in, host_out, workroot)
         reply["oom_kills"] = oom_kills()
         wire.send(host_out, reply)
         if reply["recycle"]:
