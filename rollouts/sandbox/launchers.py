@@ -57,6 +57,7 @@ class Channel(Protocol):
     def recv(self, timeout: float) -> object | None: ...  # None on EOF; TimeoutError
     def oom_kills(self) -> int: ...
     def leftover(self) -> bool: ...  # processes beyond the idle zygote remain
+    def alive(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -64,8 +65,8 @@ class Launcher(Protocol):
     name: str
 
     def launch(self, image: str | None) -> Channel: ...
-    def wrap(
-        self, command: list[str], binds: tuple[str, ...] = ()
+    def tool_argv(
+        self, binary: str, args: list[str]
     ) -> list[str]: ...  # one-shot tools
 
 
@@ -135,6 +136,9 @@ class PipeChannel:
     def leftover(self) -> bool:
         return bool(self.cgroup) and len(self.cgroup.pids()) > self.baseline
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
@@ -166,8 +170,15 @@ class BwrapLauncher:
         self.limits, self.use_cgroups = limits, use_cgroups
         self.python = base_python()
 
-    def wrap(self, command: list[str], binds: tuple[str, ...] = ()) -> list[str]:
-        """bwrap argv running `command` in the sandbox; `binds` are extra read-only paths."""
+    def tool_argv(self, binary: str, args: list[str]) -> list[str]:
+        """argv running a host tool (the linter) in a one-shot sandbox like the zygote's."""
+        inside = f"/tools/{os.path.basename(binary)}"
+        return self.wrap([inside, *args], binds={binary: inside})
+
+    def wrap(
+        self, command: list[str], binds: dict[str, str] | None = None
+    ) -> list[str]:
+        """bwrap argv running `command` in the sandbox; `binds` maps extra read-only host paths in."""
         prefix = os.path.realpath(sys.base_prefix)
         argv = [
             self.bwrap,
@@ -200,8 +211,8 @@ class BwrapLauncher:
             prefix
         ):  # installed packages (datasets with answers) stay hidden
             argv += ["--tmpfs", site]
-        for path in binds:
-            argv += ["--ro-bind", path, path]
+        for host, inside in (binds or {}).items():
+            argv += ["--ro-bind", host, inside]
         for name, path in pytest_paths().items():
             argv += ["--ro-bind", path, f"{SANDBOX_PYLIB}/{name}"]
         argv += ["--ro-bind", str(GUEST_DIR), "/harness"]
@@ -252,9 +263,8 @@ class ProcessLauncher:
         )
         self.limits = limits
 
-    def wrap(self, command: list[str], binds: tuple[str, ...] = ()) -> list[str]:
-        del binds
-        return command
+    def tool_argv(self, binary: str, args: list[str]) -> list[str]:
+        return [binary, *args]
 
     def launch(self, image: str | None) -> Channel:
         del image
@@ -311,6 +321,9 @@ class DockerChannel:
     def leftover(self) -> bool:
         return False  # the zygote is the container's pid 1 and kills its descendants itself
 
+    def alive(self) -> bool:
+        return True  # a dead container shows up as a failed send, which relaunches it
+
     def close(self) -> None:
         self.sock.close()
         try:
@@ -341,9 +354,13 @@ class DockerLauncher:
         self.limits, self.image, self.python = limits, image, python
         self.host_tools = BwrapLauncher(limits) if shutil.which("bwrap") else None
 
-    def wrap(self, command: list[str], binds: tuple[str, ...] = ()) -> list[str]:
+    def tool_argv(self, binary: str, args: list[str]) -> list[str]:
         """One-shot tools (the linter) run under bwrap on the host where available."""
-        return self.host_tools.wrap(command, binds) if self.host_tools else command
+        return (
+            self.host_tools.tool_argv(binary, args)
+            if self.host_tools
+            else [binary, *args]
+        )
 
     def launch(self, image: str | None) -> Channel:
         mem = f"{self.limits.memory_mb + self.limits.tmpfs_mb + _CGROUP_OVERHEAD_MB}m"

@@ -28,17 +28,15 @@ def lint_issues(
     launcher: Launcher, program: str, rules: tuple[str, ...] = DEFAULT_RULES
 ) -> list[str]:
     """ruff's findings on `program`, as 'CODE message' strings."""
-    ruff = ruff_binary()
-    command = [ruff, "check", "--isolated", "--no-cache", "--output-format", "json"]
-    command += ["--select", ",".join(rules), "--stdin-filename", "solution.py", "-"]
+    args = ["check", "--isolated", "--no-cache", "--output-format", "json"]
+    args += ["--select", ",".join(rules), "--stdin-filename", "solution.py", "-"]
+    argv = launcher.tool_argv(ruff_binary(), args)
     proc = subprocess.run(
-        launcher.wrap(command, binds=(ruff,)),
-        input=program.encode(),
-        capture_output=True,
-        timeout=30,
+        argv, input=program.encode(), capture_output=True, timeout=30, check=False
     )
-    if proc.returncode not in (0, 1):  # 1 means "issues found"
-        raise RuntimeError(
-            f"ruff failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-500:]}"
-        )
-    return [f"{d['code']} {d['message']}" for d in json.loads(proc.stdout)]
+    try:  # exit status 1 just means "issues found"; a failed start prints no JSON
+        findings = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        stderr = proc.stderr.decode(errors="replace")[-500:]
+        raise RuntimeError(f"ruff failed (exit {proc.returncode}): {stderr}") from None
+    return [f"{d['code']} {d['message']}" for d in findings]

@@ -49,12 +49,25 @@ class _Worker:
             self.channel.close()
             self.channel = None
 
+    def _start(self, req: RunRequest) -> Channel:
+        """Send the run's spec; a sandbox that died while idle is replaced once."""
+        spec = {"spec": req.spec(self.limits)}
+        try:
+            channel = self._channel_for(req.image)
+            if not channel.alive():
+                raise BrokenPipeError("sandbox exited while idle")
+            channel.send(spec)
+        except OSError:  # not this run's doing: nothing of it has run yet
+            self.discard()
+            channel = self._channel_for(req.image)
+            channel.send(spec)
+        return channel
+
     def run(self, req: RunRequest) -> RunResult:
-        channel = self._channel_for(req.image)
+        channel = self._start(req)
         oom_before = channel.oom_kills()
         nonce = secrets.token_hex(16)
         try:
-            channel.send({"spec": req.spec(self.limits)})
             channel.send({"nonce": nonce})
             reply = channel.recv(self.limits.wall_s + _HOST_GRACE_S)
         except TimeoutError:
@@ -128,13 +141,12 @@ class Sandbox:
         self.backend = backend
         self.workers = workers or os.cpu_count() or 1
         self._queue: queue.Queue = queue.Queue()
+        self._workers = [
+            _Worker(self.launcher, self.limits) for _ in range(self.workers)
+        ]
         self._threads = [
-            threading.Thread(
-                target=self._serve,
-                args=(_Worker(self.launcher, self.limits),),
-                daemon=True,
-            )
-            for _ in range(self.workers)
+            threading.Thread(target=self._serve, args=(w,), daemon=True)
+            for w in self._workers
         ]
         for t in self._threads:
             t.start()

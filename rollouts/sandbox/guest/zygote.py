@@ -83,20 +83,29 @@ def kill_descendants() -> bool:
     return False
 
 
-def wipe(root: str) -> bool:
-    def unlock(func, path, _exc):
-        os.chmod(os.path.dirname(path), 0o700)
-        os.chmod(path, 0o700) if os.path.isdir(path) else None
-        func(path)
+def _unlock(func, path, _exc) -> None:
+    """rmtree error hook: the solution may have chmod-ed its files to 000."""
+    os.chmod(os.path.dirname(path), 0o700)
+    if os.path.isdir(path):
+        os.chmod(path, 0o700)
+    func(path)
 
+
+_RMTREE_HOOK = (
+    {"onexc": _unlock} if sys.version_info >= (3, 12) else {"onerror": _unlock}
+)
+
+
+def wipe(root: str) -> bool:
+    """Empty the work root; False (the sandbox gets recycled) if anything resists."""
     try:
         for name in os.listdir(root):
             path = os.path.join(root, name)
             if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, onerror=unlock)
+                shutil.rmtree(path, **_RMTREE_HOOK)
             else:
                 os.unlink(path)
-    except OSError:
+    except (OSError, RecursionError):
         return False
     return True
 

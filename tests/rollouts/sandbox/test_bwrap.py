@@ -153,3 +153,22 @@ def test_unknown_backend_is_a_clear_error():
 def test_limits_are_validated():
     with pytest.raises(ValueError, match="Limits.wall_s must be positive"):
         Limits(wall_s=0)
+
+
+def test_a_sandbox_that_died_while_idle_is_replaced_without_blaming_the_next_run():
+    with Sandbox("bwrap", workers=1) as sb:
+        assert sb.submit(ADD).result().passed
+        channel = sb._workers[0].channel
+        zygote = next(p for p in _zygotes() if f"{channel.proc.pid}" in _ancestors(p))
+        os.kill(int(zygote), 9)
+        channel.proc.wait(timeout=10)
+        assert sb.submit(ADD).result().passed
+
+
+def _ancestors(pid: int) -> list[str]:
+    chain = []
+    while pid > 1:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        chain.append(str(pid))
+    return chain
