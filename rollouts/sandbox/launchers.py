@@ -93,9 +93,21 @@ def pytest_paths() -> dict[str, str]:
 
 
 def hello(
-    channel: Channel, workroot: str, pylib: list[str], timeout: float = 30.0
+    channel: Channel,
+    workroot: str,
+    pylib: list[str],
+    private_ipc: bool,
+    timeout: float = 30.0,
 ) -> dict:
-    channel.send({"workroot": workroot, "preload": list(PRELOAD), "pylib": pylib})
+    """Start the zygote; `private_ipc` lets it clear SysV IPC objects after each run."""
+    channel.send(
+        {
+            "workroot": workroot,
+            "preload": list(PRELOAD),
+            "pylib": pylib,
+            "private_ipc": private_ipc,
+        }
+    )
     reply = channel.recv(timeout)
     if not isinstance(reply, dict) or not reply.get("ready"):
         channel.close()
@@ -246,7 +258,7 @@ class BwrapLauncher:
             join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f"; shift; done; exec "$@"'
             argv = ["/bin/sh", "-c", join, "sh", *cgroup.procs_files, "--", *argv]
         channel = PipeChannel(argv, cgroup=cgroup)
-        hello(channel, "/tmp", [SANDBOX_PYLIB])
+        hello(channel, "/tmp", [SANDBOX_PYLIB], private_ipc=True)
         channel.baseline = len(cgroup.pids()) if cgroup else 0
         return channel
 
@@ -272,11 +284,8 @@ class ProcessLauncher:
         argv = [base_python(), *_PYTHON_FLAGS, str(GUEST_DIR / "zygote.py")]
         env = {"PATH": "/usr/bin:/bin", "HOME": workroot, "LANG": "C.UTF-8"}
         channel = PipeChannel(argv, cleanup_dir=workroot, cwd=workroot, env=env)
-        hello(
-            channel,
-            workroot,
-            sorted({os.path.dirname(p) for p in pytest_paths().values()}),
-        )
+        pylib = sorted({os.path.dirname(p) for p in pytest_paths().values()})
+        hello(channel, workroot, pylib, private_ipc=False)  # the host's IPC: hands off
         return channel
 
 
@@ -390,7 +399,7 @@ class DockerLauncher:
         )
         raw = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
         channel = DockerChannel(container, getattr(raw, "_sock", raw))
-        hello(channel, "/tmp", [SANDBOX_PYLIB], timeout=60.0)
+        hello(channel, "/tmp", [SANDBOX_PYLIB], private_ipc=True, timeout=60.0)
         return channel
 
 

@@ -1,7 +1,7 @@
 """The fork-server: a long-lived process that never runs untrusted code.
 
 Protocol on fds 0/1 (frames, see `wire`): the host sends a hello
-{"workroot", "preload", "pylib"}; the zygote answers {"ready", "pid"}. Then per run the
+{"workroot", "preload", "pylib", "private_ipc"}; the zygote answers {"ready", "pid"}. Then per run the
 host sends {"spec"} followed by {"nonce"}. The zygote forks a grader *before*
 reading the nonce, hands the nonce to the grader through a pipe (the grader
 reads it after forking the solution), waits for the verdict, kills every
@@ -83,6 +83,27 @@ def kill_descendants() -> bool:
     return False
 
 
+_IPC_RMID = 0
+
+
+def remove_sysv_ipc() -> None:
+    """Runs share the sandbox's IPC namespace: drop every SysV object a run left behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    removers = {
+        "shm": lambda ipc_id: libc.shmctl(ipc_id, _IPC_RMID, None),
+        "sem": lambda ipc_id: libc.semctl(ipc_id, 0, _IPC_RMID),
+        "msg": lambda ipc_id: libc.msgctl(ipc_id, _IPC_RMID, None),
+    }
+    for kind, remove in removers.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            remove(int(row.split()[1]))
+
+
 def _unlock(func, path, _exc) -> None:
     """rmtree error hook: the solution may have chmod-ed its files to 000."""
     os.chmod(os.path.dirname(path), 0o700)
@@ -140,7 +161,9 @@ def _read_verdict(fd: int, deadline: float) -> bytes | None:
     return None
 
 
-def run_one(spec: dict, host_in: int, host_out: int, workroot: str) -> dict:
+def run_one(
+    spec: dict, host_in: int, host_out: int, workroot: str, private_ipc: bool
+) -> dict:
     nonce_r, nonce_w = os.pipe()
     verdict_r, verdict_w = os.pipe()
     pid = os.fork()
@@ -164,6 +187,8 @@ def run_one(spec: dict, host_in: int, host_out: int, workroot: str) -> dict:
     )
     os.close(verdict_r)
     clean = kill_descendants() & wipe(workroot)
+    if private_ipc:  # never on the host's namespace (process backend)
+        remove_sysv_ipc()
     if raw is None:
         reason = "grader did not finish in time (stopped or stuck)"
         return {
@@ -208,7 +233,8 @@ def main() -> None:
     pylib = hello["pylib"]
     wire.send(host_out, {"ready": True, "pid": os.getpid(), "oom_kills": oom_kills()})
     while (msg := wire.recv(host_in)) is not None:
-        reply = run_one({**msg["spec"], "pylib": pylib}, host_in, host_out, workroot)
+        spec = {**msg["spec"], "pylib": pylib}
+        reply = run_one(spec, host_in, host_out, workroot, hello["private_ipc"])
         reply["oom_kills"] = oom_kills()
         wire.send(host_out, reply)
         if reply["recycle"]:

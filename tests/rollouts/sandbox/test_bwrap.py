@@ -172,3 +172,20 @@ def _ancestors(pid: int) -> list[str]:
         pid = int(stat[stat.rindex(")") + 2 :].split()[1])
         chain.append(str(pid))
     return chain
+
+
+def test_sysv_ipc_objects_do_not_survive_into_the_next_run(humaneval):
+    shm = "import ctypes\nlibc = ctypes.CDLL(None)\ndef f(x):\n    return libc.shmget(0x5EED, 4096, {flags})\n"
+    create = RunRequest(
+        shm.format(flags="0o1666"), "f", (TestCase("made", "assert candidate(0) >= 0"),)
+    )
+    lookup = RunRequest(
+        shm.format(flags="0o666"), "f", (TestCase("gone", "assert candidate(0) == -1"),)
+    )
+    with Sandbox(
+        "bwrap", workers=1
+    ) as sb:  # one zygote: both runs share its IPC namespace
+        assert [sb.submit(r).result().status for r in (create, lookup)] == [
+            "passed",
+            "passed",
+        ]
