@@ -6,6 +6,7 @@ is one sandbox holding one zygote, running one solution at a time.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import select
@@ -164,8 +165,45 @@ class PipeChannel:
 
 
 def _site_dirs(prefix: str) -> list[str]:
+    """Installed-package dirs under the bound roots (they may hold datasets with answers)."""
     paths = sysconfig.get_paths(vars={"base": prefix, "platbase": prefix})
-    return sorted({p for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p)})
+    debian = glob.glob("/usr/lib/python3*/dist-packages")
+    debian += glob.glob("/usr/local/lib/python3*/dist-packages")
+    candidates = {paths["purelib"], paths["platlib"], *debian}
+    return sorted(p for p in candidates if os.path.isdir(p))
+
+
+def _root_args(prefix: str) -> list[str]:
+    """A read-only root holding only what the interpreter needs: /usr, /lib*, its prefix."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64"):
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    if prefix != "/usr" and not prefix.startswith("/usr/"):
+        args += ["--ro-bind", prefix, prefix]
+    for site in _site_dirs(prefix):
+        args += ["--tmpfs", site]  # mask installed packages
+    return args
+
+
+def _bind_args(binds: dict[str, str]) -> list[str]:
+    """Extra read-only binds, pytest for repository tasks, and the harness itself."""
+    args = []
+    for host, inside in binds.items():
+        args += ["--ro-bind", host, inside]
+    for name, path in pytest_paths().items():
+        args += ["--ro-bind", path, f"{SANDBOX_PYLIB}/{name}"]
+    return args + ["--ro-bind", str(GUEST_DIR), "/harness"]
+
+
+_ISOLATION = ["--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+_ENV = ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]  # fmt: skip
+# /tmp (size-capped) is the only writable place; then /dev and / go read-only.
+_FINISH = ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/dev"]
+_FINISH += ["--remount-ro", "/", "--chdir", "/tmp"]
 
 
 class BwrapLauncher:
@@ -190,58 +228,20 @@ class BwrapLauncher:
     def wrap(
         self, command: list[str], binds: dict[str, str] | None = None
     ) -> list[str]:
-        """bwrap argv running `command` in the sandbox; `binds` maps extra read-only host paths in."""
-        prefix = os.path.realpath(sys.base_prefix)
-        argv = [
+        """bwrap argv running `command` sandboxed; `binds` maps host paths in read-only."""
+        tmpfs = ["--size", str(self.limits.tmpfs_mb << 20), "--tmpfs", "/tmp"]
+        root = _root_args(os.path.realpath(sys.base_prefix))
+        extra = _bind_args(binds or {})
+        return [
             self.bwrap,
-            "--unshare-all",
-            "--die-with-parent",
-            "--new-session",
-            "--clearenv",
+            *_ISOLATION,
+            *_ENV,
+            *root,
+            *extra,
+            *tmpfs,
+            *_FINISH,
+            *command,
         ]
-        argv += [
-            "--setenv",
-            "PATH",
-            "/usr/bin:/bin",
-            "--setenv",
-            "HOME",
-            "/tmp",
-            "--setenv",
-            "LANG",
-            "C.UTF-8",
-        ]
-        argv += ["--ro-bind", "/usr", "/usr"]
-        for name in ("bin", "sbin", "lib", "lib32", "lib64"):
-            path = f"/{name}"
-            if os.path.islink(path):
-                argv += ["--symlink", os.readlink(path), path]
-            elif os.path.isdir(path):
-                argv += ["--ro-bind", path, path]
-        if not prefix.startswith("/usr/"):
-            argv += ["--ro-bind", prefix, prefix]
-        for site in _site_dirs(
-            prefix
-        ):  # installed packages (datasets with answers) stay hidden
-            argv += ["--tmpfs", site]
-        for host, inside in (binds or {}).items():
-            argv += ["--ro-bind", host, inside]
-        for name, path in pytest_paths().items():
-            argv += ["--ro-bind", path, f"{SANDBOX_PYLIB}/{name}"]
-        argv += ["--ro-bind", str(GUEST_DIR), "/harness"]
-        argv += ["--size", str(self.limits.tmpfs_mb << 20), "--tmpfs", "/tmp"]
-        argv += [
-            "--dev",
-            "/dev",
-            "--proc",
-            "/proc",
-            "--remount-ro",
-            "/dev",
-            "--remount-ro",
-            "/",
-            "--chdir",
-            "/tmp",
-        ]
-        return argv + command
 
     def launch(self, image: str | None) -> Channel:
         del image  # one host root for every task
