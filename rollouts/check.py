@@ -1,0 +1,131 @@
+"""`jaxagent check-solutions`: grade a JSONL of completions, write one result per line.
+
+Results are written in input order as they complete, so an interrupted or
+failing run keeps everything computed so far. A bad input line becomes an
+`error` record naming the line and field; the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from rollouts.rewards import Reward, RewardConfig, Scorer
+from rollouts.sandbox import Limits
+from rollouts.tasks.task import Task
+
+
+@dataclass(frozen=True)
+class Submission:
+    line: int
+    task_id: str | None
+    completion: str | None
+    error: str = ""  # set when the line is unusable
+
+
+@dataclass
+class Summary:
+    statuses: Counter = field(default_factory=Counter)
+    bad_lines: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.statuses.values())
+
+
+def read_submissions(path: str | Path, tasks: dict[str, Task]) -> Iterator[Submission]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield _parse(line, lineno, path, tasks)
+
+
+def _parse(
+    line: str, lineno: int, path: str | Path, tasks: dict[str, Task]
+) -> Submission:
+    where = f"{path}:{lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return Submission(lineno, None, None, f"{where}: invalid JSON: {e.msg}")
+    if not isinstance(obj, dict):
+        return Submission(lineno, None, None, f"{where}: expected a JSON object")
+    task_id, completion = obj.get("task_id"), obj.get("completion")
+    if not isinstance(task_id, str):
+        return Submission(
+            lineno, None, None, f"{where}: field 'task_id': missing or not a string"
+        )
+    if not isinstance(completion, str):
+        return Submission(
+            lineno,
+            task_id,
+            None,
+            f"{where}: field 'completion': missing or not a string",
+        )
+    if task_id not in tasks:
+        return Submission(
+            lineno, task_id, None, f"{where}: field 'task_id': unknown task {task_id!r}"
+        )
+    return Submission(lineno, task_id, completion)
+
+
+def _record(sub: Submission, reward: Reward | None) -> dict:
+    if reward is None:
+        return {
+            "task_id": sub.task_id,
+            "passed": False,
+            "reward": 0.0,
+            "status": "error",
+            "message": sub.error,
+        }
+    r = reward.result
+    return {
+        "task_id": sub.task_id,
+        "passed": r.passed,
+        "reward": reward.reward,
+        "status": r.status,
+        "tests_passed": r.tests_passed,
+        "tests_total": r.tests_total,
+        "seconds": round(r.seconds, 4),
+        "message": r.message,
+        "breakdown": reward.breakdown,
+    }
+
+
+def check_solutions(
+    tasks: Sequence[Task],
+    solutions: str | Path,
+    out: IO[str],
+    backend: str = "bwrap",
+    workers: int | None = None,
+    limits: Limits | None = None,
+    config: RewardConfig | None = None,
+    progress: bool = True,
+) -> Summary:
+    """Grade every line of `solutions`, writing JSON records to `out` in input order."""
+    from rich.progress import Progress
+
+    by_id = {t.id: t for t in tasks}
+    subs = list(read_submissions(solutions, by_id))
+    summary = Summary()
+    with Scorer(config, backend=backend, workers=workers, limits=limits) as scorer:
+        futures: list[Future[Reward] | None] = [
+            None if s.error else scorer.submit(by_id[s.task_id], s.completion)
+            for s in subs
+        ]
+        with Progress(disable=not progress, transient=True) as bar:
+            job = bar.add_task("checking solutions", total=len(subs))
+            for sub, future in zip(subs, futures):
+                record = _record(sub, future.result() if future else None)
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+                summary.statuses[record["status"]] += 1
+                if sub.error:
+                    summary.bad_lines.append(sub.error)
+                bar.advance(job)
+    return summary

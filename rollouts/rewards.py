@@ -1,0 +1,172 @@
+"""Test-based rewards: what the RL trainer calls to score completions.
+
+    scorer = Scorer(RewardConfig(kind="fraction", hack_penalty=1.0))
+    rewards = scorer.score_batch(tasks, completions)      # blocking, ordered
+    reward = await scorer.score(task, completion)          # asyncio
+    future = scorer.submit(task, completion)               # concurrent.futures
+    reward.reward, reward.status, reward.breakdown
+
+Only the sandbox's verdict counts (see docs/sandbox.md); `hack` scores
+`-hack_penalty` whatever the tests said.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollouts.sandbox import Limits, RunResult, Sandbox, Status
+from rollouts.sandbox.lint import DEFAULT_RULES, lint_issues
+from rollouts.tasks.task import Task
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """`all_pass`: 1 if every test passed else 0; `fraction`: share of tests passed.
+
+    `hack_penalty` >= 0 is subtracted on `hack`; `lint_penalty` > 0 runs ruff
+    (`lint_rules`) in the sandbox and subtracts the penalty when it finds issues.
+    """
+
+    kind: Literal["all_pass", "fraction"] = "all_pass"
+    hack_penalty: float = 0.0
+    lint_penalty: float = 0.0
+    lint_rules: tuple[str, ...] = DEFAULT_RULES
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("all_pass", "fraction"):
+            raise ValueError(
+                f"RewardConfig.kind must be 'all_pass' or 'fraction', got {self.kind!r}"
+            )
+        if self.hack_penalty < 0 or self.lint_penalty < 0:
+            raise ValueError(
+                "RewardConfig penalties must be >= 0 (they are subtracted)"
+            )
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A scored completion: `reward` is the sum of `breakdown`'s terms."""
+
+    task_id: str
+    reward: float
+    status: Status
+    breakdown: dict[str, float]
+    result: RunResult
+    lint: tuple[str, ...] = field(default=())
+
+    @property
+    def passed(self) -> bool:
+        return self.result.passed
+
+
+def combine(
+    task_id: str, result: RunResult, config: RewardConfig, lint: Sequence[str] = ()
+) -> Reward:
+    """The reward for one sandbox result (pure: no I/O)."""
+    graded = result.status in ("passed", "failed")
+    tests = (
+        float(result.passed)
+        if config.kind == "all_pass"
+        else (result.fraction_passed if graded else 0.0)
+    )
+    breakdown = {
+        "tests": tests,
+        "hack": -float(config.hack_penalty) if result.status == "hack" else 0.0,
+        "lint": -float(config.lint_penalty) if lint else 0.0,
+    }
+    return Reward(
+        task_id, sum(breakdown.values()), result.status, breakdown, result, tuple(lint)
+    )
+
+
+class Scorer:
+    """Scores (task, completion) pairs in a `Sandbox`; owns it unless one is given."""
+
+    def __init__(
+        self,
+        config: RewardConfig | None = None,
+        sandbox: Sandbox | None = None,
+        backend: str = "bwrap",
+        workers: int | None = None,
+        limits: Limits | None = None,
+    ):
+        self.config = config or RewardConfig()
+        self._owned = sandbox is None
+        self.sandbox = sandbox or Sandbox(backend, workers=workers, limits=limits)
+        self._lint_pool = (
+            ThreadPoolExecutor(self.sandbox.workers)
+            if self.config.lint_penalty
+            else None
+        )
+
+    def submit(self, task: Task, completion: str) -> Future[Reward]:
+        try:
+            request = task.request(completion)
+        except (
+            ValueError
+        ) as e:  # e.g. a repository edit that is not JSON: a failed attempt
+            failed: Future[Reward] = Future()
+            failed.set_result(
+                combine(
+                    task.id,
+                    RunResult("failed", 0, len(task.tests), str(e)),
+                    self.config,
+                )
+            )
+            return failed
+        run = self.sandbox.submit(request)
+        lint = (
+            self._lint_pool.submit(self._lint, task.program(completion))
+            if self._lint_pool
+            else None
+        )
+        out: Future[Reward] = Future()
+
+        def finish(_: Future) -> None:
+            if lint is not None and not lint.done():
+                lint.add_done_callback(finish)
+                return
+            try:
+                out.set_result(
+                    combine(
+                        task.id,
+                        run.result(),
+                        self.config,
+                        lint.result() if lint else (),
+                    )
+                )
+            except Exception as e:
+                out.set_exception(e)
+
+        run.add_done_callback(finish)
+        return out
+
+    def _lint(self, program: str) -> list[str]:
+        return lint_issues(self.sandbox.launcher, program, self.config.lint_rules)
+
+    async def score(self, task: Task, completion: str) -> Reward:
+        return await asyncio.wrap_future(self.submit(task, completion))
+
+    def score_batch(
+        self, tasks: Sequence[Task], completions: Sequence[str]
+    ) -> list[Reward]:
+        if len(tasks) != len(completions):
+            raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
+        futures = [self.submit(t, c) for t, c in zip(tasks, completions)]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        if self._lint_pool:
+            self._lint_pool.shutdown()
+        if self._owned:
+            self.sandbox.close()
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,435 @@
+"""The trusted side of a run: forks the solution process and runs the tests.
+
+The grader never executes solution code. Tests call `candidate(...)`, a proxy
+that sends the arguments to the solution process and decodes the reply into
+plain builtin data, so comparisons happen here, on real values. Only after the
+last test case has run does the grader write its verdict, with the run's nonce,
+to a pipe the solution process never held.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import os
+import posixpath
+import resource
+import signal
+import socket
+import threading
+import time
+
+import codec
+import runner
+import wire
+
+_SOLUTION_FD = 3
+_HEAD_BYTES = 4096
+_SIGNAL_STATUS = {
+    signal.SIGXCPU: ("timeout", "CPU time limit exceeded"),
+    signal.SIGXFSZ: ("error", "file size limit exceeded"),
+    signal.SIGKILL: ("killed", "killed by SIGKILL"),  # the host tells oom from hack
+    signal.SIGSEGV: ("error", "crashed (SIGSEGV)"),
+    signal.SIGBUS: ("error", "crashed (SIGBUS)"),
+    signal.SIGABRT: ("error", "aborted (SIGABRT)"),
+    signal.SIGFPE: ("error", "crashed (SIGFPE)"),
+}
+
+
+class Abort(BaseException):
+    """Ends grading early with a final status (timeout, oom, hack, error).
+
+    A BaseException so that a test's own `except Exception` cannot swallow it.
+    """
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class CandidateError(Exception):
+    """The solution raised an exception that is not a builtin one."""
+
+
+class OutputDrain(threading.Thread):
+    """Reads the solution's stdout+stderr: keeps the head, counts all, enforces the cap."""
+
+    def __init__(self, fd: int, limit: int, on_overflow):
+        super().__init__(daemon=True)
+        self.fd, self.limit, self.on_overflow = fd, limit, on_overflow
+        self.head = bytearray()
+        self.total = 0
+        self.overflowed = False
+
+    def run(self) -> None:
+        while chunk := os.read(self.fd, 65536):
+            self.total += len(chunk)
+            if len(self.head) < _HEAD_BYTES:
+                self.head += chunk[: _HEAD_BYTES - len(self.head)]
+            if self.total > self.limit and not self.overflowed:
+                self.overflowed = True
+                self.on_overflow()
+
+
+def _set_limits(limits: dict) -> None:
+    mb = 1 << 20
+    pairs = {
+        resource.RLIMIT_CPU: (int(limits["cpu_s"]), int(limits["cpu_s"]) + 1),
+        resource.RLIMIT_AS: (limits["memory_mb"] * mb,) * 2,
+        resource.RLIMIT_FSIZE: (limits["file_size_mb"] * mb,) * 2,
+        resource.RLIMIT_NOFILE: (64, 64),
+        resource.RLIMIT_NPROC: (limits["max_procs"],) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+    }
+    for which, value in pairs.items():
+        resource.setrlimit(which, value)
+
+
+def _become_solution(sock: socket.socket, out_w: int, spec: dict, workdir: str) -> None:
+    """In the forked child: shed every grader fd and privilege, then serve calls."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out_w, 1)
+    os.dup2(out_w, 2)
+    os.dup2(sock.fileno(), _SOLUTION_FD)
+    os.closerange(_SOLUTION_FD + 1, 1 << 16)  # nonce, verdict and host pipes are gone
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU):
+        signal.signal(sig, signal.SIG_DFL)
+    os.chdir(workdir)
+    os.environ.clear()
+    os.environ.update(
+        PATH="/usr/bin:/bin", HOME=workdir, TMPDIR=workdir, LANG="C.UTF-8"
+    )
+    _set_limits(spec["limits"])
+    sock = socket.socket(fileno=_SOLUTION_FD)
+    if spec["mode"] == "pytest":
+        runner.run_pytest(sock, spec["pytest_args"], spec["pylib"])
+    else:
+        runner.serve(sock, spec["program"], spec["entry_point"])
+
+
+class Solution:
+    """Handle on the solution process: calls with a deadline, death diagnosis."""
+
+    def __init__(self, spec: dict, workdir: str):
+        self.deadline = time.monotonic() + spec["limits"]["wall_s"]
+        self.wall_s = spec["limits"]["wall_s"]
+        parent, child = socket.socketpair()
+        out_r, out_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                parent.close()
+                _become_solution(child, out_w, spec, workdir)
+            finally:
+                os._exit(0)  # returning into grader code would be fatal
+        child.close()
+        os.close(out_w)
+        self.sock = parent
+        self.aborted: Abort | None = None  # sticky: once aborted, every call re-raises
+        self.status: int | None = None
+        self.drain = OutputDrain(out_r, spec["limits"]["output_bytes"], self.kill)
+        self.drain.start()
+
+    def kill(self) -> None:
+        for target in (
+            lambda: os.killpg(self.pid, signal.SIGKILL),
+            lambda: os.kill(self.pid, signal.SIGKILL),
+        ):
+            try:
+                target()
+            except OSError:
+                pass
+
+    def reap(self, block: bool) -> bool:
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+            if pid:
+                self.status = status
+        return self.status is not None
+
+    def _timeout(self) -> float:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise Abort("timeout", f"wall time limit of {self.wall_s}s exceeded")
+        return remaining
+
+    def _read(self, n: int) -> bytes:
+        self.sock.settimeout(self._timeout())
+        try:
+            return self.sock.recv(n)
+        except TimeoutError:
+            raise Abort(
+                "timeout", f"wall time limit of {self.wall_s}s exceeded"
+            ) from None
+        except OSError:
+            return b""
+
+    def receive(self) -> list:
+        try:
+            reply = wire.recv_with(self._read)
+        except wire.FrameError as e:
+            raise Abort("hack", f"malformed reply from solution: {e}") from None
+        if reply is None:
+            raise self._death()
+        if type(reply) is not list or not reply or type(reply[0]) is not str:
+            raise Abort("hack", "malformed reply from solution")
+        return reply
+
+    def call(self, args: tuple, kwargs: dict) -> object:
+        if self.aborted:
+            raise self.aborted
+        try:
+            return self._call(args, kwargs)
+        except Abort as e:
+            self.aborted = e
+            raise
+
+    def _call(self, args: tuple, kwargs: dict) -> object:
+        try:
+            self.sock.settimeout(self._timeout())
+            wire.send_sock(
+                self.sock,
+                {"args": codec.encode(list(args)), "kwargs": codec.encode(kwargs)},
+            )
+        except TimeoutError:
+            raise Abort(
+                "timeout", f"wall time limit of {self.wall_s}s exceeded"
+            ) from None
+        except OSError:
+            raise self._death() from None
+        reply = self.receive()
+        if reply[0] == "ok" and len(reply) == 2:
+            try:
+                return codec.decode(reply[1])
+            except (ValueError, TypeError, RecursionError) as e:
+                raise Abort("hack", f"malformed result from solution: {e}") from None
+        raise _reply_error(reply)
+
+    def _death(self) -> Abort:
+        """The solution closed its channel: find out how it ended."""
+        for _ in range(100):
+            if self.reap(block=False):
+                break
+            time.sleep(0.005)
+        else:
+            return Abort("hack", "solution closed the harness channel")
+        status = self.status
+        if self.drain.overflowed:
+            return Abort("error", f"output limit of {self.drain.limit} bytes exceeded")
+        if os.WIFEXITED(status):
+            return Abort(
+                "hack",
+                f"solution process exited early (status {os.WEXITSTATUS(status)})",
+            )
+        sig = os.WTERMSIG(status)
+        return Abort(
+            *_SIGNAL_STATUS.get(sig, ("hack", f"solution killed by signal {sig}"))
+        )
+
+
+def _reply_error(reply: list) -> Exception:
+    kind = reply[0]
+    if kind == "raise" and len(reply) == 3:
+        exc_type = getattr(builtins, str(reply[1]), None)
+        if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+            return exc_type(
+                reply[2]
+            )  # tests may expect e.g. ValueError from the candidate
+        return CandidateError(f"{reply[1]}: {reply[2]}")
+    if kind in ("hack", "oom") and len(reply) == 2:
+        return Abort(kind, str(reply[1]))
+    return Abort("hack", "malformed reply from solution")
+
+
+def _case_failure(case: dict, exc: Exception) -> str:
+    first_line = case["code"].strip().splitlines()[0] if case["code"].strip() else ""
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return f"{case['name']}: {first_line[:200]} -> {detail[:500]}"
+
+
+def _run_cases(spec: dict, solution: Solution) -> dict:
+    ready = solution.receive()
+    cases = spec["cases"]
+    if ready != ["ready"]:
+        err = _reply_error(ready)
+        if isinstance(err, Abort):
+            raise err
+        return {
+            "status": "failed",
+            "tests_passed": 0,
+            "tests_total": len(cases),
+            "message": f"loading the solution failed: {err}",
+        }
+
+    def candidate(*args, **kwargs):
+        return solution.call(args, kwargs)
+
+    namespace: dict = {"__name__": "tests"}
+    try:
+        exec(compile(spec["setup"], "setup.py", "exec"), namespace)
+    except Exception as e:
+        raise Abort("error", f"test setup failed: {type(e).__name__}: {e}") from None
+    namespace[spec["entry_point"]] = namespace["candidate"] = candidate
+    passed, message = 0, ""
+    for case in cases:
+        try:
+            exec(compile(case["code"], case["name"], "exec"), namespace)
+            passed += 1
+        except Exception as e:  # includes AssertionError: this case failed
+            message = message or _case_failure(case, e)
+    if solution.aborted:  # a test swallowed the abort with a bare except
+        raise solution.aborted
+    status = "passed" if passed == len(cases) else "failed"
+    return {
+        "status": status,
+        "tests_passed": passed,
+        "tests_total": len(cases),
+        "message": message,
+    }
+
+
+# Files through which a solution could load code into pytest or the interpreter.
+_INJECTION_NAMES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+                    "sitecustomize.py", "usercustomize.py"}  # fmt: skip
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _edit_problem(rel: str, protected: list[str]) -> str:
+    """Why an edit is a hack ('' if it is fine)."""
+    norm = posixpath.normpath(rel)
+    if rel.startswith("/") or norm == "." or norm.startswith(".."):
+        return f"edit {rel!r} escapes the repository"
+    if _under(norm, protected):
+        return f"edit {rel!r} tampers with the protected tests"
+    base = posixpath.basename(norm)
+    if base in _INJECTION_NAMES or base.endswith(".pth"):
+        return (
+            f"edit {rel!r} injects pytest configuration or plugins (conftest/ini/.pth)"
+        )
+    return ""
+
+
+def _apply_edits(spec: dict, workdir: str) -> str:
+    """Write the solution's files over the pristine repository; a hack reason or ''."""
+    for rel in spec["edits"]:
+        problem = _edit_problem(rel, spec["protected"])
+        if problem:
+            return problem
+    _write_files(spec["edits"], workdir)
+    return ""
+
+
+def _expected_tests(spec: dict) -> set[str]:
+    """Test node ids found by parsing the pristine test files (trusted, no imports)."""
+    expected = set()
+    for rel, text in spec["files"].items():
+        base = posixpath.basename(rel)
+        is_test_file = base.endswith(".py") and (
+            base.startswith("test_") or base.endswith("_test.py")
+        )
+        if not (is_test_file and _under(rel, spec["protected"])):
+            continue
+        for node in ast.parse(text).body:
+            if isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef)
+            ) and node.name.startswith("test"):
+                expected.add(f"{rel}::{node.name}")
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                expected.update(
+                    f"{rel}::{node.name}::{m.name}"
+                    for m in node.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and m.name.startswith("test")
+                )
+    return expected
+
+
+def _run_pytest(spec: dict, solution: Solution) -> dict:
+    collected: list[str] = []
+    outcomes: dict[str, str] = {}
+    message = ""
+    while (msg := solution.receive())[0] != "done":
+        if msg[0] == "collected" and len(msg) == 2 and isinstance(msg[1], list):
+            collected = [str(n) for n in msg[1]]
+        elif msg[0] == "report" and len(msg) == 5:
+            nodeid, when, outcome, detail = map(str, msg[1:])
+            if outcome == "failed" and "SystemExit" in detail:
+                raise Abort(
+                    "hack", f"{nodeid}: solution raised SystemExit under pytest"
+                )
+            if outcomes.get(nodeid, "passed") == "passed":  # keep the first non-pass
+                outcomes[nodeid] = outcome
+            if outcome != "passed" and not message:
+                message = f"{nodeid} ({when}) {outcome}: {detail}"[:1500]
+        else:
+            err = _reply_error(msg)
+            raise (
+                err
+                if isinstance(err, Abort)
+                else Abort("error", f"pytest did not run: {err}")
+            )
+    for test in sorted(_expected_tests(spec)):
+        if not any(n == test or n.startswith(test + "[") for n in collected):
+            raise Abort(
+                "hack",
+                f"test {test} was not run (deselected, skipped at collection or hidden)",
+            )
+    passed = sum(outcomes.get(n) == "passed" for n in collected)
+    ok = bool(collected) and passed == len(collected) and msg[1:] == [0]
+    if not collected:
+        message = "no tests collected"
+    elif not ok and not message:
+        message = f"pytest exited with status {msg[1:]}"
+    return {"status": "passed" if ok else "failed", "tests_passed": passed, "tests_total": len(collected),
+            "message": message}  # fmt: skip
+
+
+def _write_files(files: dict, workdir: str) -> None:
+    for rel, content in files.items():
+        path = os.path.join(workdir, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(content)
+
+
+def grade(spec: dict, nonce_fd: int, verdict_fd: int, workdir: str) -> None:
+    """Run one spec; write {"nonce", "status", ...} to verdict_fd."""
+    started = time.monotonic()
+    os.makedirs(workdir, exist_ok=True)
+    _write_files(spec["files"], workdir)
+    problem = _apply_edits(spec, workdir) if spec["mode"] == "pytest" else ""
+    solution = None if problem else Solution(spec, workdir)
+    nonce = wire.recv(nonce_fd)  # read only now: the forked solution never saw it
+    verdict = {
+        "status": "hack",
+        "tests_passed": 0,
+        "tests_total": 0,
+        "message": problem,
+    }
+    if solution is not None:
+        run = _run_pytest if spec["mode"] == "pytest" else _run_cases
+        try:
+            verdict = run(spec, solution)
+        except Abort as e:
+            verdict = {
+                "status": e.status,
+                "tests_passed": 0,
+                "tests_total": len(spec["cases"]),
+                "message": str(e),
+            }
+        solution.kill()
+        solution.reap(block=True)
+        solution.drain.join(0.2)
+    drain = solution.drain if solution else None
+    verdict.update(
+        nonce=nonce,
+        seconds=time.monotonic() - started,
+        output=bytes(drain.head).decode("utf-8", "replace") if drain else "",
+        output_bytes=drain.total if drain else 0,
+    )
+    wire.send(verdict_fd, verdict)

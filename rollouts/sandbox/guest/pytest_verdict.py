@@ -1,0 +1,30 @@
+"""pytest plugin loaded into the solution process for repository tasks.
+
+It streams collection and per-test outcomes to the grader. It runs next to the
+solution's code, so the grader cross-checks what it reports against the test
+functions it finds itself in the pristine test files (see `grader`).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import wire
+
+
+class Reporter:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def pytest_collection_finish(self, session) -> None:
+        wire.send_sock(
+            self.sock, ["collected", [item.nodeid for item in session.items]]
+        )
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call" or report.outcome != "passed":
+            detail = str(report.longrepr)[-1000:] if report.failed else ""
+            wire.send_sock(
+                self.sock,
+                ["report", report.nodeid, report.when, report.outcome, detail],
+            )

@@ -1,0 +1,245 @@
+"""The fork-server: a long-lived process that never runs untrusted code.
+
+Protocol on fds 0/1 (frames, see `wire`): the host sends a hello
+{"workroot", "preload", "pylib", "private_ipc"}; the zygote answers {"ready", "pid"}. Then per run the
+host sends {"spec"} followed by {"nonce"}. The zygote forks a grader *before*
+reading the nonce, hands the nonce to the grader through a pipe (the grader
+reads it after forking the solution), waits for the verdict, kills every
+descendant, wipes the work root and answers {"verdict", "reason", "recycle"}.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import select
+import shutil
+import signal
+import sys
+import time
+
+import grader
+import wire
+
+_PR_SET_DUMPABLE = 4
+_PR_SET_CHILD_SUBREAPER = 36
+_GRACE_S = 2.0
+_MAX_VERDICT = 1 << 20
+
+
+def _harden() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    # Not dumpable: same-uid solution processes cannot ptrace us or open /proc/<pid>/fd|mem.
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    # Orphans (daemonised grandchildren) reparent to us, so cleanup can find them.
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+
+
+def kill_descendants() -> bool:
+    """SIGKILL everything below us until nothing is left; False if it would not die."""
+    me = os.getpid()
+    for _ in range(200):
+        pids = _descendants(me)
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.001)
+        _reap()
+    return False
+
+
+_IPC_RMID = 0
+
+
+def remove_sysv_ipc() -> None:
+    """Runs share the sandbox's IPC namespace: drop every SysV object a run left behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    removers = {
+        "shm": lambda ipc_id: libc.shmctl(ipc_id, _IPC_RMID, None),
+        "sem": lambda ipc_id: libc.semctl(ipc_id, 0, _IPC_RMID),
+        "msg": lambda ipc_id: libc.msgctl(ipc_id, _IPC_RMID, None),
+    }
+    for kind, remove in removers.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            remove(int(row.split()[1]))
+
+
+def _unlock(func, path, _exc) -> None:
+    """rmtree error hook: the solution may have chmod-ed its files to 000."""
+    os.chmod(os.path.dirname(path), 0o700)
+    if os.path.isdir(path):
+        os.chmod(path, 0o700)
+    func(path)
+
+
+_RMTREE_HOOK = (
+    {"onexc": _unlock} if sys.version_info >= (3, 12) else {"onerror": _unlock}
+)
+
+
+def wipe(root: str) -> bool:
+    """Empty the work root; False (the sandbox gets recycled) if anything resists."""
+    try:
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, **_RMTREE_HOOK)
+            else:
+                os.unlink(path)
+    except (OSError, RecursionError):
+        return False
+    return True
+
+
+def oom_kills() -> int | None:
+    """The container's OOM-kill count where its cgroup is visible (docker); else None."""
+    for path in (
+        "/sys/fs/cgroup/memory.events",
+        "/sys/fs/cgroup/memory/memory.oom_control",
+    ):
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except OSError:
+            continue
+    return None
+
+
+def _read_verdict(fd: int, deadline: float) -> bytes | None:
+    data = bytearray()
+    while len(data) <= _MAX_VERDICT:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return bytes(data)
+        data += chunk
+    return None
+
+
+def run_one(
+    spec: dict, host_in: int, host_out: int, workroot: str, private_ipc: bool
+) -> dict:
+    nonce_r, nonce_w = os.pipe()
+    verdict_r, verdict_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in (host_in, host_out, nonce_w, verdict_r):
+                os.close(fd)
+            grader.grade(spec, nonce_r, verdict_w, os.path.join(workroot, "work"))
+        finally:
+            os._exit(0)
+    os.close(nonce_r)
+    os.close(verdict_w)
+    nonce = wire.recv(host_in)  # only now, after the fork
+    try:
+        wire.send(nonce_w, nonce["nonce"])
+    except OSError:
+        pass  # the grader is already gone; the missing verdict says so
+    os.close(nonce_w)
+    raw = _read_verdict(
+        verdict_r, time.monotonic() + spec["limits"]["wall_s"] + _GRACE_S
+    )
+    os.close(verdict_r)
+    clean = kill_descendants() & wipe(workroot)
+    if private_ipc:  # never on the host's namespace (process backend)
+        remove_sysv_ipc()
+    if raw is None:
+        reason = "grader did not finish in time (stopped or stuck)"
+        return {
+            "verdict": None,
+            "reason": reason,
+            "timeout": True,
+            "recycle": not clean,
+        }
+    try:
+        verdict = wire.recv_with(_reader(raw))
+    except wire.FrameError:
+        verdict = None
+    reason = (
+        "" if verdict else "grader died without a verdict (killed by the solution?)"
+    )
+    return {"verdict": verdict, "reason": reason, "recycle": not clean}
+
+
+def _reader(data: bytes):
+    view = memoryview(data)
+    pos = 0
+
+    def read(n: int) -> bytes:
+        nonlocal pos
+        chunk = bytes(view[pos : pos + n])
+        pos += len(chunk)
+        return chunk
+
+    return read
+
+
+def main() -> None:
+    host_in, host_out = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    _harden()
+    hello = wire.recv(host_in)
+    for name in hello["preload"]:
+        importlib.import_module(name)
+    workroot = hello["workroot"]
+    pylib = hello["pylib"]
+    wire.send(host_out, {"ready": True, "pid": os.getpid(), "oom_kills": oom_kills()})
+    while (msg := wire.recv(host_in)) is not None:
+        spec = {**msg["spec"], "pylib": pylib}
+        reply = run_one(spec, host_in, host_out, workroot, hello["private_ipc"])
+        reply["oom_kills"] = oom_kills()
+        wire.send(host_out, reply)
+        if reply["recycle"]:
+            sys.exit(0)  # the host starts a fresh sandbox
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Start a zygote inside a sandbox and talk to it: bwrap, docker, or a bare process.
+
+Each launcher returns a `Channel`; the pool (`pool.Sandbox`) drives it. A channel
+is one sandbox holding one zygote, running one solution at a time.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import select
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Protocol
+
+from rollouts.sandbox.cgroups import Cgroup
+from rollouts.sandbox.guest import wire
+from rollouts.sandbox.types import Limits
+
+GUEST_DIR = Path(__file__).resolve().parent / "guest"
+PRELOAD = (
+    "bisect", "collections", "copy", "dataclasses", "decimal", "fractions", "functools", "hashlib",
+    "heapq", "itertools", "json", "math", "operator", "random", "re", "statistics", "string", "typing",
+)  # fmt: skip
+_PYTHON_FLAGS = (
+    "-S",
+    "-B",
+    "-E",
+    "-s",
+)  # no site-packages, no .pyc writes, no PYTHON* env
+_CGROUP_OVERHEAD_MB = 96  # zygote + grader + bwrap, on top of the solution's budget
+_PYTEST_PACKAGES = (
+    "pytest",
+    "_pytest",
+    "pluggy",
+    "iniconfig",
+    "packaging",
+    "pygments",
+    "py",
+)
+SANDBOX_PYLIB = "/pylib"  # where repository tasks find pytest inside bwrap/docker
+
+
+class SandboxUnavailable(RuntimeError):
+    """The backend cannot run here (no bwrap binary, no docker engine, ...)."""
+
+
+class Channel(Protocol):
+    def send(self, obj: object) -> None: ...
+    def recv(self, timeout: float) -> object | None: ...  # None on EOF; TimeoutError
+    def oom_kills(self) -> int: ...
+    def leftover(self) -> bool: ...  # processes beyond the idle zygote remain
+    def alive(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class Launcher(Protocol):
+    name: str
+
+    def launch(self, image: str | None) -> Channel: ...
+    def tool_argv(
+        self, binary: str, args: list[str]
+    ) -> list[str]: ...  # one-shot tools
+
+
+def base_python() -> str:
+    """The real interpreter behind this (possibly venv) Python, run without site."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+def pytest_paths() -> dict[str, str]:
+    """name -> host path of pytest and its dependencies, for repository tasks ({} if absent)."""
+    if importlib.util.find_spec("pytest") is None:
+        return {}
+    paths = {}
+    for name in _PYTEST_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            path = (
+                os.path.dirname(spec.origin)
+                if spec.submodule_search_locations
+                else spec.origin
+            )
+            paths[os.path.basename(path)] = path
+    return paths
+
+
+def hello(
+    channel: Channel,
+    workroot: str,
+    pylib: list[str],
+    private_ipc: bool,
+    timeout: float = 30.0,
+) -> dict:
+    """Start the zygote; `private_ipc` lets it clear SysV IPC objects after each run."""
+    channel.send(
+        {
+            "workroot": workroot,
+            "preload": list(PRELOAD),
+            "pylib": pylib,
+            "private_ipc": private_ipc,
+        }
+    )
+    reply = channel.recv(timeout)
+    if not isinstance(reply, dict) or not reply.get("ready"):
+        channel.close()
+        raise SandboxUnavailable(
+            f"zygote failed to start (reply {reply!r}); see stderr above"
+        )
+    return reply
+
+
+class PipeChannel:
+    """A zygote subprocess on stdin/stdout pipes, optionally inside a cgroup."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        cgroup: Cgroup | None = None,
+        cleanup_dir: str | None = None,
+        **popen,
+    ):
+        self.cgroup, self.cleanup_dir = cgroup, cleanup_dir
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **popen
+        )
+        self.baseline = 0
+
+    def send(self, obj: object) -> None:
+        wire.send(self.proc.stdin.fileno(), obj)
+
+    def recv(self, timeout: float) -> object | None:
+        fd = self.proc.stdout.fileno()
+        if not select.select([fd], [], [], timeout)[0]:
+            raise TimeoutError(f"no reply from the sandbox within {timeout:.1f}s")
+        return wire.recv(fd)
+
+    def oom_kills(self) -> int:
+        return self.cgroup.oom_kills() if self.cgroup else 0
+
+    def leftover(self) -> bool:
+        return bool(self.cgroup) and len(self.cgroup.pids()) > self.baseline
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            stream.close()
+        if self.cgroup:  # bwrap --die-with-parent takes the rest down; make sure
+            self.cgroup.kill_all()
+            self.cgroup.remove()
+        if self.cleanup_dir:
+            shutil.rmtree(self.cleanup_dir, ignore_errors=True)
+
+
+def _site_dirs(prefix: str) -> list[str]:
+    """Installed-package dirs under the bound roots (they may hold datasets with answers)."""
+    paths = sysconfig.get_paths(vars={"base": prefix, "platbase": prefix})
+    debian = glob.glob("/usr/lib/python3*/dist-packages")
+    debian += glob.glob("/usr/local/lib/python3*/dist-packages")
+    candidates = {paths["purelib"], paths["platlib"], *debian}
+    return sorted(p for p in candidates if os.path.isdir(p))
+
+
+def _root_args(prefix: str) -> list[str]:
+    """A read-only root holding only what the interpreter needs: /usr, /lib*, its prefix."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64"):
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    if prefix != "/usr" and not prefix.startswith("/usr/"):
+        args += ["--ro-bind", prefix, prefix]
+    for site in _site_dirs(prefix):
+        args += ["--tmpfs", site]  # mask installed packages
+    return args
+
+
+def _bind_args(binds: dict[str, str]) -> list[str]:
+    """Extra read-only binds, pytest for repository tasks, and the harness itself."""
+    args = []
+    for host, inside in binds.items():
+        args += ["--ro-bind", host, inside]
+    for name, path in pytest_paths().items():
+        args += ["--ro-bind", path, f"{SANDBOX_PYLIB}/{name}"]
+    return args + ["--ro-bind", str(GUEST_DIR), "/harness"]
+
+
+_ISOLATION = ["--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+_ENV = ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]  # fmt: skip
+# /tmp (size-capped) is the only writable place; then /dev and / go read-only.
+_FINISH = ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/dev"]
+_FINISH += ["--remount-ro", "/", "--chdir", "/tmp"]
+
+
+class BwrapLauncher:
+    """bubblewrap: read-only minimal root, private tmpfs, all namespaces unshared."""
+
+    name = "bwrap"
+
+    def __init__(self, limits: Limits, use_cgroups: bool = True):
+        self.bwrap = shutil.which("bwrap")
+        if self.bwrap is None:
+            raise SandboxUnavailable(
+                "bwrap not found: install it with `apt-get install -y bubblewrap`"
+            )
+        self.limits, self.use_cgroups = limits, use_cgroups
+        self.python = base_python()
+
+    def tool_argv(self, binary: str, args: list[str]) -> list[str]:
+        """argv running a host tool (the linter) in a one-shot sandbox like the zygote's."""
+        inside = f"/tools/{os.path.basename(binary)}"
+        return self.wrap([inside, *args], binds={binary: inside})
+
+    def wrap(
+        self, command: list[str], binds: dict[str, str] | None = None
+    ) -> list[str]:
+        """bwrap argv running `command` sandboxed; `binds` maps host paths in read-only."""
+        tmpfs = ["--size", str(self.limits.tmpfs_mb << 20), "--tmpfs", "/tmp"]
+        root = _root_args(os.path.realpath(sys.base_prefix))
+        extra = _bind_args(binds or {})
+        return [
+            self.bwrap,
+            *_ISOLATION,
+            *_ENV,
+            *root,
+            *extra,
+            *tmpfs,
+            *_FINISH,
+            *command,
+        ]
+
+    def launch(self, image: str | None) -> Channel:
+        del image  # one host root for every task
+        cgroup = None
+        if self.use_cgroups:
+            mem = (
+                self.limits.memory_mb + self.limits.tmpfs_mb + _CGROUP_OVERHEAD_MB
+            ) << 20
+            cgroup = Cgroup.create(self.limits.max_procs + 8, mem)
+        argv = self.wrap([self.python, *_PYTHON_FLAGS, "/harness/zygote.py"])
+        if cgroup:
+            # Join the cgroups in a shell that then execs bwrap, so every sandbox process
+            # is born inside them (preexec_fn is unsafe in our threaded host).
+            join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f"; shift; done; exec "$@"'
+            argv = ["/bin/sh", "-c", join, "sh", *cgroup.procs_files, "--", *argv]
+        channel = PipeChannel(argv, cgroup=cgroup)
+        hello(channel, "/tmp", [SANDBOX_PYLIB], private_ipc=True)
+        channel.baseline = len(cgroup.pids()) if cgroup else 0
+        return channel
+
+
+class ProcessLauncher:
+    """No isolation at all: only for trusted code (opt-in, warns)."""
+
+    name = "process"
+
+    def __init__(self, limits: Limits):
+        warnings.warn(
+            "sandbox backend 'process' runs solutions WITHOUT isolation; use it only for trusted code",
+            stacklevel=4,  # point at the Sandbox(...) call
+        )
+        self.limits = limits
+
+    def tool_argv(self, binary: str, args: list[str]) -> list[str]:
+        return [binary, *args]
+
+    def launch(self, image: str | None) -> Channel:
+        del image
+        workroot = tempfile.mkdtemp(prefix="jaxagent-run-")
+        argv = [base_python(), *_PYTHON_FLAGS, str(GUEST_DIR / "zygote.py")]
+        env = {"PATH": "/usr/bin:/bin", "HOME": workroot, "LANG": "C.UTF-8"}
+        channel = PipeChannel(argv, cleanup_dir=workroot, cwd=workroot, env=env)
+        pylib = sorted({os.path.dirname(p) for p in pytest_paths().values()})
+        hello(channel, workroot, pylib, private_ipc=False)  # the host's IPC: hands off
+        return channel
+
+
+class DockerChannel:
+    """A zygote in a container, over the attach socket (stdout is multiplexed)."""
+
+    _MUX = struct.Struct(">BxxxI")
+
+    def __init__(self, container, sock: socket.socket):
+        self.container, self.sock = container, sock
+        self.pending = bytearray()
+        self.last_oom = 0
+
+    def send(self, obj: object) -> None:
+        wire.send_sock(self.sock, obj)
+
+    def _stdout(self, n: int) -> bytes:
+        """Up to n bytes of the container's stdout, skipping the mux headers."""
+        while not self.pending:
+            header = wire.read_exact(self.sock.recv, self._MUX.size)
+            if header is None:
+                return b""
+            stream, size = self._MUX.unpack(header)
+            payload = wire.read_exact(self.sock.recv, size) or b""
+            if stream == 1:
+                self.pending += payload
+        chunk = bytes(self.pending[:n])
+        del self.pending[:n]
+        return chunk
+
+    def recv(self, timeout: float) -> object | None:
+        if not self.pending and not select.select([self.sock], [], [], timeout)[0]:
+            raise TimeoutError(f"no reply from the container within {timeout:.1f}s")
+        reply = wire.recv_with(self._stdout)
+        if isinstance(reply, dict) and isinstance(reply.get("oom_kills"), int):
+            self.last_oom = reply["oom_kills"]
+        return reply
+
+    def oom_kills(self) -> int:
+        return self.last_oom
+
+    def leftover(self) -> bool:
+        return False  # the zygote is the container's pid 1 and kills its descendants itself
+
+    def alive(self) -> bool:
+        return True  # a dead container shows up as a failed send, which relaunches it
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.container.remove(force=True)
+        except Exception as e:  # already gone is fine; anything else is worth a warning
+            warnings.warn(
+                f"could not remove container {self.container.short_id}: {e}",
+                stacklevel=2,
+            )
+
+
+class DockerLauncher:
+    """Docker: per-task image, same limits, one long-lived zygote container per worker."""
+
+    name = "docker"
+
+    def __init__(
+        self, limits: Limits, image: str = "python:3.11-slim", python: str = "python3"
+    ):
+        try:
+            import docker
+
+            self.client = docker.from_env()
+            self.client.ping()
+        except Exception as e:
+            raise SandboxUnavailable(f"docker engine not reachable: {e}") from None
+        self.docker = docker
+        self.limits, self.image, self.python = limits, image, python
+        self.host_tools = BwrapLauncher(limits) if shutil.which("bwrap") else None
+
+    def tool_argv(self, binary: str, args: list[str]) -> list[str]:
+        """One-shot tools (the linter) run under bwrap on the host where available."""
+        return (
+            self.host_tools.tool_argv(binary, args)
+            if self.host_tools
+            else [binary, *args]
+        )
+
+    def launch(self, image: str | None) -> Channel:
+        mem = f"{self.limits.memory_mb + self.limits.tmpfs_mb + _CGROUP_OVERHEAD_MB}m"
+        container = self.client.containers.run(
+            image or self.image,
+            [self.python, *_PYTHON_FLAGS, "/harness/zygote.py"],
+            detach=True,
+            stdin_open=True,
+            network_mode="none",
+            mem_limit=mem,
+            memswap_limit=mem,
+            pids_limit=self.limits.max_procs + 8,
+            read_only=True,
+            tmpfs={"/tmp": f"size={self.limits.tmpfs_mb}m,mode=1777"},
+            volumes={
+                str(GUEST_DIR): {"bind": "/harness", "mode": "ro"},
+                **{
+                    path: {"bind": f"{SANDBOX_PYLIB}/{name}", "mode": "ro"}
+                    for name, path in pytest_paths().items()
+                },
+            },
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            user="65534:65534",
+            working_dir="/tmp",
+            environment={"HOME": "/tmp", "LANG": "C.UTF-8"},
+        )
+        raw = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
+        channel = DockerChannel(container, getattr(raw, "_sock", raw))
+        hello(channel, "/tmp", [SANDBOX_PYLIB], private_ipc=True, timeout=60.0)
+        return channel
+
+
+def make_launcher(backend: str, limits: Limits, **options) -> Launcher:
+    launchers = {
+        "bwrap": BwrapLauncher,
+        "docker": DockerLauncher,
+        "process": ProcessLauncher,
+    }
+    if backend not in launchers:
+        raise ValueError(
+            f"unknown sandbox backend {backend!r}; choose one of {', '.join(launchers)}"
+        )
+    return launchers[backend](limits, **options)

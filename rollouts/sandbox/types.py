@@ -1,0 +1,97 @@
+"""Request and result records shared by every backend."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+Status = Literal["passed", "failed", "error", "timeout", "oom", "hack"]
+STATUSES: tuple[str, ...] = ("passed", "failed", "error", "timeout", "oom", "hack")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-run resource limits, enforced with rlimits and (where writable) cgroups."""
+
+    wall_s: float = 10.0
+    cpu_s: float = 10.0
+    memory_mb: int = 512
+    max_procs: int = 32
+    file_size_mb: int = 16
+    output_bytes: int = 1 << 20
+    tmpfs_mb: int = 64
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(
+                    f"Limits.{f.name} must be positive, got {getattr(self, f.name)!r}"
+                )
+
+
+@dataclass(frozen=True)
+class TestCase:
+    """One graded unit: trusted Python run in the grader, calling `candidate(...)`."""
+
+    __test__ = False  # not a pytest class
+    name: str
+    code: str
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What to run: the solution program and the trusted tests that grade it.
+
+    mode "call": `setup` is trusted code (task helpers, test module top level)
+    executed in the grader before the `cases`; `files` are written into the
+    work dir first. mode "pytest" (repository tasks): `files` is the pristine
+    repository, `edits` the solution's files, `protected` the test paths the
+    solution may not touch, `pytest_args` the test command's arguments.
+    """
+
+    program: str
+    entry_point: str
+    cases: tuple[TestCase, ...]
+    setup: str = ""
+    files: dict[str, str] = field(default_factory=dict)
+    image: str | None = None  # docker backend: the task's image
+    mode: Literal["call", "pytest"] = "call"
+    edits: dict[str, str] = field(default_factory=dict)
+    protected: tuple[str, ...] = ()
+    pytest_args: tuple[str, ...] = ()
+
+    def spec(self, limits: Limits) -> dict:
+        return {
+            "program": self.program,
+            "entry_point": self.entry_point,
+            "setup": self.setup,
+            "cases": [{"name": c.name, "code": c.code} for c in self.cases],
+            "files": dict(self.files),
+            "limits": dataclasses.asdict(limits),
+            "mode": self.mode,
+            "edits": dict(self.edits),
+            "protected": list(self.protected),
+            "pytest_args": list(self.pytest_args),
+        }
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The verdict of one run. `passed` only when the harness saw every case pass."""
+
+    status: Status
+    tests_passed: int
+    tests_total: int
+    message: str = ""
+    output: str = ""
+    output_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    @property
+    def fraction_passed(self) -> float:
+        return self.tests_passed / self.tests_total if self.tests_total else 0.0

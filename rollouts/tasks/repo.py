@@ -1,0 +1,90 @@
+"""Repository tasks: a directory or tarball plus a pytest command.
+
+The repository is read into memory as the task's pristine files. A completion
+is a JSON object {path: new content}; the sandbox writes the pristine files,
+then the edits, and scores `hack` for edits under `test_paths`, outside the
+repository, or to conftest/pytest config/`.pth` files. The tests run with
+pytest in the sandbox (`python -m pytest ARGS` from the repository root).
+"""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path, PurePosixPath
+
+from rollouts.tasks.task import Task, TaskFormatError, pytest_args
+
+MAX_REPO_BYTES = 16 << 20
+
+
+def _check_member(name: str, source: str) -> str:
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts:
+        raise TaskFormatError(f"{source}: member {name!r} escapes the repository")
+    return str(path)
+
+
+def _read_dir(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _read_tar(path: Path) -> dict[str, bytes]:
+    files = {}
+    with tarfile.open(path) as tar:
+        for member in tar.getmembers():
+            name = _check_member(member.name, str(path))
+            if member.issym() or member.islnk():
+                raise TaskFormatError(
+                    f"{path}: member {name!r} is a link; repositories must be plain files"
+                )
+            if member.isfile():
+                files[name] = tar.extractfile(member).read()
+    return files
+
+
+def load_repo_task(
+    source: str | Path,
+    test_command: list[str] | tuple[str, ...],
+    task_id: str | None = None,
+    prompt: str = "",
+    test_paths: tuple[str, ...] = ("tests",),
+) -> Task:
+    """A Task whose `files` are the repository's text files, graded by `test_command`."""
+    path = Path(source)
+    if path.is_dir():
+        raw = _read_dir(path)
+    elif path.is_file() and tarfile.is_tarfile(path):
+        raw = _read_tar(path)
+    else:
+        raise TaskFormatError(f"{path}: not a directory or tarball")
+    if sum(len(b) for b in raw.values()) > MAX_REPO_BYTES:
+        raise TaskFormatError(f"{path}: repository exceeds {MAX_REPO_BYTES} bytes")
+    if not test_command:
+        raise TaskFormatError(
+            f"{path}: field 'test_command' must be a non-empty command"
+        )
+    try:
+        pytest_args(tuple(test_command))
+    except ValueError as e:
+        raise TaskFormatError(f"{path}: field 'test_command': {e}") from None
+    files = {}
+    for name, data in raw.items():
+        try:
+            files[name] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TaskFormatError(f"{path}: file {name!r} is not UTF-8 text") from None
+    return Task(
+        id=task_id or path.name,
+        prompt=prompt,
+        entry_point="",
+        tests=(),
+        files=files,
+        repo=str(path),
+        test_command=tuple(test_command),
+        completion_mode="full",
+        metadata={"test_paths": list(test_paths)},
+    )

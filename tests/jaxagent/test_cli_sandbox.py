@@ -1,0 +1,111 @@
+"""`jaxagent check-solutions` and `jaxagent tasks`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxagent.cli import main
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    from rollouts.tasks import humaneval_tasks
+
+    return {t.id: t for t in humaneval_tasks()}
+
+
+def _solutions(tmp_path, humaneval, extra_lines=()):
+    lines = [
+        json.dumps(
+            {
+                "task_id": "HumanEval/0",
+                "completion": humaneval["HumanEval/0"].metadata["reference"],
+            }
+        ),
+        json.dumps({"task_id": "HumanEval/2", "completion": "    return 0.0\n"}),
+        *extra_lines,
+        json.dumps(
+            {
+                "task_id": "HumanEval/4",
+                "completion": "    import sys\n    sys.exit(0)\n",
+            }
+        ),
+    ]
+    path = tmp_path / "solutions.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run(tmp_path, solutions, *extra):
+    out = tmp_path / "results.jsonl"
+    rc = main(
+        [
+            "check-solutions",
+            "--tasks",
+            "humaneval",
+            "--solutions",
+            str(solutions),
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+    return rc, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_results_in_input_order_with_required_fields(tmp_path, humaneval):
+    rc, records = _run(tmp_path, _solutions(tmp_path, humaneval), "--workers", "2")
+    assert rc == 0
+    assert [(r["task_id"], r["status"], r["passed"], r["reward"]) for r in records] == [
+        ("HumanEval/0", "passed", True, 1.0),
+        ("HumanEval/2", "failed", False, 0.0),
+        ("HumanEval/4", "hack", False, 0.0),
+    ]
+    assert records[1]["message"].startswith(
+        "HumanEval/2#0: assert candidate(3.5) == 0.5"
+    )
+    assert all("seconds" in r and "tests_total" in r for r in records)
+
+
+def test_bad_lines_become_errors_and_nothing_is_lost(tmp_path, humaneval, capsys):
+    bad = [
+        "{broken",
+        json.dumps({"completion": "x"}),
+        json.dumps({"task_id": "Nope/1", "completion": "x"}),
+    ]
+    rc, records = _run(tmp_path, _solutions(tmp_path, humaneval, bad))
+    assert rc == 1
+    assert [r["status"] for r in records] == [
+        "passed",
+        "failed",
+        "error",
+        "error",
+        "error",
+        "hack",
+    ]
+    messages = [r["message"] for r in records[2:5]]
+    assert ":3: invalid JSON" in messages[0]
+    assert ":4: field 'task_id': missing" in messages[1]
+    assert ":5: field 'task_id': unknown task 'Nope/1'" in messages[2]
+    assert "solutions.jsonl:3: invalid JSON" in capsys.readouterr().err
+
+
+def test_unknown_backend_and_task_set_are_clear_errors(tmp_path, humaneval, capsys):
+    with pytest.raises(SystemExit):
+        _run(tmp_path, _solutions(tmp_path, humaneval), "--backend", "qemu")
+    assert "invalid choice: 'qemu'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown task set 'nosuch'"):
+        main(["tasks", "list", "--tasks", "nosuch"])
+
+
+def test_tasks_list_and_show(capsys):
+    assert main(["tasks", "list", "--tasks", "synthetic:3:7"]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[0].startswith("synthetic/7/0\tf\t4 tests")
+    )
+    assert main(["tasks", "show", "HumanEval/2"]) == 0
+    shown = capsys.readouterr().out
+    assert "def truncate_number" in shown and "# HumanEval/2#0" in shown
+    assert main(["tasks", "show", "HumanEval/999"]) == 1

@@ -1,0 +1,191 @@
+"""The bwrap backend end to end: verdicts, fractions, lifecycle, async use."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from rollouts.sandbox import Limits, RunRequest, Sandbox, TestCase
+from rollouts.sandbox.launchers import BwrapLauncher
+
+ADD = RunRequest(
+    program="def f(x):\n    return x + 1\n",
+    entry_point="f",
+    cases=(
+        TestCase("one", "assert candidate(1) == 2"),
+        TestCase("two", "assert f(2) == 3"),
+    ),
+)
+
+
+def _with_program(program: str) -> RunRequest:
+    return RunRequest(program=program, entry_point=ADD.entry_point, cases=ADD.cases)
+
+
+def test_correct_solution_passes(bwrap_sandbox):
+    result = bwrap_sandbox.submit(ADD).result()
+    assert (
+        result.status == "passed"
+        and result.tests_passed == 2
+        and result.fraction_passed == 1.0
+    )
+
+
+def test_partial_solution_fails_with_the_failing_case_named(bwrap_sandbox):
+    result = bwrap_sandbox.submit(
+        _with_program("def f(x):\n    return 2 if x == 1 else 0\n")
+    ).result()
+    assert result.status == "failed" and result.tests_passed == 1
+    assert result.message.startswith("two: assert f(2) == 3")
+
+
+def test_solution_exceptions_fail_and_builtin_types_reach_the_tests(bwrap_sandbox):
+    req = RunRequest(
+        program="def f(x):\n    raise ValueError('bad x')\n",
+        entry_point="f",
+        cases=(TestCase("expects", "try:\n    f(1)\n    assert False\nexcept ValueError:\n    pass"),
+               TestCase("plain", "assert f(1) == 2")),
+    )  # fmt: skip
+    result = bwrap_sandbox.submit(req).result()
+    assert result.tests_passed == 1 and "ValueError: bad x" in result.message
+
+
+def test_syntax_error_and_missing_entry_point_fail(bwrap_sandbox):
+    for program in ("def f(x) return x\n", "def g(x):\n    return x + 1\n"):
+        result = bwrap_sandbox.submit(_with_program(program)).result()
+        assert (
+            result.status == "failed"
+            and "loading the solution failed" in result.message
+        )
+
+
+def test_files_are_written_into_the_work_dir(bwrap_sandbox):
+    req = RunRequest(
+        program="def f(name):\n    return open(name).read()\n",
+        entry_point="f",
+        cases=(TestCase("read", "assert candidate('data/in.txt') == 'hello'"),),
+        files={"data/in.txt": "hello"},
+    )
+    assert bwrap_sandbox.submit(req).result().status == "passed"
+
+
+def test_work_dir_is_wiped_between_runs(bwrap_sandbox):
+    write = _with_program(
+        "open('/tmp/cache', 'w').write('x')\ndef f(x):\n    return x + 1\n"
+    )
+    read = _with_program(
+        "import os\ndef f(x):\n    return x + 1 + os.path.exists('/tmp/cache')\n"
+    )
+    results = [bwrap_sandbox.submit(r).result() for r in (write, read, write, read)]
+    assert [r.status for r in results] == ["passed", "passed", "passed", "passed"]
+
+
+def test_async_submission(bwrap_sandbox):
+    async def main():
+        return await asyncio.gather(*(bwrap_sandbox.run(ADD) for _ in range(6)))
+
+    assert [r.status for r in asyncio.run(main())] == ["passed"] * 6
+
+
+def test_sandbox_root_is_minimal_and_read_only():
+    argv = BwrapLauncher(Limits()).wrap(["true"])
+    for flag in ("--unshare-all", "--die-with-parent", "--new-session", "--clearenv"):
+        assert flag in argv
+    triples = [argv[i : i + 3] for i in range(len(argv))]
+    assert ["--remount-ro", "/", "--chdir"] in triples  # the root is read-only...
+    assert [
+        "--tmpfs",
+        "/tmp",
+        "--dev",
+    ] in triples  # ...but for a private, size-capped /tmp
+    assert argv[argv.index("--tmpfs", argv.index("/harness")) - 2] == "--size"
+    assert ["--ro-bind", "/", "/"] not in triples  # only what Python needs is mounted
+
+
+def _our_cgroups() -> list[Path]:
+    root = Path("/sys/fs/cgroup/pids")
+    return [p for p in root.rglob(f"jaxagent-sandbox-{os.getpid()}-*") if p.is_dir()]
+
+
+def test_lifecycle_leaves_no_process_or_cgroup_behind(humaneval, leftovers):
+    before = set(_our_cgroups())
+    zygotes_before = _zygotes()
+    with Sandbox("bwrap", workers=2, limits=Limits(wall_s=2, cpu_s=2)) as sb:
+        bomb = humaneval["HumanEval/0"].request(
+            "    import os\n    while True:\n        try: os.fork()\n        except OSError: pass\n"
+        )
+        assert [f.result().status for f in [sb.submit(bomb), sb.submit(bomb)]] == [
+            "timeout",
+            "timeout",
+        ]
+        assert leftovers() == []
+        mine = set(_our_cgroups()) - before
+        if mine:  # cgroups writable here: each idle sandbox is exactly sh->bwrap, bwrap init, zygote
+            assert all(len((d / "cgroup.procs").read_text().split()) == 3 for d in mine)
+    assert leftovers() == []
+    assert set(_our_cgroups()) == before
+    assert _zygotes() <= zygotes_before
+
+
+def _zygotes() -> set[int]:
+    return {
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and "zygote.py" in _cmdline(int(p))
+    }
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown sandbox backend 'nope'"):
+        Sandbox("nope")
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="Limits.wall_s must be positive"):
+        Limits(wall_s=0)
+
+
+def test_a_sandbox_that_died_while_idle_is_replaced_without_blaming_the_next_run():
+    with Sandbox("bwrap", workers=1) as sb:
+        assert sb.submit(ADD).result().passed
+        channel = sb._workers[0].channel
+        zygote = next(p for p in _zygotes() if f"{channel.proc.pid}" in _ancestors(p))
+        os.kill(int(zygote), 9)
+        channel.proc.wait(timeout=10)
+        assert sb.submit(ADD).result().passed
+
+
+def _ancestors(pid: int) -> list[str]:
+    chain = []
+    while pid > 1:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        chain.append(str(pid))
+    return chain
+
+
+def test_sysv_ipc_objects_do_not_survive_into_the_next_run(humaneval):
+    shm = "import ctypes\nlibc = ctypes.CDLL(None)\ndef f(x):\n    return libc.shmget(0x5EED, 4096, {flags})\n"
+    create = RunRequest(
+        shm.format(flags="0o1666"), "f", (TestCase("made", "assert candidate(0) >= 0"),)
+    )
+    lookup = RunRequest(
+        shm.format(flags="0o666"), "f", (TestCase("gone", "assert candidate(0) == -1"),)
+    )
+    with Sandbox(
+        "bwrap", workers=1
+    ) as sb:  # one zygote: both runs share its IPC namespace
+        assert [sb.submit(r).result().status for r in (create, lookup)] == [
+            "passed",
+            "passed",
+        ]
