@@ -47,7 +47,8 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
     policy generated; tool outputs appended by an environment carry 0.
     """
     n = len(prompts)
-    length = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    # Inputs drop the last token of the longest row, so T = round_up(max length - 1).
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
     t = -(-length // bucket) * bucket
     tokens = np.zeros((n, t + 1), np.int32)
     mask = np.zeros((n, t + 1), np.float32)
@@ -80,9 +81,9 @@ def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
 def _micro_batches(batch: TrainBatch, micro_batch: int) -> TrainBatch:
     """[B, ...] -> [M, B/M, ...] for a scan over micro-batches."""
     b = batch.size
-    m = b // micro_batch if micro_batch and micro_batch < b else 1
-    if b % m:
+    if micro_batch and b % micro_batch:
         raise ValueError(f"train.micro_batch ({micro_batch}) must divide the batch size ({b})")
+    m = b // micro_batch if micro_batch else 1
     return jax.tree.map(lambda x: x.reshape(m, b // m, *x.shape[1:]), batch)
 
 
@@ -106,7 +107,7 @@ def _accumulate(loss_fn, params, batch: TrainBatch, micro_batch: int):
 
 def _apply(tx, params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
 # ---------------------------------------------------------------------------------------------
