@@ -82,12 +82,16 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
         approx_kl      mean(old_logp - logp), the k1 estimate of KL(old || new)
     """
     _check_choice("aggregation", aggregation, AGGREGATIONS)
+    advantages = jnp.asarray(advantages)
+    if advantages.shape != jnp.shape(logprobs)[:1]:
+        raise ValueError(f"advantages must be [B] (one per sequence) for logprobs of shape "
+                         f"{jnp.shape(logprobs)}, got shape {advantages.shape}")
     mask = _as_bool(mask)
     # Zero the log-ratio off-mask before exp: garbage there could overflow to inf, and inf
     # times a zero cotangent is NaN in the backward pass.
     log_ratio = jnp.where(mask, logprobs - old_logprobs, 0.0)
     ratio = jnp.exp(log_ratio)
-    adv = jnp.asarray(advantages)[:, None]
+    adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -jnp.minimum(unclipped, clipped)
@@ -95,7 +99,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
         per_token = per_token * jax.lax.stop_gradient(importance_weights)
     loss = aggregate(per_token, mask, aggregation=aggregation, norm_length=norm_length)
 
-    token_mean = lambda x: aggregate(x, mask, aggregation="token-mean")  # noqa: E731
+    token_mean = lambda x: aggregate(x, mask, aggregation="token-mean")
     metrics = {
         "clip_fraction": token_mean((clipped < unclipped).astype(ratio.dtype)),
         "ratio_mean": token_mean(ratio),
