@@ -88,26 +88,22 @@ def ref_policy_loss(new, old, adv, mask, clip_low, clip_high, aggregation, norm_
 
 
 @functools.cache
-def _compiled_loss_and_grad(options, weighted):
-    if weighted:
-        def loss(new, old, adv, mask, weights):
-            return policy_loss(new, old, adv, mask, importance_weights=weights, **dict(options))
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 4), has_aux=True))
-    return jax.jit(jax.value_and_grad(functools.partial(policy_loss, **dict(options)), has_aux=True))
+def _compiled_loss_and_grad(options):
+    def loss(new, old, adv, mask, weights):
+        return policy_loss(new, old, adv, mask, importance_weights=weights, **dict(options))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 4), has_aux=True))
 
 
 def jax_loss_and_grad(new, old, adv, mask, weights=None, **options):
     """policy_loss and its gradient w.r.t. logprobs, jitted (one compile per option set).
 
-    With weights, also checks that no gradient flows into them (they are stop_gradient data).
+    Also checks that no gradient flows into old_logprobs, advantages or the weights.
     """
-    fn = _compiled_loss_and_grad(tuple(sorted(options.items())), weights is not None)
+    fn = _compiled_loss_and_grad(tuple(sorted(options.items())))
     args = tuple(jnp.asarray(x) for x in (new, old, adv, mask))
-    if weights is None:
-        (loss, metrics), grad = fn(*args)
-    else:
-        (loss, metrics), (grad, weights_grad) = fn(*args, jnp.asarray(weights))
-        assert np.all(np.asarray(weights_grad) == 0.0)
+    (loss, metrics), (grad, *constant_grads) = fn(*args, None if weights is None else jnp.asarray(weights))
+    for g in jax.tree.leaves(constant_grads):
+        assert np.all(np.asarray(g) == 0.0)
     return loss, grad, metrics
 
 
@@ -175,7 +171,8 @@ def test_asymmetric_clipping_clips_the_right_tokens():
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_on_policy_gradient_is_reinforce(aggregation):
     """logp == old_logp: d loss / d theta = d/d theta aggregate(-A * logp), through a real
-    log-softmax (theta = the logits)."""
+    log-softmax (theta = the logits). The same traced logp is passed as old_logprobs too:
+    policy_loss must treat the old policy as a constant."""
     rng = np.random.default_rng(3)
     logits = jnp.asarray(rng.normal(size=(B, T, V)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, V, size=(B, T)))
@@ -185,7 +182,7 @@ def test_on_policy_gradient_is_reinforce(aggregation):
 
     def ppo(theta):
         logp = token_logprobs(theta, tokens)
-        loss, metrics = policy_loss(logp, jax.lax.stop_gradient(logp), adv, mask, **options)
+        loss, metrics = policy_loss(logp, logp, adv, mask, **options)
         return loss, metrics
 
     def reinforce(theta):
@@ -303,7 +300,8 @@ def test_kl_estimators_match_reference_values_and_gradients():
         with jax.enable_x64(True):
             got = jax.jit(kl)(jnp.asarray(logp), jnp.asarray(ref))
             total = lambda a, r, kl=kl: jnp.sum(kl(a, r))
-            grad = jax.jit(jax.grad(total))(jnp.asarray(logp), jnp.asarray(ref))
+            grad, ref_grad = jax.jit(jax.grad(total, argnums=(0, 1)))(jnp.asarray(logp), jnp.asarray(ref))
+        assert np.all(np.asarray(ref_grad) == 0.0)  # the reference model is frozen
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15, err_msg=name)
         np.testing.assert_allclose(grad, want_grad, rtol=1e-7, atol=1e-15, err_msg=name)
         got32 = kl_penalty(jnp.asarray(logp, jnp.float32), jnp.asarray(ref, jnp.float32), estimator=name)
