@@ -4,19 +4,25 @@ Imports only jax and numpy; every function is pure and jit-compatible (string an
 options static). See advantages.py and losses.py for the formulas.
 """
 
-from jaxagent.rl.advantages import (grpo_advantages, group_has_signal, overlong_penalty,
-                                    rloo_advantages)
-from jaxagent.rl.losses import (AGGREGATIONS, KL_ESTIMATORS, aggregate, entropy_from_logits,
-                                kl_penalty, policy_loss, token_logprobs,
-                                truncated_importance_weights)
+from jaxagent.rl.advantages import group_has_signal, grpo_advantages, overlong_penalty, rloo_advantages
+from jaxagent.rl.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    aggregate,
+    entropy_from_logits,
+    kl_penalty,
+    policy_loss,
+    token_logprobs,
+    truncated_importance_weights,
+)
 
 __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "aggregate",
     "entropy_from_logits",
-    "grpo_advantages",
     "group_has_signal",
+    "grpo_advantages",
     "kl_penalty",
     "overlong_penalty",
     "policy_loss",

@@ -94,11 +94,10 @@ def overlong_penalty(lengths, *, max_len, buffer_len, penalty=1.0):
     lengths: any shape, integer or float (response lengths in tokens) -> same shape, float.
     max_len, buffer_len: static, 0 < buffer_len <= max_len.
     """
-    if isinstance(buffer_len, (int, float)) and isinstance(max_len, (int, float)):
-        if not 0 < buffer_len <= max_len:
-            raise ValueError(
-                f"overlong_penalty needs 0 < buffer_len <= max_len, got buffer_len={buffer_len}, max_len={max_len}"
-            )
+    static = isinstance(buffer_len, (int, float)) and isinstance(max_len, (int, float))
+    if static and not 0 < buffer_len <= max_len:
+        raise ValueError(f"overlong_penalty needs 0 < buffer_len <= max_len, "
+                         f"got buffer_len={buffer_len}, max_len={max_len}")
     lengths = jnp.asarray(lengths)
     lengths = lengths.astype(jnp.result_type(lengths.dtype, float))
     excess = (lengths - (max_len - buffer_len)) / buffer_len

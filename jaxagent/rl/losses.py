@@ -75,6 +75,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     -A_b * grad logp_bt, aggregated the same way.
 
     logprobs, old_logprobs, mask: [B, T]; advantages: [B]; importance_weights: [B, T] or None.
+    Only logprobs gets a gradient: old_logprobs, advantages and the weights are constants.
     Returns (loss, metrics); metrics are token means over the masked tokens, whatever the
     aggregation, and carry no gradient:
         clip_fraction  fraction of tokens where the clipped term is the smaller (active) one
@@ -82,12 +83,19 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
         approx_kl      mean(old_logp - logp), the k1 estimate of KL(old || new)
     """
     _check_choice("aggregation", aggregation, AGGREGATIONS)
+    advantages = jax.lax.stop_gradient(jnp.asarray(advantages))
+    if advantages.shape != jnp.shape(logprobs)[:1]:
+        raise ValueError(f"advantages must be [B] (one per sequence) for logprobs of shape "
+                         f"{jnp.shape(logprobs)}, got shape {advantages.shape}")
     mask = _as_bool(mask)
+    # The old policy is a constant of the objective; stopping its gradient here also lets a
+    # caller pass the same traced logprobs as both arguments for an on-policy step.
+    old_logprobs = jax.lax.stop_gradient(old_logprobs)
     # Zero the log-ratio off-mask before exp: garbage there could overflow to inf, and inf
     # times a zero cotangent is NaN in the backward pass.
     log_ratio = jnp.where(mask, logprobs - old_logprobs, 0.0)
     ratio = jnp.exp(log_ratio)
-    adv = jnp.asarray(advantages)[:, None]
+    adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -jnp.minimum(unclipped, clipped)
@@ -95,7 +103,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
         per_token = per_token * jax.lax.stop_gradient(importance_weights)
     loss = aggregate(per_token, mask, aggregation=aggregation, norm_length=norm_length)
 
-    token_mean = lambda x: aggregate(x, mask, aggregation="token-mean")  # noqa: E731
+    token_mean = lambda x: aggregate(x, mask, aggregation="token-mean")
     metrics = {
         "clip_fraction": token_mean((clipped < unclipped).astype(ratio.dtype)),
         "ratio_mean": token_mean(ratio),
@@ -114,10 +122,11 @@ def kl_penalty(logprobs, ref_logprobs, *, estimator="k3"):
         k2 = d^2 / 2                biased, >= 0; its gradient is the unbiased KL gradient
         k3 = exp(d) - 1 - d         unbiased, >= 0, low variance (the GRPO default)
 
-    logprobs, ref_logprobs: [B, T] -> [B, T]. Reduce it with ``aggregate``.
+    logprobs, ref_logprobs: [B, T] -> [B, T]. Reduce it with ``aggregate``. The gradient flows
+    into logprobs only (the reference model is frozen).
     """
     _check_choice("estimator", estimator, KL_ESTIMATORS)
-    d = ref_logprobs - logprobs
+    d = jax.lax.stop_gradient(ref_logprobs) - logprobs
     if estimator == "k1":
         return -d
     if estimator == "k2":

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent.rl import grpo_advantages, group_has_signal, overlong_penalty, rloo_advantages
+from jaxagent.rl import group_has_signal, grpo_advantages, overlong_penalty, rloo_advantages
 
 N, G = 5, 7  # groups, group size: distinct odd sizes so a transposed axis cannot pass
 
@@ -63,7 +63,7 @@ def test_grpo_matches_reference_values_and_gradient(normalize_std):
         got = grpo_advantages(jnp.asarray(rewards), normalize_std=normalize_std)
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
-        loss = lambda r: jnp.sum(weights * grpo_advantages(r, normalize_std=normalize_std))  # noqa: E731
+        loss = lambda r: jnp.sum(weights * grpo_advantages(r, normalize_std=normalize_std))
         grad = jax.jit(jax.grad(loss))(jnp.asarray(rewards))
     # Constant groups are pinned to exactly 0, so their reference gradient is 0 too.
     live = [i for i in range(N) if i not in (1, 3)]
@@ -73,8 +73,8 @@ def test_grpo_matches_reference_values_and_gradient(normalize_std):
     assert np.all(np.isfinite(grad))
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-6, atol=1e-7)
     # float32 (the trainer's default) agrees within float32 rounding.
-    np.testing.assert_allclose(grpo_advantages(jnp.asarray(rewards, jnp.float32), normalize_std=normalize_std),
-                               expected, rtol=1e-4, atol=1e-5)
+    got32 = grpo_advantages(jnp.asarray(rewards, jnp.float32), normalize_std=normalize_std)
+    np.testing.assert_allclose(got32, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_grpo_uses_population_std():
@@ -94,7 +94,7 @@ def test_grpo_zero_variance_group_is_exactly_zero_with_finite_gradient(normalize
     assert adv.dtype == dtype
     assert np.all(np.asarray(adv[1], np.float32) == 0.0) and np.all(np.asarray(adv[3], np.float32) == 0.0)
     assert np.all(np.isfinite(np.asarray(adv, np.float32)))
-    loss = lambda r: jnp.sum(grpo_advantages(r, normalize_std=normalize_std) ** 2).astype(jnp.float32)  # noqa: E731
+    loss = lambda r: jnp.sum(grpo_advantages(r, normalize_std=normalize_std) ** 2).astype(jnp.float32)
     grad = jax.jit(jax.grad(loss))(rewards)
     assert np.all(np.isfinite(np.asarray(grad, np.float32)))
     # All groups constant: every advantage 0, no NaN anywhere.
@@ -178,5 +178,5 @@ def test_advantage_functions_jit():
                lambda r: group_has_signal(r, eps=1e-6)):
         np.testing.assert_allclose(jax.jit(fn)(rewards), fn(rewards), rtol=1e-6, atol=1e-6)
     lengths = jnp.arange(30)
-    fn = lambda n: overlong_penalty(n, max_len=25, buffer_len=10, penalty=0.7)  # noqa: E731
+    fn = lambda n: overlong_penalty(n, max_len=25, buffer_len=10, penalty=0.7)
     np.testing.assert_allclose(jax.jit(fn)(lengths), fn(lengths), rtol=1e-6, atol=1e-7)
