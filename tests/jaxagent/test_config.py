@@ -118,3 +118,9 @@ def test_save_and_reload_round_trip(tmp_path):
 def test_configs_are_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Config().seed = 3
+
+
+def test_default_yaml_is_the_builtin_default():
+    # `jaxagent train` without a config file (an installed package outside the repo) must run
+    # the same experiment as with configs/default.yaml.
+    assert load_config("configs/default.yaml") == Config()
