@@ -56,7 +56,8 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
     checkpoint = checkpoint or cfg.init_from
     if checkpoint is None:
         return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
-    model = from_pretrained(checkpoint, dtype=cfg.model.param_dtype, compute_dtype=cfg.model.dtype)
+    model = from_pretrained(checkpoint, dtype=cfg.model.param_dtype, compute_dtype=cfg.model.dtype,
+                            attention_backend=cfg.model.attention_backend)
     if (Path(checkpoint) / "tokenizer.json").exists():
         return model, HFTokenizer(checkpoint)
     if model.config.vocab_size < ByteTokenizer.vocab_size:

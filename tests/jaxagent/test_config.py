@@ -124,3 +124,16 @@ def test_default_yaml_is_the_builtin_default():
     # `jaxagent train` without a config file (an installed package outside the repo) must run
     # the same experiment as with configs/default.yaml.
     assert load_config("configs/default.yaml") == Config()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-humaneval-grpo",
+                                  "qwen2.5-coder-7b-humaneval-grpo"])
+def test_real_model_configs_are_valid(name):
+    cfg = load_config(f"configs/{name}.yaml")
+    assert cfg.init_from.startswith("/checkpoints/Qwen2.5-Coder-")
+    assert cfg.model.param_dtype == cfg.model.dtype == "bfloat16"
+    assert cfg.tasks.source == "humaneval" and 0 < cfg.tasks.num_eval < 164
+    assert cfg.train.prompts_per_step * cfg.rl.group_size % (cfg.train.micro_batch or 1) == 0
+    assert max(cfg.eval.k) <= cfg.eval.samples
+    assert cfg.optim.learning_rate < 1e-5  # full fine-tuning of a pretrained model
+    assert cfg.workdir.endswith(name)
