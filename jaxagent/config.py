@@ -41,12 +41,12 @@ class ModelConfig:
 
     family: Literal["llama", "qwen2", "qwen3"] = "qwen3"  # HF architecture written on export
     vocab_size: int = 264  # 256 bytes + specials, padded to a multiple of 8
-    hidden_size: int = 256
-    intermediate_size: int = 704
-    num_layers: int = 4
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 64
+    head_dim: int = 32
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     rms_norm_eps: float = 1e-6
@@ -76,7 +76,7 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    learning_rate: float = 1e-4
+    learning_rate: float = 1e-3  # right for the tiny default; pretrained models want ~1e-6
     warmup_steps: int = 0
     schedule: Literal["constant", "cosine"] = "constant"  # after warmup
     weight_decay: float = 0.0
@@ -127,27 +127,27 @@ class TrainConfig:
     steps: int = 100
     prompts_per_step: int = 16  # groups per step; the batch is prompts_per_step * group_size
     micro_batch: int = 0  # sequences per gradient-accumulation micro-batch; 0 = whole batch
-    max_new_tokens: int = 32
+    max_new_tokens: int = 16
     temperature: float = 1.0
     log_rollouts: int = 4  # rollouts per step written to rollouts.jsonl
 
 
 @dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 0  # supervised warm-up steps before RL (on the tasks' reference solutions)
+    steps: int = 40  # supervised warm-up steps before RL (on the tasks' reference solutions)
     batch_size: int = 64
-    learning_rate: float = 1e-3
+    learning_rate: float = 2e-3
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 10  # steps; 0 = only at the end
+    every: int = 25  # steps; 0 = only at the end
     keep: int = 3
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every: int = 0  # steps; 0 = before RL and at the end only
+    every: int = 25  # steps; 0 = before RL and at the end only
     samples: int = 4  # completions per task
     k: tuple[int, ...] = (1,)
     temperature: float = 1.0

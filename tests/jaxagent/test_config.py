@@ -16,7 +16,7 @@ def write(tmp_path, name, text):
 def test_defaults_are_the_tiny_model():
     cfg = load_config()
     assert cfg.model == ModelConfig()
-    assert cfg.model.num_layers == 4 and cfg.model.vocab_size == 264
+    assert cfg.model.num_layers == 2 and cfg.model.vocab_size == 264
 
 
 def test_repo_configs_load():
