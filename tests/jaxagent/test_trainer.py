@@ -62,3 +62,18 @@ def test_bad_config_fails_before_compute(tmp_path):
                            f"workdir={tmp_path}"], capture_output=True, text=True)
     assert proc.returncode == 2 and "train.stepz: unknown key" in proc.stderr
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_sft_then_eval_cli(tmp_path, capsys):
+    from jaxagent.cli import main
+
+    small = [o for o in TINY if not o.startswith(("sft.steps", "checkpoint"))]
+    assert main(["sft", *small, "sft.steps=2", f"workdir={tmp_path}"]) == 0
+    assert (tmp_path / "sft" / "config.json").exists()
+    out = tmp_path / "eval.jsonl"
+    assert main(["eval", "--checkpoint", str(tmp_path / "sft"), "--tasks", "synthetic:3:5",
+                 "--k", "1,2", "--samples", "2", "--out", str(out), *small]) == 0
+    printed = capsys.readouterr().out
+    assert "pass@1:" in printed and "pass@2:" in printed
+    rows = [line for line in out.read_text().splitlines() if line]
+    assert len(rows) == 6  # 3 tasks x 2 samples
