@@ -68,7 +68,7 @@ class _Worker:
         oom_before = channel.oom_kills()
         nonce = secrets.token_hex(16)
         try:
-            channel.send({"nonce": nonce})
+            channel.send(req.secret(nonce))
             reply = channel.recv(self.limits.wall_s + _HOST_GRACE_S)
         except TimeoutError:
             self.discard()

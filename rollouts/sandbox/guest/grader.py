@@ -397,14 +397,19 @@ def _write_files(files: dict, workdir: str) -> None:
             f.write(content)
 
 
-def grade(spec: dict, nonce_fd: int, verdict_fd: int, workdir: str) -> None:
-    """Run one spec; write {"nonce", "status", ...} to verdict_fd."""
+def grade(spec: dict, secret_fd: int, verdict_fd: int, workdir: str) -> None:
+    """Run one spec; write {"nonce", "status", ...} to verdict_fd.
+
+    The tests and nonce arrive on `secret_fd` and are read only after the
+    solution process is forked, so its memory never contains them.
+    """
     started = time.monotonic()
     os.makedirs(workdir, exist_ok=True)
     _write_files(spec["files"], workdir)
     problem = _apply_edits(spec, workdir) if spec["mode"] == "pytest" else ""
     solution = None if problem else Solution(spec, workdir)
-    nonce = wire.recv(nonce_fd)  # read only now: the forked solution never saw it
+    secret = wire.recv(secret_fd)
+    spec = {**spec, "setup": secret["setup"], "cases": secret["cases"]}
     verdict = {
         "status": "hack",
         "tests_passed": 0,
@@ -427,7 +432,7 @@ def grade(spec: dict, nonce_fd: int, verdict_fd: int, workdir: str) -> None:
         solution.drain.join(0.2)
     drain = solution.drain if solution else None
     verdict.update(
-        nonce=nonce,
+        nonce=secret["nonce"],
         seconds=time.monotonic() - started,
         output=bytes(drain.head).decode("utf-8", "replace") if drain else "",
         output_bytes=drain.total if drain else 0,
