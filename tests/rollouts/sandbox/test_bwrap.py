@@ -189,3 +189,15 @@ def test_sysv_ipc_objects_do_not_survive_into_the_next_run(humaneval):
             "passed",
             "passed",
         ]
+
+
+def test_close_cancels_queued_runs_instead_of_running_them(leftovers):
+    sleepy = _with_program(
+        "import time\ndef f(x):\n    time.sleep(0.5)\n    return x + 1\n"
+    )
+    sb = Sandbox("bwrap", workers=1)
+    futures = [sb.submit(sleepy) for _ in range(20)]
+    futures[0].result()
+    sb.close()
+    assert sum(f.cancelled() for f in futures) >= 15
+    assert leftovers() == []
