@@ -74,6 +74,7 @@ def kill_descendants() -> bool:
     """SIGKILL everything below us until nothing is left; False if it would not die."""
     me = os.getpid()
     for _ in range(200):
+        _reap()  # zombies need no kill, and reaping them first saves a sleep
         pids = _descendants(me)
         if not pids:
             return True
@@ -83,7 +84,6 @@ def kill_descendants() -> bool:
             except OSError:
                 pass
         time.sleep(0.001)
-        _reap()
     return False
 
 
@@ -187,6 +187,8 @@ def run_one(
         verdict_r, time.monotonic() + spec["limits"]["wall_s"] + _GRACE_S
     )
     os.close(verdict_r)
+    if raw is not None:  # EOF on the verdict pipe: the grader is exiting right now
+        os.waitpid(pid, 0)
     clean = kill_descendants() & wipe(workroot)
     if private_ipc:  # never on the host's namespace (process backend)
         remove_sysv_ipc()
