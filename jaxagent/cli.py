@@ -96,15 +96,19 @@ def _cmd_eval(args) -> int:
 
 def _cmd_check_solutions(args: argparse.Namespace) -> int:
     from rollouts.check import check_solutions
-    from rollouts.sandbox import Limits
+    from rollouts.sandbox import Limits, SandboxUnavailable
     from rollouts.tasks import load_tasks
 
-    tasks = load_tasks(args.tasks)
-    limits = Limits(wall_s=args.timeout, cpu_s=args.timeout)
-    with open(args.out, "w", encoding="utf-8") as out:
-        summary = check_solutions(
-            tasks, args.solutions, out, args.backend, args.workers, limits
-        )
+    try:  # bad input files or an unusable backend: one clear line, no traceback
+        tasks = load_tasks(args.tasks)
+        limits = Limits(wall_s=args.timeout, cpu_s=args.timeout)
+        with open(args.out, "w", encoding="utf-8") as out:
+            summary = check_solutions(
+                tasks, args.solutions, out, args.backend, args.workers, limits
+            )
+    except (OSError, ValueError, SandboxUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     counts = ", ".join(f"{k}={v}" for k, v in sorted(summary.statuses.items()))
     print(f"{summary.total} results written to {args.out}: {counts}")
     for error in summary.bad_lines:
@@ -115,7 +119,11 @@ def _cmd_check_solutions(args: argparse.Namespace) -> int:
 def _cmd_tasks(args: argparse.Namespace) -> int:
     from rollouts.tasks import load_tasks
 
-    tasks = load_tasks(args.tasks)
+    try:
+        tasks = load_tasks(args.tasks)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.action == "list":
         for task in tasks:
             print(f"{task.id}\t{task.entry_point}\t{len(task.tests)} tests")

@@ -68,7 +68,7 @@ class _Worker:
         oom_before = channel.oom_kills()
         nonce = secrets.token_hex(16)
         try:
-            channel.send({"nonce": nonce})
+            channel.send(req.secret(nonce))
             reply = channel.recv(self.limits.wall_s + _HOST_GRACE_S)
         except TimeoutError:
             self.discard()
@@ -109,6 +109,8 @@ class _Worker:
             if req.mode == "pytest"
             else len(req.cases)
         )
+        if status == "passed" and passed != total:  # belt and braces: count them
+            return _result("error", req, f"harness said passed with {passed}/{total}")
         return RunResult(
             status=status,
             tests_passed=passed if status in ("passed", "failed") else 0,
@@ -123,10 +125,12 @@ class _Worker:
 class Sandbox:
     """Run `RunRequest`s in isolated sandboxes, `workers` at a time.
 
-    >>> with Sandbox("bwrap", workers=2) as sb:
-    ...     results = sb.map(requests)              # blocking, ordered
-    ...     fut = sb.submit(request)                # concurrent.futures.Future
-    ...     res = await sb.run(request)             # asyncio
+        with Sandbox("bwrap", workers=2) as sb:
+            results = sb.map(requests)      # blocking, in input order
+            future = sb.submit(request)     # concurrent.futures.Future
+            result = await sb.run(request)  # asyncio
+
+    Sandboxes start lazily on the first run and are reused until closed.
     """
 
     def __init__(
@@ -188,6 +192,14 @@ class Sandbox:
         return [f.result() for f in futures]
 
     def close(self) -> None:
+        """Cancel runs not yet started, finish the running ones, stop every sandbox."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                item[1].cancel()
         for _ in self._threads:
             self._queue.put(_STOP)
         for t in self._threads:

@@ -62,17 +62,24 @@ class RunRequest:
     pytest_args: tuple[str, ...] = ()
 
     def spec(self, limits: Limits) -> dict:
+        """What the solution may see (it is in the memory the solution forks from)."""
         return {
             "program": self.program,
             "entry_point": self.entry_point,
-            "setup": self.setup,
-            "cases": [{"name": c.name, "code": c.code} for c in self.cases],
             "files": dict(self.files),
             "limits": dataclasses.asdict(limits),
             "mode": self.mode,
             "edits": dict(self.edits),
             "protected": list(self.protected),
             "pytest_args": list(self.pytest_args),
+        }
+
+    def secret(self, nonce: str) -> dict:
+        """What only the grader may see: the tests (expected values!) and the nonce."""
+        return {
+            "nonce": nonce,
+            "setup": self.setup,
+            "cases": [{"name": c.name, "code": c.code} for c in self.cases],
         }
 
 

@@ -92,12 +92,32 @@ def test_bad_lines_become_errors_and_nothing_is_lost(tmp_path, humaneval, capsys
     assert "solutions.jsonl:3: invalid JSON" in capsys.readouterr().err
 
 
-def test_unknown_backend_and_task_set_are_clear_errors(tmp_path, humaneval, capsys):
+def test_unknown_backend_task_set_or_file_are_clear_errors(tmp_path, humaneval, capsys):
     with pytest.raises(SystemExit):
         _run(tmp_path, _solutions(tmp_path, humaneval), "--backend", "qemu")
     assert "invalid choice: 'qemu'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="unknown task set 'nosuch'"):
-        main(["tasks", "list", "--tasks", "nosuch"])
+    assert main(["tasks", "list", "--tasks", "nosuch"]) == 2
+    assert "error: unknown task set 'nosuch'" in capsys.readouterr().err
+    missing = str(tmp_path / "missing.jsonl")
+    out = str(tmp_path / "out.jsonl")
+    args = [
+        "check-solutions",
+        "--tasks",
+        "synthetic:2",
+        "--solutions",
+        missing,
+        "--out",
+        out,
+    ]
+    assert main(args) == 2
+    assert (
+        f"error: [Errno 2] No such file or directory: '{missing}'"
+        in capsys.readouterr().err
+    )
+    bad_tasks = tmp_path / "tasks.jsonl"
+    bad_tasks.write_text('{"task_id": 1}\n')
+    assert main(["tasks", "list", "--tasks", str(bad_tasks)]) == 2
+    assert "tasks.jsonl:1: field 'prompt': missing" in capsys.readouterr().err
 
 
 def test_tasks_list_and_show(capsys):

@@ -243,10 +243,55 @@ def _reply_error(reply: list) -> Exception:
     return Abort("hack", "malformed reply from solution")
 
 
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _explain(left: object, right: object) -> str:
+    return f"got {_show(left)}, compared with {_show(right)}"
+
+
+class _ExplainAsserts(ast.NodeTransformer):
+    """`assert a == b` -> evaluate each side once; on failure, say what they were."""
+
+    def visit_Assert(self, node: ast.Assert):
+        test = node.test
+        if (
+            node.msg is not None
+            or not isinstance(test, ast.Compare)
+            or len(test.ops) != 1
+        ):
+            return node
+        names = [ast.Name(n, ast.Load()) for n in ("_jx_left", "_jx_right")]
+        stores = [ast.Name(n, ast.Store()) for n in ("_jx_left", "_jx_right")]
+        new = [
+            ast.Assign([stores[0]], test.left),
+            ast.Assign([stores[1]], test.comparators[0]),
+            ast.Assert(
+                ast.Compare(names[0], test.ops, [names[1]]),
+                ast.Call(ast.Name("_jx_explain", ast.Load()), names, []),
+            ),
+        ]
+        return [ast.fix_missing_locations(ast.copy_location(n, node)) for n in new]
+
+
+def _compile_case(case: dict):
+    tree = _ExplainAsserts().visit(ast.parse(case["code"], case["name"]))
+    return compile(ast.fix_missing_locations(tree), case["name"], "exec")
+
+
 def _case_failure(case: dict, exc: Exception) -> str:
-    first_line = case["code"].strip().splitlines()[0] if case["code"].strip() else ""
+    """'name: the failing line -> what went wrong'."""
+    tb, lineno = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == case["name"]:
+            lineno = tb.tb_lineno
+        tb = tb.tb_next
+    lines = case["code"].splitlines() or [""]
+    line = lines[lineno - 1] if lineno and lineno <= len(lines) else lines[0]
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return f"{case['name']}: {first_line[:200]} -> {detail[:500]}"
+    return f"{case['name']}: {line.strip()[:200]} -> {detail[:500]}"
 
 
 def _run_cases(spec: dict, solution: Solution) -> dict:
@@ -272,10 +317,11 @@ def _run_cases(spec: dict, solution: Solution) -> dict:
     except Exception as e:
         raise Abort("error", f"test setup failed: {type(e).__name__}: {e}") from None
     namespace[spec["entry_point"]] = namespace["candidate"] = candidate
+    namespace["_jx_explain"] = _explain
     passed, message = 0, ""
     for case in cases:
         try:
-            exec(compile(case["code"], case["name"], "exec"), namespace)
+            exec(_compile_case(case), namespace)
             passed += 1
         except Exception as e:  # includes AssertionError: this case failed
             message = message or _case_failure(case, e)
@@ -397,14 +443,19 @@ def _write_files(files: dict, workdir: str) -> None:
             f.write(content)
 
 
-def grade(spec: dict, nonce_fd: int, verdict_fd: int, workdir: str) -> None:
-    """Run one spec; write {"nonce", "status", ...} to verdict_fd."""
+def grade(spec: dict, secret_fd: int, verdict_fd: int, workdir: str) -> None:
+    """Run one spec; write {"nonce", "status", ...} to verdict_fd.
+
+    The tests and nonce arrive on `secret_fd` and are read only after the
+    solution process is forked, so its memory never contains them.
+    """
     started = time.monotonic()
     os.makedirs(workdir, exist_ok=True)
     _write_files(spec["files"], workdir)
     problem = _apply_edits(spec, workdir) if spec["mode"] == "pytest" else ""
     solution = None if problem else Solution(spec, workdir)
-    nonce = wire.recv(nonce_fd)  # read only now: the forked solution never saw it
+    secret = wire.recv(secret_fd)
+    spec = {**spec, "setup": secret["setup"], "cases": secret["cases"]}
     verdict = {
         "status": "hack",
         "tests_passed": 0,
@@ -427,7 +478,7 @@ def grade(spec: dict, nonce_fd: int, verdict_fd: int, workdir: str) -> None:
         solution.drain.join(0.2)
     drain = solution.drain if solution else None
     verdict.update(
-        nonce=nonce,
+        nonce=secret["nonce"],
         seconds=time.monotonic() - started,
         output=bytes(drain.head).decode("utf-8", "replace") if drain else "",
         output_bytes=drain.total if drain else 0,

@@ -47,6 +47,40 @@ def read_exact(read: Callable[[int], bytes], n: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def relay(src: int, dst: int, buf: bytearray) -> None:
+    """Copy one frame from src to dst through `buf` only, then zero `buf`.
+
+    The frame is never parsed or turned into Python objects, so no copy of it
+    lingers in this process's heap. If dst is gone, the rest is drained.
+    """
+    header = read_exact(lambda n: os.read(src, n), _HEADER.size)
+    if header is None:
+        raise FrameError("EOF before the relayed frame")
+    (left,) = _HEADER.unpack(header)
+    view = memoryview(buf)
+    writable = _write_all(dst, header)
+    try:
+        while left:
+            got = os.readv(src, [view[: min(left, len(buf))]])
+            if not got:
+                raise FrameError("EOF inside the relayed frame")
+            writable = writable and _write_all(dst, view[:got])
+            left -= got
+    finally:
+        view[:] = bytes(len(buf))
+
+
+def _write_all(fd: int, data) -> bool:
+    """False once the reader is gone (EPIPE)."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except BrokenPipeError:
+        return False
+    return True
+
+
 def recv(fd: int, max_bytes: int = MAX_FRAME) -> object | None:
     """The next frame's JSON value from a blocking fd, or None on EOF."""
     return recv_with(lambda n: os.read(fd, n), max_bytes)

@@ -1,11 +1,13 @@
 """The fork-server: a long-lived process that never runs untrusted code.
 
 Protocol on fds 0/1 (frames, see `wire`): the host sends a hello
-{"workroot", "preload", "pylib", "private_ipc"}; the zygote answers {"ready", "pid"}. Then per run the
-host sends {"spec"} followed by {"nonce"}. The zygote forks a grader *before*
-reading the nonce, hands the nonce to the grader through a pipe (the grader
-reads it after forking the solution), waits for the verdict, kills every
-descendant, wipes the work root and answers {"verdict", "reason", "recycle"}.
+{"workroot", "preload", "pylib", "private_ipc"}; the zygote answers {"ready", "pid"}.
+Then per run the host sends {"spec"} (what the solution may see) and a secret
+frame {"nonce", "setup", "cases"}. The zygote forks a grader after reading only
+the spec, relays the secret frame to it unparsed through a pipe (the grader
+reads it after forking the solution, so no solution memory ever held tests or
+nonce), waits for the verdict, kills every descendant, wipes the work root and
+answers {"verdict", "reason", "recycle"}.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 _GRACE_S = 2.0
 _MAX_VERDICT = 1 << 20
+# The only memory the secret frame (tests, nonce) ever touches here; zeroed after use.
+_RELAY_BUFFER = bytearray(1 << 16)
 
 
 def _harden() -> None:
@@ -70,6 +74,7 @@ def kill_descendants() -> bool:
     """SIGKILL everything below us until nothing is left; False if it would not die."""
     me = os.getpid()
     for _ in range(200):
+        _reap()  # zombies need no kill, and reaping them first saves a sleep
         pids = _descendants(me)
         if not pids:
             return True
@@ -79,7 +84,6 @@ def kill_descendants() -> bool:
             except OSError:
                 pass
         time.sleep(0.001)
-        _reap()
     return False
 
 
@@ -164,28 +168,27 @@ def _read_verdict(fd: int, deadline: float) -> bytes | None:
 def run_one(
     spec: dict, host_in: int, host_out: int, workroot: str, private_ipc: bool
 ) -> dict:
-    nonce_r, nonce_w = os.pipe()
+    secret_r, secret_w = os.pipe()
     verdict_r, verdict_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            for fd in (host_in, host_out, nonce_w, verdict_r):
+            for fd in (host_in, host_out, secret_w, verdict_r):
                 os.close(fd)
-            grader.grade(spec, nonce_r, verdict_w, os.path.join(workroot, "work"))
+            grader.grade(spec, secret_r, verdict_w, os.path.join(workroot, "work"))
         finally:
             os._exit(0)
-    os.close(nonce_r)
+    os.close(secret_r)
     os.close(verdict_w)
-    nonce = wire.recv(host_in)  # only now, after the fork
-    try:
-        wire.send(nonce_w, nonce["nonce"])
-    except OSError:
-        pass  # the grader is already gone; the missing verdict says so
-    os.close(nonce_w)
+    # The tests and nonce pass through to the grader without ever being parsed here.
+    wire.relay(host_in, secret_w, _RELAY_BUFFER)
+    os.close(secret_w)
     raw = _read_verdict(
         verdict_r, time.monotonic() + spec["limits"]["wall_s"] + _GRACE_S
     )
     os.close(verdict_r)
+    if raw is not None:  # EOF on the verdict pipe: the grader is exiting right now
+        os.waitpid(pid, 0)
     clean = kill_descendants() & wipe(workroot)
     if private_ipc:  # never on the host's namespace (process backend)
         remove_sysv_ipc()

@@ -39,7 +39,21 @@ def test_partial_solution_fails_with_the_failing_case_named(bwrap_sandbox):
         _with_program("def f(x):\n    return 2 if x == 1 else 0\n")
     ).result()
     assert result.status == "failed" and result.tests_passed == 1
-    assert result.message.startswith("two: assert f(2) == 3")
+    assert (
+        result.message
+        == "two: assert f(2) == 3 -> AssertionError: got 0, compared with 3"
+    )
+
+
+def test_failure_message_names_the_failing_line_of_a_multi_line_case(bwrap_sandbox):
+    loop = "for x in range(3):\n    y = x\n    assert candidate(x) < 2"
+    result = bwrap_sandbox.submit(
+        RunRequest(ADD.program, "f", (TestCase("loop", loop),))
+    ).result()
+    assert (
+        result.message
+        == "loop: assert candidate(x) < 2 -> AssertionError: got 2, compared with 2"
+    )
 
 
 def test_solution_exceptions_fail_and_builtin_types_reach_the_tests(bwrap_sandbox):
@@ -189,3 +203,15 @@ def test_sysv_ipc_objects_do_not_survive_into_the_next_run(humaneval):
             "passed",
             "passed",
         ]
+
+
+def test_close_cancels_queued_runs_instead_of_running_them(leftovers):
+    sleepy = _with_program(
+        "import time\ndef f(x):\n    time.sleep(0.5)\n    return x + 1\n"
+    )
+    sb = Sandbox("bwrap", workers=1)
+    futures = [sb.submit(sleepy) for _ in range(20)]
+    futures[0].result()
+    sb.close()
+    assert sum(f.cancelled() for f in futures) >= 15
+    assert leftovers() == []
