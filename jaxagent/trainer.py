@@ -220,7 +220,7 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                               cache_bucket=cfg.sampler.cache_bucket,
                               batch_bucket=cfg.sampler.batch_bucket)
 
-            def run_eval(step):
+            def log_eval(step):
                 m, _ = evaluate(sampler, tokenizer, scorer, eval_tasks,
                                 samples=cfg.eval.samples, ks=cfg.eval.k,
                                 temperature=cfg.eval.temperature,
@@ -230,7 +230,7 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                 console.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
 
             if start == 0 and eval_tasks:
-                run_eval(0)
+                log_eval(0)
             producer = RolloutProducer(
                 sampler, tokenizer, scorer, task_iter, prompts_per_step=t.prompts_per_step,
                 group_size=cfg.rl.group_size, max_new_tokens=t.max_new_tokens,
@@ -260,14 +260,14 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                     f"pass {row['rollout/pass_rate']:.2f}  loss {row['train/loss']:+.4f}"))
                 done = step + 1
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < t.steps:
-                    run_eval(done)
+                    log_eval(done)
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == t.steps:
                     ckpt.save(done, {"params": params, "opt_state": opt_state},
                               {"step": done, "data": task_iter.get_state()})
                 summary["last"] = row
             rollout_log.close()
             if eval_tasks and start < t.steps:
-                run_eval(t.steps)
+                log_eval(t.steps)
     finally:
         ckpt.close()
         scorer.close()
