@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from jaxagent import rl
 from jaxagent.checkpoint import Checkpointer
-from jaxagent.config import Config, RLConfig, save_config
+from jaxagent.config import Config, ConfigError, RLConfig, save_config
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.metrics import MetricsWriter, plot_curves
 from jaxagent.optim import make_optimizer
@@ -171,7 +171,32 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], progress=No
 # The loop.
 
 
+def validate(cfg: Config) -> None:
+    """Semantic checks that types alone cannot express; run before any compute."""
+    t, r = cfg.train, cfg.rl
+    checks = [
+        (t.steps >= 1, "train.steps", "must be >= 1"),
+        (t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1"),
+        (r.group_size >= 2, "rl.group_size", "must be >= 2 (advantages compare a group)"),
+        (t.micro_batch == 0 or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,
+         "train.micro_batch", f"must divide the batch (train.prompts_per_step * rl.group_size "
+                              f"= {t.prompts_per_step * r.group_size})"),
+        (t.max_new_tokens >= 1, "train.max_new_tokens", "must be >= 1"),
+        (t.temperature > 0, "train.temperature", "must be > 0 (RL needs sampling)"),
+        (0 < r.clip_low < 1 and r.clip_high > 0, "rl.clip_low/clip_high",
+         "need 0 < clip_low < 1 and clip_high > 0"),
+        (cfg.eval.samples >= max(cfg.eval.k), "eval.k", "needs eval.samples >= max(k)"),
+        (cfg.tasks.source != "jsonl" or cfg.tasks.path, "tasks.path", "required for jsonl"),
+        (r.overlong_buffer <= t.max_new_tokens, "rl.overlong_buffer",
+         "must be <= train.max_new_tokens"),
+    ]
+    for ok, key, message in checks:
+        if not ok:
+            raise ConfigError(f"{key}: {message}")
+
+
 def train(cfg: Config, console: Console | None = None) -> dict:
+    validate(cfg)
     console = console or Console(stderr=True)
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

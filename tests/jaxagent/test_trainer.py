@@ -2,6 +2,7 @@
 re-run, trains each step exactly once and matches an uninterrupted run."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,20 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
     assert (run / "curves.png").exists() and (run / "config.yaml").exists()
     evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval/pass@1" in r]
     assert [r["step"] for r in evals] == [0, 4]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.micro_batch=5", "train.micro_batch: must divide the batch"),
+    ("rl.group_size=1", "rl.group_size: must be >= 2"),
+    ("eval.k=[1, 8]", "eval.k: needs eval.samples >= max(k)"),
+    ("tasks.source=jsonl", "tasks.path: required for jsonl"),
+])
+def test_semantic_config_errors_fail_before_compute(tmp_path, override, message):
+    from jaxagent.trainer import train
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(load_config(None, [override, f"workdir={tmp_path}"]))
+    assert not (tmp_path / "config.yaml").exists()
 
 
 def test_bad_config_fails_before_compute(tmp_path):
