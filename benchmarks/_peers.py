@@ -49,6 +49,11 @@ def ensure_tunix() -> Path:
     return python
 
 
+def even_fraction(ids) -> float:
+    """The GRPO benchmark's reward, the same for every stack: fraction of even token ids."""
+    return sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1)
+
+
 class IdTokenizer:
     """Prompts travel as space-separated token ids, so Tunix sees the exact same tokens.
 
