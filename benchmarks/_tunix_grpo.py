@@ -81,6 +81,8 @@ def main():
     run_global_step = learner._run_global_step
 
     def global_step(*a, **kw):
+        # A fresh sampling seed per step, as jaxagent's side does (Tunix's default is PRNGKey(0)).
+        cluster_config.rollout_config.seed = len(starts)
         starts.append(time.perf_counter())
         split.append({"generate": 0.0, "reward": 0.0})
         return run_global_step(*a, **kw)
