@@ -25,31 +25,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from _peers import HERE, ensure_tunix, make_checkpoint
 
-HERE = Path(__file__).resolve().parent
-TUNIX_VENV = HERE / ".venv-tunix"
-
-SIZES = {
-    # The tiny Qwen3 (2 layers, d_model 128) and a ~100M one.
-    "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "100m": dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=4, head_dim=64),
-}
 SETTINGS = {  # (batch, prompt_len, new_tokens)
     "tiny": [(16, 64, 128), (16, 64, 512), (32, 64, 128), (32, 64, 512)],
     "100m": [(32, 64, 128)],
 }
-
-
-def make_checkpoint(size: str, path: Path) -> None:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(**SIZES[size], tie_word_embeddings=False,
-                                   max_position_embeddings=4096, initializer_range=0.05)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
 
 
 def prompts_for(batch, prompt_len, vocab, seed=0):
@@ -96,16 +77,6 @@ def run_hf(ckpt: Path, settings):
                                               **kwargs))
         out.append(t)
     return out
-
-
-def ensure_tunix() -> Path:
-    python = TUNIX_VENV / "bin" / "python"
-    if not python.exists():
-        print("installing google-tunix into", TUNIX_VENV, flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(TUNIX_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "google-tunix",
-                        f"jax=={jax.__version__}", f"jaxlib=={jax.__version__}"], check=True)
-    return python
 
 
 def run_tunix(ckpt: Path, settings, repeats: int):

@@ -1,0 +1,177 @@
+"""Wall time of one whole GRPO step: jaxagent vs Tunix's GRPOLearner, side by side.
+
+One step = generate G completions per prompt, score them, one policy update, and hand the new
+weights to the sampler. Both stacks run the same random HF Qwen3 checkpoint (the tiny config:
+2 layers, d_model 128, vocab 4096, float32), the same 4 prompts of 32 random token ids, G=4,
+64 new tokens (temperature 1, no stop token, so every row is exactly 64 tokens), the same
+in-process reward (fraction of even token ids, _peers.even_fraction), GRPO advantages, no KL,
+one update per step with AdamW (lr 1e-5, b2 0.95, global-norm clip 1.0), token-mean loss.
+
+- jaxagent: rollouts.sampler.Sampler.generate (prompt prefilled once, shared by its G samples)
+  -> reward -> jaxagent.rl.grpo_advantages -> jaxagent.steps.pack + rl_step ->
+  sampler.update_weights, blocking on the new params before the clock stops.
+- Tunix (PyPI google-tunix, in its own venv at benchmarks/.venv-tunix, installed on first use):
+  GRPOLearner.train over an RLCluster on one CPU device, actor and rollout on the same mesh
+  (shared weights, no sync), vanilla rollout engine, beta=0 (no reference model),
+  num_iterations=1. It runs in a subprocess (benchmarks/_tunix_grpo.py); step boundaries and
+  the generate / reward split come from wrapping the learner's own calls, "train" is the rest.
+
+Each stack runs `--warmup` steps first (compilation), then `--steps` timed steps; the table
+shows medians (each column its own median, so the split need not add up exactly).
+
+    python benchmarks/grpo_step.py                       # both stacks, 2 warm-up + 10 steps
+    python benchmarks/grpo_step.py --no-tunix --steps 5
+    python benchmarks/grpo_step.py --tunix-python /path/to/venv/bin/python --out results.json
+
+The issue's aim: jaxagent's step <= 0.7x Tunix's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from _peers import HERE, ensure_tunix, even_fraction, make_checkpoint
+
+SPLIT = ("generate", "reward", "train")
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, length).tolist() for _ in range(n)]
+
+
+def run_ours(ckpt: Path, prompts, group: int, new_tokens: int, warmup: int, steps: int,
+             lr: float) -> list[dict]:
+    from flax import nnx
+
+    import jaxagent
+    from jaxagent.config import OptimizerConfig
+    from jaxagent.models import from_pretrained
+    from jaxagent.optim import make_optimizer
+    from jaxagent.steps import LossOptions, pack, rl_step
+    from rollouts.sampler import Sampler
+
+    model = from_pretrained(ckpt, dtype="float32")
+    sampler = Sampler(model)
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(OptimizerConfig(learning_rate=lr), 100)
+    opt_state = tx.init(params)
+    options = LossOptions()
+    rows = [p for p in prompts for _ in range(group)]  # num_samples rows per prompt, in order
+    before = [np.array(x, copy=True) for x in jax.tree.leaves(params)]
+    out = []
+    for step in range(warmup + steps):
+        t0 = time.perf_counter()
+        gen = sampler.generate(prompts, num_samples=group, max_new_tokens=new_tokens,
+                               temperature=1.0, seed=step)
+        t1 = time.perf_counter()
+        rewards = np.array([even_fraction(t) for t in gen.tokens], np.float32)
+        advantages = np.asarray(jaxagent.rl.grpo_advantages(rewards.reshape(len(prompts), group)))
+        t2 = time.perf_counter()
+        batch = pack(rows, gen.tokens, gen.logprobs, advantages.reshape(-1))
+        params, opt_state, _ = rl_step(graphdef, tx, params, opt_state, batch, options=options)
+        sampler.update_weights(params)
+        jax.block_until_ready(params)
+        t3 = time.perf_counter()
+        out.append({"step": step, "seconds": t3 - t0, "generate": t1 - t0, "reward": t2 - t1,
+                    "train": t3 - t2})
+    changed = max(float(np.abs(np.asarray(a) - b).max())
+                  for a, b in zip(jax.tree.leaves(params), before, strict=True))
+    if not changed > 0:
+        raise RuntimeError("jaxagent: the update left the parameters unchanged")
+    return out[warmup:]
+
+
+def run_tunix(python: Path, ckpt: Path, prompts, group: int, new_tokens: int, warmup: int,
+              steps: int, lr: float) -> tuple[list[dict] | None, str]:
+    """Tunix's timed steps, or (None, reason) when its learner could not run."""
+    cmd = [str(python), str(HERE / "_tunix_grpo.py"), "--checkpoint", str(ckpt),
+           "--prompts", json.dumps(prompts), "--group", str(group), "--new-tokens",
+           str(new_tokens), "--warmup", str(warmup), "--steps", str(steps), "--lr", str(lr)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"worker exited {proc.returncode}: {last[:200]}"
+    changed = next((r["max_param_change"] for r in rows if "max_param_change" in r), 0.0)
+    if not changed > 0:
+        return None, "its update left the parameters unchanged"
+    return [r for r in rows if "step" in r][warmup:], ""
+
+
+def medians(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) for k in ("seconds", *SPLIT)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group", type=int, default=4, help="G completions per prompt")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--no-tunix", action="store_true", help="measure jaxagent only")
+    p.add_argument("--tunix-python", type=Path,
+                   help="python of a venv with google-tunix (default: benchmarks/.venv-tunix, "
+                        "created on first use)")
+    p.add_argument("--out", type=Path, help="write results as JSON here")
+    args = p.parse_args()
+
+    machine = (f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
+               f"{jax.devices()[0].platform}, jax {jax.__version__}")
+    print(f"# {time.strftime('%Y-%m-%d')}  {machine}  load average "
+          + " ".join(f"{x:.1f}" for x in os.getloadavg()))
+    print(f"# {args.size} Qwen3, {args.prompts} prompts x G={args.group}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens; median of {args.steps} steps after {args.warmup} warm-up\n")
+    results = {}
+    reason = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / args.size
+        make_checkpoint(args.size, ckpt)
+        with open(ckpt / "config.json") as f:
+            vocab = json.load(f)["vocab_size"]
+        prompts = make_prompts(args.prompts, args.prompt_len, vocab)
+        common = (prompts, args.group, args.new_tokens, args.warmup, args.steps, args.lr)
+        results["jaxagent"] = run_ours(ckpt, *common)
+        if not args.no_tunix:
+            python = args.tunix_python or ensure_tunix()
+            tunix, reason = run_tunix(python, ckpt, *common)
+            if tunix is None:
+                print(f"tunix: unavailable: {reason}")
+            else:
+                results["tunix"] = tunix
+
+    summary = {name: medians(rows) for name, rows in results.items()}
+    print("| stack | s/step | generate | reward | train |")
+    print("|---|---:|---:|---:|---:|")
+    for name, m in summary.items():
+        print(f"| {name} | {m['seconds']:.3f} | " + " | ".join(f"{m[k]:.3f}" for k in SPLIT) + " |")
+    if "tunix" in summary:
+        ours, theirs = summary["jaxagent"], summary["tunix"]
+        ratio = ours["seconds"] / theirs["seconds"]
+        print(f"\njaxagent / Tunix step time: {ratio:.2f}x (aim <= 0.7x); by part: "
+              + ", ".join(f"{k} {ours[k] / theirs[k]:.2f}x" for k in SPLIT))
+    if args.out:
+        args.out.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d"), "machine": machine, "load": os.getloadavg(),
+            "setting": vars(args) | {"out": str(args.out), "tunix_python": str(args.tunix_python)},
+            "median": summary, "steps": results, "tunix_unavailable": reason or None}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
