@@ -55,7 +55,7 @@ class Channel(Protocol):
     def oom_kills(self) -> int: ...
     def leftover(self) -> bool: ...  # processes beyond the idle zygote remain
     def alive(self) -> bool: ...
-    def close(self) -> None: ...
+    def close(self, graceful: bool = False) -> None: ...
 
 
 class Launcher(Protocol):
@@ -148,7 +148,14 @@ class PipeChannel:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def close(self) -> None:
+    def close(self, graceful: bool = False) -> None:
+        """Graceful: EOF lets the zygote (then bwrap) exit by itself; else SIGKILL."""
+        if graceful:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
         self.proc.kill()
         self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -329,7 +336,8 @@ class DockerChannel:
     def alive(self) -> bool:
         return True  # a dead container shows up as a failed send, which relaunches it
 
-    def close(self) -> None:
+    def close(self, graceful: bool = False) -> None:
+        del graceful  # the container goes either way
         self.sock.close()
         try:
             self.container.remove(force=True)

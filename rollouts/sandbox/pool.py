@@ -44,9 +44,9 @@ class _Worker:
             self.channel, self.image = self.launcher.launch(image), image
         return self.channel
 
-    def discard(self) -> None:
+    def discard(self, graceful: bool = False) -> None:
         if self.channel is not None:
-            self.channel.close()
+            self.channel.close(graceful)
             self.channel = None
 
     def _start(self, req: RunRequest) -> Channel:
@@ -167,7 +167,7 @@ class Sandbox:
                     worker.discard()
                     future.set_exception(e)
         finally:
-            worker.discard()
+            worker.discard(graceful=True)
 
     def submit(self, req: RunRequest) -> Future[RunResult]:
         future: Future[RunResult] = Future()

@@ -145,10 +145,12 @@ def test_lifecycle_leaves_no_process_or_cgroup_behind(humaneval, leftovers):
 
 
 def _zygotes() -> set[int]:
+    """Zygotes started by this test process (other sessions may run their own)."""
+    me = str(os.getpid())
     return {
         int(p)
         for p in os.listdir("/proc")
-        if p.isdigit() and "zygote.py" in _cmdline(int(p))
+        if p.isdigit() and "zygote.py" in _cmdline(int(p)) and me in _ancestors(int(p))
     }
 
 
@@ -182,7 +184,10 @@ def test_a_sandbox_that_died_while_idle_is_replaced_without_blaming_the_next_run
 def _ancestors(pid: int) -> list[str]:
     chain = []
     while pid > 1:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # exited meanwhile
+            return chain
         pid = int(stat[stat.rindex(")") + 2 :].split()[1])
         chain.append(str(pid))
     return chain
