@@ -62,9 +62,9 @@ class Launcher(Protocol):
     name: str
 
     def launch(self, image: str | None) -> Channel: ...
-    def tool_argv(
-        self, binary: str, args: list[str]
-    ) -> list[str]: ...  # one-shot tools
+
+    # argv running a one-shot host tool (the linter) with the backend's isolation
+    def tool_argv(self, binary: str, args: list[str]) -> list[str]: ...
 
 
 def base_python() -> str:

@@ -220,3 +220,33 @@ def test_close_cancels_queued_runs_instead_of_running_them(leftovers):
     sb.close()
     assert sum(f.cancelled() for f in futures) >= 15
     assert leftovers() == []
+
+
+LEAK_PROBE = r"""import re
+def f(_):
+    found = set()
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if not perms.startswith("r") or hi - lo > 1 << 28:
+                continue
+            try:
+                mem.seek(lo)
+                found.update(re.findall(rb"LEAK([0-9]+)", mem.read(hi - lo)))
+            except (OSError, OverflowError, ValueError):
+                continue
+    return sorted(x.decode() for x in found)
+"""
+
+
+def test_an_earlier_runs_verdict_is_not_in_a_later_solutions_memory(humaneval):
+    """Failure messages quote values; the zygote must not keep them for the next fork."""
+    wrong = humaneval["HumanEval/2"].request("    return 'LEAK' + str(8675309)\n")
+    probe = RunRequest(
+        LEAK_PROBE, "f", (TestCase("no_leak", "assert candidate(0) == []"),)
+    )
+    with Sandbox("bwrap", workers=1) as sb:  # one zygote serves both runs
+        assert "got 'LEAK8675309'" in sb.submit(wrong).result().message
+        result = sb.submit(probe).result()
+    assert result.status == "passed", result.message
