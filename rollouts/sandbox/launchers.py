@@ -93,16 +93,17 @@ def hello(
     channel: Channel,
     workroot: str,
     pylib: list[str],
-    private_ipc: bool,
+    isolated: bool,
     timeout: float = 30.0,
 ) -> dict:
-    """Start the zygote; `private_ipc` lets it clear SysV IPC objects after each run."""
+    """Start the zygote. `isolated`: it has namespaces of its own, so clearing SysV
+    IPC objects and keyrings after each run touches nothing outside the sandbox."""
     channel.send(
         {
             "workroot": workroot,
             "preload": list(PRELOAD),
             "pylib": pylib,
-            "private_ipc": private_ipc,
+            "isolated": isolated,
         }
     )
     reply = channel.recv(timeout)
@@ -261,7 +262,7 @@ class BwrapLauncher:
             join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f"; shift; done; exec "$@"'
             argv = ["/bin/sh", "-c", join, "sh", *cgroup.procs_files, "--", *argv]
         channel = PipeChannel(argv, cgroup=cgroup)
-        hello(channel, "/tmp", [SANDBOX_PYLIB], private_ipc=True)
+        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True)
         channel.baseline = len(cgroup.pids()) if cgroup else 0
         return channel
 
@@ -288,7 +289,9 @@ class ProcessLauncher:
         env = {"PATH": "/usr/bin:/bin", "HOME": workroot, "LANG": "C.UTF-8"}
         channel = PipeChannel(argv, cleanup_dir=workroot, cwd=workroot, env=env)
         pylib = sorted({os.path.dirname(p) for p in pytest_paths().values()})
-        hello(channel, workroot, pylib, private_ipc=False)  # the host's IPC: hands off
+        hello(
+            channel, workroot, pylib, isolated=False
+        )  # the host's IPC and keys: hands off
         return channel
 
 
@@ -403,7 +406,7 @@ class DockerLauncher:
         )
         raw = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
         channel = DockerChannel(container, getattr(raw, "_sock", raw))
-        hello(channel, "/tmp", [SANDBOX_PYLIB], private_ipc=True, timeout=60.0)
+        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True, timeout=60.0)
         return channel
 
 

@@ -1,7 +1,7 @@
 """The fork-server: a long-lived process that never runs untrusted code.
 
 Protocol on fds 0/1 (frames, see `wire`): the host sends a hello
-{"workroot", "preload", "pylib", "private_ipc"}; the zygote answers {"ready", "pid"}.
+{"workroot", "preload", "pylib", "isolated"}; the zygote answers {"ready", "pid"}.
 Then per run the host sends {"spec"} (what the solution may see) and a secret
 frame {"nonce", "setup", "cases"}. The zygote forks a grader after reading only
 the spec, relays the secret frame to it unparsed through a pipe (the grader
@@ -109,6 +109,21 @@ def remove_sysv_ipc() -> None:
             remove(int(row.split()[1]))
 
 
+# keyctl(2) has no libc wrapper; its syscall number depends on the architecture.
+_NR_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+_KEYCTL_CLEAR = 7
+_KEY_SPECS = (-3, -4, -5)  # session, user, user-session keyrings
+
+
+def clear_keyrings() -> None:
+    """The user keyring outlives processes: empty the ones a run could have written."""
+    if _NR_KEYCTL is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for spec in _KEY_SPECS:
+        libc.syscall(_NR_KEYCTL, _KEYCTL_CLEAR, spec)
+
+
 def _unlock(func, path, _exc) -> None:
     """rmtree error hook: the solution may have chmod-ed its files to 000."""
     os.chmod(os.path.dirname(path), 0o700)
@@ -170,7 +185,7 @@ def _read_verdict(fd: int, deadline: float) -> int | None:
 
 
 def run_one(
-    spec: dict, host_in: int, workroot: str, private_ipc: bool
+    spec: dict, host_in: int, workroot: str, isolated: bool
 ) -> tuple[dict, int]:
     """One run: (reply for the host, size of the verdict frame now in _BUFFER)."""
     secret_r, secret_w = os.pipe()
@@ -195,8 +210,9 @@ def run_one(
     if size is not None:  # EOF on the verdict pipe: the grader is exiting right now
         os.waitpid(pid, 0)
     clean = kill_descendants() & wipe(workroot)
-    if private_ipc:  # never on the host's namespace (process backend)
+    if isolated:  # never on the host's namespaces (process backend)
         remove_sysv_ipc()
+        clear_keyrings()
     reply = {"verdict_bytes": size or 0, "recycle": not clean}
     if size is None:
         reply.update(
@@ -221,7 +237,7 @@ def main() -> None:
     wire.send(host_out, {"ready": True, "pid": os.getpid(), "oom_kills": oom_kills()})
     while (msg := wire.recv(host_in)) is not None:
         spec = {**msg["spec"], "pylib": pylib}
-        reply, size = run_one(spec, host_in, workroot, hello["private_ipc"])
+        reply, size = run_one(spec, host_in, workroot, hello["isolated"])
         reply["oom_kills"] = oom_kills()
         wire.send(host_out, reply)
         # The verdict (failure messages quote expected values) goes out unparsed, so

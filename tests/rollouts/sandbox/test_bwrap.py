@@ -250,3 +250,28 @@ def test_an_earlier_runs_verdict_is_not_in_a_later_solutions_memory(humaneval):
         assert "got 'LEAK8675309'" in sb.submit(wrong).result().message
         result = sb.submit(probe).result()
     assert result.status == "passed", result.message
+
+
+KEYRING = r"""import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+ADD_KEY, REQUEST_KEY = {"x86_64": (248, 249), "aarch64": (217, 218)}[platform.machine()]
+def store(_):
+    return libc.syscall(ADD_KEY, b"user", b"cache", b"answer", 6, -4)  # the user keyring
+def find(_):
+    return libc.syscall(REQUEST_KEY, b"user", b"cache", None, 0)
+"""
+
+
+@pytest.mark.skipif(
+    os.uname().machine not in ("x86_64", "aarch64"), reason="syscall numbers"
+)
+def test_kernel_keyrings_do_not_carry_data_into_the_next_run():
+    store = RunRequest(
+        KEYRING, "store", (TestCase("stored", "assert candidate(0) > 0"),)
+    )
+    find = RunRequest(KEYRING, "find", (TestCase("gone", "assert candidate(0) == -1"),))
+    with Sandbox("bwrap", workers=1) as sb:
+        assert [sb.submit(r).result().status for r in (store, find)] == [
+            "passed",
+            "passed",
+        ]
