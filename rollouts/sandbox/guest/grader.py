@@ -80,6 +80,8 @@ def _set_limits(limits: dict) -> None:
         resource.RLIMIT_NOFILE: (64, 64),
         resource.RLIMIT_NPROC: (limits["max_procs"],) * 2,
         resource.RLIMIT_CORE: (0, 0),
+        # POSIX message queues outlive processes and cannot be listed for cleanup.
+        resource.RLIMIT_MSGQUEUE: (0, 0),
     }
     for which, value in pairs.items():
         resource.setrlimit(which, value)

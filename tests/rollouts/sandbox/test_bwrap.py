@@ -275,3 +275,9 @@ def test_kernel_keyrings_do_not_carry_data_into_the_next_run():
             "passed",
             "passed",
         ]
+
+
+def test_posix_message_queues_cannot_be_created(bwrap_sandbox):
+    mq = "import ctypes\nrt = ctypes.CDLL('librt.so.1', use_errno=True)\ndef f(_):\n    return rt.mq_open(b'/cache', 0o102, 0o600, None)\n"
+    req = RunRequest(mq, "f", (TestCase("refused", "assert candidate(0) == -1"),))
+    assert bwrap_sandbox.submit(req).result().status == "passed"
