@@ -289,9 +289,8 @@ class ProcessLauncher:
         env = {"PATH": "/usr/bin:/bin", "HOME": workroot, "LANG": "C.UTF-8"}
         channel = PipeChannel(argv, cleanup_dir=workroot, cwd=workroot, env=env)
         pylib = sorted({os.path.dirname(p) for p in pytest_paths().values()})
-        hello(
-            channel, workroot, pylib, isolated=False
-        )  # the host's IPC and keys: hands off
+        # Not isolated: the host's IPC objects and keyrings are not ours to clear.
+        hello(channel, workroot, pylib, isolated=False)
         return channel
 
 

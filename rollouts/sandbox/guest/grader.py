@@ -236,9 +236,8 @@ def _reply_error(reply: list) -> Exception:
     if kind == "raise" and len(reply) == 3:
         exc_type = getattr(builtins, str(reply[1]), None)
         if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-            return exc_type(
-                reply[2]
-            )  # tests may expect e.g. ValueError from the candidate
+            # Re-raised as the builtin type: tests may expect e.g. ValueError.
+            return exc_type(reply[2])
         return CandidateError(f"{reply[1]}: {reply[2]}")
     if kind in ("hack", "oom") and len(reply) == 2:
         return Abort(kind, str(reply[1]))
