@@ -106,9 +106,8 @@ class Scorer:
     def submit(self, task: Task, completion: str) -> Future[Reward]:
         try:
             request = task.request(completion)
-        except (
-            ValueError
-        ) as e:  # e.g. a repository edit that is not JSON: a failed attempt
+        except ValueError as e:
+            # e.g. a repository edit that is not JSON: a failed attempt, not a crash
             failed: Future[Reward] = Future()
             failed.set_result(
                 combine(
@@ -119,11 +118,9 @@ class Scorer:
             )
             return failed
         run = self.sandbox.submit(request)
-        lint = (
-            self._lint_pool.submit(self._lint, task.program(completion))
-            if self._lint_pool
-            else None
-        )
+        lint = None
+        if self._lint_pool and task.repo is None:  # repository edits are JSON, not code
+            lint = self._lint_pool.submit(self._lint, task.program(completion))
         out: Future[Reward] = Future()
 
         def finish(_: Future) -> None:

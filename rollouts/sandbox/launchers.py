@@ -55,16 +55,16 @@ class Channel(Protocol):
     def oom_kills(self) -> int: ...
     def leftover(self) -> bool: ...  # processes beyond the idle zygote remain
     def alive(self) -> bool: ...
-    def close(self) -> None: ...
+    def close(self, graceful: bool = False) -> None: ...
 
 
 class Launcher(Protocol):
     name: str
 
     def launch(self, image: str | None) -> Channel: ...
-    def tool_argv(
-        self, binary: str, args: list[str]
-    ) -> list[str]: ...  # one-shot tools
+
+    # argv running a one-shot host tool (the linter) with the backend's isolation
+    def tool_argv(self, binary: str, args: list[str]) -> list[str]: ...
 
 
 def base_python() -> str:
@@ -93,16 +93,17 @@ def hello(
     channel: Channel,
     workroot: str,
     pylib: list[str],
-    private_ipc: bool,
+    isolated: bool,
     timeout: float = 30.0,
 ) -> dict:
-    """Start the zygote; `private_ipc` lets it clear SysV IPC objects after each run."""
+    """Start the zygote. `isolated`: it has namespaces of its own, so clearing SysV
+    IPC objects and keyrings after each run touches nothing outside the sandbox."""
     channel.send(
         {
             "workroot": workroot,
             "preload": list(PRELOAD),
             "pylib": pylib,
-            "private_ipc": private_ipc,
+            "isolated": isolated,
         }
     )
     reply = channel.recv(timeout)
@@ -148,7 +149,14 @@ class PipeChannel:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def close(self) -> None:
+    def close(self, graceful: bool = False) -> None:
+        """Graceful: EOF lets the zygote (then bwrap) exit by itself; else SIGKILL."""
+        if graceful:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
         self.proc.kill()
         self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -254,7 +262,7 @@ class BwrapLauncher:
             join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f"; shift; done; exec "$@"'
             argv = ["/bin/sh", "-c", join, "sh", *cgroup.procs_files, "--", *argv]
         channel = PipeChannel(argv, cgroup=cgroup)
-        hello(channel, "/tmp", [SANDBOX_PYLIB], private_ipc=True)
+        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True)
         channel.baseline = len(cgroup.pids()) if cgroup else 0
         return channel
 
@@ -281,7 +289,8 @@ class ProcessLauncher:
         env = {"PATH": "/usr/bin:/bin", "HOME": workroot, "LANG": "C.UTF-8"}
         channel = PipeChannel(argv, cleanup_dir=workroot, cwd=workroot, env=env)
         pylib = sorted({os.path.dirname(p) for p in pytest_paths().values()})
-        hello(channel, workroot, pylib, private_ipc=False)  # the host's IPC: hands off
+        # Not isolated: the host's IPC objects and keyrings are not ours to clear.
+        hello(channel, workroot, pylib, isolated=False)
         return channel
 
 
@@ -329,7 +338,8 @@ class DockerChannel:
     def alive(self) -> bool:
         return True  # a dead container shows up as a failed send, which relaunches it
 
-    def close(self) -> None:
+    def close(self, graceful: bool = False) -> None:
+        del graceful  # the container goes either way
         self.sock.close()
         try:
             self.container.remove(force=True)
@@ -395,7 +405,7 @@ class DockerLauncher:
         )
         raw = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
         channel = DockerChannel(container, getattr(raw, "_sock", raw))
-        hello(channel, "/tmp", [SANDBOX_PYLIB], private_ipc=True, timeout=60.0)
+        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True, timeout=60.0)
         return channel
 
 

@@ -44,9 +44,9 @@ class _Worker:
             self.channel, self.image = self.launcher.launch(image), image
         return self.channel
 
-    def discard(self) -> None:
+    def discard(self, graceful: bool = False) -> None:
         if self.channel is not None:
-            self.channel.close()
+            self.channel.close(graceful)
             self.channel = None
 
     def _start(self, req: RunRequest) -> Channel:
@@ -67,9 +67,12 @@ class _Worker:
         channel = self._start(req)
         oom_before = channel.oom_kills()
         nonce = secrets.token_hex(16)
+        verdict = None
         try:
             channel.send(req.secret(nonce))
             reply = channel.recv(self.limits.wall_s + _HOST_GRACE_S)
+            if isinstance(reply, dict) and reply.get("verdict_bytes"):
+                verdict = channel.recv(_HOST_GRACE_S)  # relayed right after the reply
         except TimeoutError:
             self.discard()
             return _result(
@@ -89,10 +92,11 @@ class _Worker:
             return _result("hack", req, "the sandbox process was killed during the run")
         if reply.get("recycle") or channel.leftover():
             self.discard()
-        return self._judge(req, reply, nonce, oom)
+        return self._judge(req, reply, verdict, nonce, oom)
 
-    def _judge(self, req: RunRequest, reply: dict, nonce: str, oom: bool) -> RunResult:
-        verdict = reply.get("verdict")
+    def _judge(
+        self, req: RunRequest, reply: dict, verdict: object, nonce: str, oom: bool
+    ) -> RunResult:
         if not isinstance(verdict, dict):
             status = "oom" if oom else ("timeout" if reply.get("timeout") else "hack")
             return _result(status, req, str(reply.get("reason", "no verdict")))
@@ -167,7 +171,7 @@ class Sandbox:
                     worker.discard()
                     future.set_exception(e)
         finally:
-            worker.discard()
+            worker.discard(graceful=True)
 
     def submit(self, req: RunRequest) -> Future[RunResult]:
         future: Future[RunResult] = Future()

@@ -80,6 +80,8 @@ def _set_limits(limits: dict) -> None:
         resource.RLIMIT_NOFILE: (64, 64),
         resource.RLIMIT_NPROC: (limits["max_procs"],) * 2,
         resource.RLIMIT_CORE: (0, 0),
+        # POSIX message queues outlive processes and cannot be listed for cleanup.
+        resource.RLIMIT_MSGQUEUE: (0, 0),
     }
     for which, value in pairs.items():
         resource.setrlimit(which, value)
@@ -234,9 +236,8 @@ def _reply_error(reply: list) -> Exception:
     if kind == "raise" and len(reply) == 3:
         exc_type = getattr(builtins, str(reply[1]), None)
         if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-            return exc_type(
-                reply[2]
-            )  # tests may expect e.g. ValueError from the candidate
+            # Re-raised as the builtin type: tests may expect e.g. ValueError.
+            return exc_type(reply[2])
         return CandidateError(f"{reply[1]}: {reply[2]}")
     if kind in ("hack", "oom") and len(reply) == 2:
         return Abort(kind, str(reply[1]))

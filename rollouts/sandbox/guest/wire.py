@@ -58,19 +58,21 @@ def relay(src: int, dst: int, buf: bytearray) -> None:
         raise FrameError("EOF before the relayed frame")
     (left,) = _HEADER.unpack(header)
     view = memoryview(buf)
-    writable = _write_all(dst, header)
+    writable = write_all(dst, header)
+    used = 0
     try:
         while left:
             got = os.readv(src, [view[: min(left, len(buf))]])
             if not got:
                 raise FrameError("EOF inside the relayed frame")
-            writable = writable and _write_all(dst, view[:got])
+            used = max(used, got)
+            writable = writable and write_all(dst, view[:got])
             left -= got
     finally:
-        view[:] = bytes(len(buf))
+        view[:used] = bytes(used)
 
 
-def _write_all(fd: int, data) -> bool:
+def write_all(fd: int, data) -> bool:
     """False once the reader is gone (EPIPE)."""
     view = memoryview(data)
     try:

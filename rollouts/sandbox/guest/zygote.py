@@ -1,13 +1,14 @@
 """The fork-server: a long-lived process that never runs untrusted code.
 
 Protocol on fds 0/1 (frames, see `wire`): the host sends a hello
-{"workroot", "preload", "pylib", "private_ipc"}; the zygote answers {"ready", "pid"}.
+{"workroot", "preload", "pylib", "isolated"}; the zygote answers {"ready", "pid"}.
 Then per run the host sends {"spec"} (what the solution may see) and a secret
 frame {"nonce", "setup", "cases"}. The zygote forks a grader after reading only
 the spec, relays the secret frame to it unparsed through a pipe (the grader
 reads it after forking the solution, so no solution memory ever held tests or
 nonce), waits for the verdict, kills every descendant, wipes the work root and
-answers {"verdict", "reason", "recycle"}.
+answers {"verdict_bytes", "reason", "recycle", "oom_kills"} followed, when
+verdict_bytes > 0, by the grader's verdict frame, relayed unparsed too.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import wire
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 _GRACE_S = 2.0
-_MAX_VERDICT = 1 << 20
-# The only memory the secret frame (tests, nonce) ever touches here; zeroed after use.
-_RELAY_BUFFER = bytearray(1 << 16)
+# The only memory secret frames (tests, nonce) and verdicts pass through here;
+# zeroed after each use.
+_BUFFER = bytearray(1 << 20)
 
 
 def _harden() -> None:
@@ -108,6 +109,21 @@ def remove_sysv_ipc() -> None:
             remove(int(row.split()[1]))
 
 
+# keyctl(2) has no libc wrapper; its syscall number depends on the architecture.
+_NR_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+_KEYCTL_CLEAR = 7
+_KEY_SPECS = (-3, -4, -5)  # session, user, user-session keyrings
+
+
+def clear_keyrings() -> None:
+    """The user keyring outlives processes: empty the ones a run could have written."""
+    if _NR_KEYCTL is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for spec in _KEY_SPECS:
+        libc.syscall(_NR_KEYCTL, _KEYCTL_CLEAR, spec)
+
+
 def _unlock(func, path, _exc) -> None:
     """rmtree error hook: the solution may have chmod-ed its files to 000."""
     os.chmod(os.path.dirname(path), 0o700)
@@ -152,75 +168,59 @@ def oom_kills() -> int | None:
     return None
 
 
-def _read_verdict(fd: int, deadline: float) -> bytes | None:
-    data = bytearray()
-    while len(data) <= _MAX_VERDICT:
+def _read_verdict(fd: int, deadline: float) -> int | None:
+    """Read the grader's verdict frame into _BUFFER; its size, or None on timeout/overflow."""
+    view = memoryview(_BUFFER)
+    size = 0
+    while size < len(_BUFFER):
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            return None
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return bytes(data)
-        data += chunk
+            break
+        got = os.readv(fd, [view[size:]])
+        if not got:
+            return size
+        size += got
+    view[:size] = bytes(size)  # a partial verdict is no verdict; leave nothing behind
     return None
 
 
 def run_one(
-    spec: dict, host_in: int, host_out: int, workroot: str, private_ipc: bool
-) -> dict:
+    spec: dict, host_in: int, workroot: str, isolated: bool
+) -> tuple[dict, int]:
+    """One run: (reply for the host, size of the verdict frame now in _BUFFER)."""
     secret_r, secret_w = os.pipe()
     verdict_r, verdict_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            for fd in (host_in, host_out, secret_w, verdict_r):
+            for fd in (host_in, secret_w, verdict_r):
                 os.close(fd)
             grader.grade(spec, secret_r, verdict_w, os.path.join(workroot, "work"))
         finally:
             os._exit(0)
     os.close(secret_r)
     os.close(verdict_w)
-    # The tests and nonce pass through to the grader without ever being parsed here.
-    wire.relay(host_in, secret_w, _RELAY_BUFFER)
+    # Tests and nonce pass through to the grader without ever being parsed here.
+    wire.relay(host_in, secret_w, _BUFFER)
     os.close(secret_w)
-    raw = _read_verdict(
+    size = _read_verdict(
         verdict_r, time.monotonic() + spec["limits"]["wall_s"] + _GRACE_S
     )
     os.close(verdict_r)
-    if raw is not None:  # EOF on the verdict pipe: the grader is exiting right now
+    if size is not None:  # EOF on the verdict pipe: the grader is exiting right now
         os.waitpid(pid, 0)
     clean = kill_descendants() & wipe(workroot)
-    if private_ipc:  # never on the host's namespace (process backend)
+    if isolated:  # never on the host's namespaces (process backend)
         remove_sysv_ipc()
-    if raw is None:
-        reason = "grader did not finish in time (stopped or stuck)"
-        return {
-            "verdict": None,
-            "reason": reason,
-            "timeout": True,
-            "recycle": not clean,
-        }
-    try:
-        verdict = wire.recv_with(_reader(raw))
-    except wire.FrameError:
-        verdict = None
-    reason = (
-        "" if verdict else "grader died without a verdict (killed by the solution?)"
-    )
-    return {"verdict": verdict, "reason": reason, "recycle": not clean}
-
-
-def _reader(data: bytes):
-    view = memoryview(data)
-    pos = 0
-
-    def read(n: int) -> bytes:
-        nonlocal pos
-        chunk = bytes(view[pos : pos + n])
-        pos += len(chunk)
-        return chunk
-
-    return read
+        clear_keyrings()
+    reply = {"verdict_bytes": size or 0, "recycle": not clean}
+    if size is None:
+        reply.update(
+            reason="grader did not finish in time (stopped or stuck)", timeout=True
+        )
+    elif not size:
+        reply.update(reason="grader died without a verdict (killed by the solution?)")
+    return reply, size or 0
 
 
 def main() -> None:
@@ -237,9 +237,13 @@ def main() -> None:
     wire.send(host_out, {"ready": True, "pid": os.getpid(), "oom_kills": oom_kills()})
     while (msg := wire.recv(host_in)) is not None:
         spec = {**msg["spec"], "pylib": pylib}
-        reply = run_one(spec, host_in, host_out, workroot, hello["private_ipc"])
+        reply, size = run_one(spec, host_in, workroot, hello["isolated"])
         reply["oom_kills"] = oom_kills()
         wire.send(host_out, reply)
+        # The verdict (failure messages quote expected values) goes out unparsed, so
+        # no later solution forked from here can find it in memory.
+        wire.write_all(host_out, memoryview(_BUFFER)[:size])
+        _BUFFER[:size] = bytes(size)
         if reply["recycle"]:
             sys.exit(0)  # the host starts a fresh sandbox
 

@@ -145,10 +145,12 @@ def test_lifecycle_leaves_no_process_or_cgroup_behind(humaneval, leftovers):
 
 
 def _zygotes() -> set[int]:
+    """Zygotes started by this test process (other sessions may run their own)."""
+    me = str(os.getpid())
     return {
         int(p)
         for p in os.listdir("/proc")
-        if p.isdigit() and "zygote.py" in _cmdline(int(p))
+        if p.isdigit() and "zygote.py" in _cmdline(int(p)) and me in _ancestors(int(p))
     }
 
 
@@ -182,7 +184,10 @@ def test_a_sandbox_that_died_while_idle_is_replaced_without_blaming_the_next_run
 def _ancestors(pid: int) -> list[str]:
     chain = []
     while pid > 1:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # exited meanwhile
+            return chain
         pid = int(stat[stat.rindex(")") + 2 :].split()[1])
         chain.append(str(pid))
     return chain
@@ -215,3 +220,64 @@ def test_close_cancels_queued_runs_instead_of_running_them(leftovers):
     sb.close()
     assert sum(f.cancelled() for f in futures) >= 15
     assert leftovers() == []
+
+
+LEAK_PROBE = r"""import re
+def f(_):
+    found = set()
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if not perms.startswith("r") or hi - lo > 1 << 28:
+                continue
+            try:
+                mem.seek(lo)
+                found.update(re.findall(rb"LEAK([0-9]+)", mem.read(hi - lo)))
+            except (OSError, OverflowError, ValueError):
+                continue
+    return sorted(x.decode() for x in found)
+"""
+
+
+def test_an_earlier_runs_verdict_is_not_in_a_later_solutions_memory(humaneval):
+    """Failure messages quote values; the zygote must not keep them for the next fork."""
+    wrong = humaneval["HumanEval/2"].request("    return 'LEAK' + str(8675309)\n")
+    probe = RunRequest(
+        LEAK_PROBE, "f", (TestCase("no_leak", "assert candidate(0) == []"),)
+    )
+    with Sandbox("bwrap", workers=1) as sb:  # one zygote serves both runs
+        assert "got 'LEAK8675309'" in sb.submit(wrong).result().message
+        result = sb.submit(probe).result()
+    assert result.status == "passed", result.message
+
+
+KEYRING = r"""import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+ADD_KEY, REQUEST_KEY = {"x86_64": (248, 249), "aarch64": (217, 218)}[platform.machine()]
+def store(_):
+    return libc.syscall(ADD_KEY, b"user", b"cache", b"answer", 6, -4)  # the user keyring
+def find(_):
+    return libc.syscall(REQUEST_KEY, b"user", b"cache", None, 0)
+"""
+
+
+@pytest.mark.skipif(
+    os.uname().machine not in ("x86_64", "aarch64"), reason="syscall numbers"
+)
+def test_kernel_keyrings_do_not_carry_data_into_the_next_run():
+    store = RunRequest(
+        KEYRING, "store", (TestCase("stored", "assert candidate(0) > 0"),)
+    )
+    find = RunRequest(KEYRING, "find", (TestCase("gone", "assert candidate(0) == -1"),))
+    with Sandbox("bwrap", workers=1) as sb:
+        assert [sb.submit(r).result().status for r in (store, find)] == [
+            "passed",
+            "passed",
+        ]
+
+
+def test_posix_message_queues_cannot_be_created(bwrap_sandbox):
+    mq = "import ctypes\nrt = ctypes.CDLL('librt.so.1', use_errno=True)\ndef f(_):\n    return rt.mq_open(b'/cache', 0o102, 0o600, None)\n"
+    req = RunRequest(mq, "f", (TestCase("refused", "assert candidate(0) == -1"),))
+    assert bwrap_sandbox.submit(req).result().status == "passed"
