@@ -76,7 +76,7 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    learning_rate: float = 1e-3  # right for the tiny default; pretrained models want ~1e-6
+    learning_rate: float = 5e-4  # right for the tiny default; pretrained models want ~1e-6
     warmup_steps: int = 0
     schedule: Literal["constant", "cosine"] = "constant"  # after warmup
     weight_decay: float = 0.0
@@ -124,7 +124,7 @@ class RewardsConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
+    steps: int = 200
     prompts_per_step: int = 16  # groups per step; the batch is prompts_per_step * group_size
     micro_batch: int = 0  # sequences per gradient-accumulation micro-batch; 0 = whole batch
     max_new_tokens: int = 16
