@@ -28,9 +28,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
-
     def save(self, step: int, state: Any, extra: dict) -> None:
         """Start saving (returns before the write ends when async); `wait()` to block."""
         self._manager.save(step, args=ocp.args.Composite(

@@ -33,10 +33,6 @@ class Rollout:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
-    @classmethod
-    def from_json(cls, row: dict) -> "Rollout":
-        return cls(**row)
-
 
 @dataclasses.dataclass
 class RolloutBatch:
