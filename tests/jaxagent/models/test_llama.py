@@ -56,7 +56,8 @@ def test_xla_attention_matches_float64_reference():
     rng = np.random.default_rng(0)
     b, t, s, n, k, h = 2, 5, 7, 6, 2, 3
     q, kk, v = (rng.standard_normal(shape) for shape in [(b, t, n, h), (b, k, s, h), (b, k, s, h)])
-    q_seg = rng.integers(1, 3, (b, t)); kv_seg = rng.integers(0, 3, (b, s))
+    # Negative query segments ("sees all") see every positive segment as well as their own.
+    q_seg = rng.integers(-2, 3, (b, t)); kv_seg = rng.integers(-2, 3, (b, s))
     q_slots = np.sort(rng.integers(0, s, (b, t))); kv_slots = np.tile(np.arange(s), (b, 1))
     out = xla_attention(*(jnp.asarray(x, jnp.float32) for x in (q, kk, v)),
                         q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slots,
@@ -66,7 +67,8 @@ def test_xla_attention_matches_float64_reference():
         for ti in range(t):
             for ni in range(n):
                 ki = ni // (n // k)
-                ok = (kv_seg[bi] == q_seg[bi, ti]) & (kv_seg[bi] != 0) & (kv_slots[bi] <= q_slots[bi, ti])
+                qs, ks = q_seg[bi, ti], kv_seg[bi]
+                ok = ((ks == qs) | ((qs < 0) & (ks > 0))) & (ks != 0) & (kv_slots[bi] <= q_slots[bi, ti])
                 if not ok.any():
                     continue
                 scores = kk[bi, ki] @ q[bi, ti, ni] / np.sqrt(h)
