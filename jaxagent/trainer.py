@@ -26,22 +26,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from jaxagent import rl
 from jaxagent.checkpoint import Checkpointer
 from jaxagent.config import Config, ConfigError, RLConfig, save_config
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.metrics import MetricsWriter, plot_curves
-from jaxagent.optim import make_optimizer
 from jaxagent.models.attention import supports_sees_all
+from jaxagent.optim import make_optimizer
 from jaxagent.steps import LossOptions, TrainBatch, pack, pack_shared, rl_step, sft_step
 from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
 from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.humaneval import humaneval_tasks
-
 
 # ---------------------------------------------------------------------------------------------
 # Set-up helpers.

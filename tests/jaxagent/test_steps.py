@@ -8,7 +8,14 @@ from flax import nnx
 from jaxagent.config import ModelConfig, OptimizerConfig
 from jaxagent.models import init_model
 from jaxagent.optim import make_optimizer
-from jaxagent.steps import LossOptions, pack, pack_shared, rl_step, sft_step, target_logprobs
+from jaxagent.steps import (
+    LossOptions,
+    pack,
+    pack_shared,
+    rl_step,
+    sft_step,
+    target_logprobs,
+)
 
 CFG = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2, num_heads=3,
                   num_kv_heads=1, head_dim=8, tie_embeddings=False)
