@@ -26,6 +26,8 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.doc_attention import doc_attention, visible
+
 
 class AttentionFn(Protocol):
     def __call__(
@@ -45,10 +47,7 @@ class AttentionFn(Protocol):
 def attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots) -> jax.Array:
     """[B, T, S] bool: causal, and the same non-padding segment or a document seen by a
     "sees all" (negative) segment."""
-    q, kv = q_segment_ids[:, :, None], kv_segment_ids[:, None, :]
-    visible = (q == kv) | ((q < 0) & (kv > 0))
-    causal = kv_slots[:, None, :] <= q_slots[:, :, None]
-    return visible & (kv != 0) & causal
+    return visible(q_segment_ids, kv_segment_ids, q_slots, kv_slots)
 
 
 def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
@@ -67,8 +66,13 @@ def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
     return out.reshape(b, t, n, h)
 
 
-BACKENDS: dict[str, AttentionFn] = {"xla": xla_attention}
-_SEES_ALL = {"xla"}  # backends that implement negative ("sees all") segments
+def doc_kernel_attention(q, k, v, **segments):
+    """The block-sparse Pallas kernel (pallas_kernels.doc_attention); interpreted on CPU."""
+    return doc_attention(q, k, v, **segments, interpret=jax.default_backend() == "cpu")
+
+
+BACKENDS: dict[str, AttentionFn] = {"xla": xla_attention, "doc": doc_kernel_attention}
+_SEES_ALL = {"xla", "doc"}  # backends that implement negative ("sees all") segments
 
 
 def register_backend(name: str, fn: AttentionFn, *, sees_all_segments: bool = False) -> None:

@@ -121,3 +121,20 @@ def test_bfloat16_params_and_compute():
     assert m.layers[0].attn.wq.dtype == jnp.bfloat16
     out = forward(m, jnp.zeros((1, 4), jnp.int32))
     assert out.dtype == jnp.float32 and bool(jnp.isfinite(out).all())
+
+
+def test_document_kernel_backend_equals_dense_model():
+    """`attention_backend: doc` (the Pallas kernel, interpreted here) on a document-level row:
+    two documents restarting their positions, then a final section that reads both."""
+    dense = init_model(CFG, seed=1)
+    doc = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(CFG, attention_backend="doc"))),
+                    nnx.state(dense))
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, 83, (1, 23)))
+    segment_ids = jnp.asarray([[1] * 9 + [2] * 8 + [-1] * 5 + [0]])
+    positions = jnp.asarray([list(range(9)) + list(range(8)) + list(range(9, 14)) + [0]])
+    want = forward(dense, tokens, positions, segment_ids)
+    np.testing.assert_allclose(forward(doc, tokens, positions, segment_ids), want, atol=2e-5)
+    # A document's logits do not depend on the other document.
+    alone = forward(dense, tokens[:, 9:17], positions[:, 9:17], jnp.ones((1, 8), jnp.int32))
+    np.testing.assert_allclose(want[:, 9:17], alone, atol=2e-5)
