@@ -8,6 +8,7 @@ G=8, completion 256 the token ratio is (8 * 2304) : (2048 + 8 * 256) = 18432 : 4
 
     python benchmarks/shared_prompt.py                       # tiny model (CPU)
     python benchmarks/shared_prompt.py --model qwen2.5-0.5b  # a 0.5B Qwen2.5 shape, bf16 (GPU)
+    python benchmarks/shared_prompt.py --model qwen2.5-0.5b --attention doc  # Pallas kernel
 
 Timed: one jitted `rl_step` (forward, backward, AdamW update) on random tokens and advantages,
 `--warmup` untimed steps (compilation) then the median of `--steps`.
@@ -16,6 +17,7 @@ Timed: one jitted `rl_step` (forward, backward, AdamW update) on random tokens a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import statistics
@@ -63,10 +65,11 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--groups", type=int, default=1, help="groups per step")
+    ap.add_argument("--attention", default="xla", help="model.attention_backend (xla, doc)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
-    cfg = MODELS[args.model]
+    cfg = dataclasses.replace(MODELS[args.model], attention_backend=args.attention)
 
     rng = np.random.default_rng(0)
     prompts, completions = [], []
@@ -83,7 +86,7 @@ def main():
 
     print(f"{platform.node()} {jax.devices()[0].device_kind} jax {jax.__version__} "
           f"{datetime.date.today()}; model {args.model}, prompt {args.prompt}, G {args.group}, "
-          f"completion {args.completion}, {args.groups} group(s)")
+          f"completion {args.completion}, {args.groups} group(s), attention {args.attention}")
     results = {}
     for name, batch in batches.items():
         results[name] = time_steps(cfg, batch, args.warmup, args.steps)
