@@ -24,6 +24,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -43,8 +44,8 @@ MODELS = {
 }
 
 
-def time_steps(cfg: ModelConfig, batch, warmup: int, steps: int) -> float:
-    graphdef, params = nnx.split(init_model(cfg, seed=0))
+def time_steps(graphdef, params, batch, warmup: int, steps: int) -> float:
+    params = jax.tree.map(jnp.copy, params)  # rl_step donates its inputs
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-6), 100)
     opt_state = tx.init(params)
     times = []
@@ -66,10 +67,13 @@ def main():
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--groups", type=int, default=1, help="groups per step")
     ap.add_argument("--attention", default="xla", help="model.attention_backend (xla, doc)")
+    ap.add_argument("--layers", type=int, default=0, help="override the model's layer count")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     cfg = dataclasses.replace(MODELS[args.model], attention_backend=args.attention)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
 
     rng = np.random.default_rng(0)
     prompts, completions = [], []
@@ -85,11 +89,12 @@ def main():
                                      group_size=args.group, bucket=128)}
 
     print(f"{platform.node()} {jax.devices()[0].device_kind} jax {jax.__version__} "
-          f"{datetime.date.today()}; model {args.model}, prompt {args.prompt}, G {args.group}, "
+          f"{datetime.date.today()}; model {args.model} ({cfg.num_layers} layers), prompt {args.prompt}, G {args.group}, "
           f"completion {args.completion}, {args.groups} group(s), attention {args.attention}")
+    graphdef, params = nnx.split(init_model(cfg, seed=0))
     results = {}
     for name, batch in batches.items():
-        results[name] = time_steps(cfg, batch, args.warmup, args.steps)
+        results[name] = time_steps(graphdef, params, batch, args.warmup, args.steps)
         tokens = int(np.prod(batch.tokens.shape))
         print(f"{name:>9}: {results[name] * 1e3:9.1f} ms/step  ({tokens} input tokens)")
     ideal = (args.group * (args.prompt + args.completion)) / (args.prompt + args.group * args.completion)
