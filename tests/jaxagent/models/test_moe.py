@@ -36,7 +36,7 @@ def weights64(layer):
 
 
 def expert64(w, e, x):
-    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    silu = lambda a: a / (1 + np.exp(-a))
     return (silu(x @ w["w_gate"][e]) * (x @ w["w_up"][e])) @ w["w_down"][e]
 
 
@@ -97,7 +97,7 @@ def test_dispatch_and_its_gradients_equal_the_dense_one_hot_formulation(dispatch
     if dispatch == "dropless":
         fn = moe_lib.dropless_experts
     else:  # a capacity of N slots per expert drops nothing
-        fn = lambda *a: moe_lib.capacity_experts(*a, keep=jnp.ones(N, bool), factor=E / K)  # noqa: E731
+        fn = lambda *a: moe_lib.capacity_experts(*a, keep=jnp.ones(N, bool), factor=E / K)
     out = jax.value_and_grad(run, argnums=(1, 2, 3))(fn, *w)
     ref = jax.value_and_grad(run, argnums=(1, 2, 3))(dense_one_hot, *w)
     np.testing.assert_allclose(out[0], ref[0], rtol=1e-5)
