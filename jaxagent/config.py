@@ -72,7 +72,8 @@ class ModelConfig:
     # dropless: every token reaches its k experts (grouped matmul; matches HF exactly).
     # capacity: each expert takes at most ceil(capacity_factor * tokens * k / E) assignments,
     # first choices before second ones; the rest are dropped (static shapes, expert-parallel).
-    moe_dispatch: Literal["dropless", "capacity"] = "dropless"
+    # dense: every expert on every token, zero-weighted off the top-k (E/K x FLOPs; reference).
+    moe_dispatch: Literal["dropless", "capacity", "dense"] = "dropless"
     capacity_factor: float = 1.25
 
 

@@ -204,7 +204,8 @@ def _expert_map(pre: str, path: tuple, cfg: ModelConfig, fused: bool) -> list[_M
                      lambda ws: swap(ws[0][:, :f]), None),
             _Mapping((pre + "experts.gate_up_proj",), path + ("w_up",),
                      lambda ws: swap(ws[0][:, f:]), None),
-            _Mapping((pre + "experts.down_proj",), path + ("w_down",), lambda ws: swap(ws[0]), None),
+            _Mapping((pre + "experts.down_proj",), path + ("w_down",),
+                     lambda ws: swap(ws[0]), None),
         ]
     return out + [
         _Mapping(tuple(f"{pre}experts.{j}.{name}_proj.weight" for j in range(e)), path + (ours,),

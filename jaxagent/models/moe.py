@@ -8,7 +8,7 @@ token (top-k), A assignments (N*K), C capacity slots per expert, L sparse layers
     w = w / sum(w)                               if norm_topk_prob
     y = sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))   for e = e_k
 
-Two dispatches compute the sum over the chosen experts:
+Three dispatches compute the sum over the chosen experts:
 - dropless: sort the N*K assignments by expert and run grouped (ragged) matmuls; exact, the
   default (HF parity, nothing lost), with a data-dependent group size per expert.
 - capacity: scatter into fixed [E, C, D] buffers, C = ceil(capacity_factor * N * K / E);
@@ -16,6 +16,8 @@ Two dispatches compute the sum over the chosen experts:
   token order) and padding tokens are dropped: a dropped assignment adds nothing (its token
   keeps only the residual), the other weights are not renormalised. Static shapes whose E
   axis shards over an `expert` mesh axis with no gather of the weights.
+- dense: every expert on every token, mixed by gates that are zero off the top-k: E/K times
+  the expert FLOPs, no data movement; the plainest form of the math (a reference).
 
 Parameters carry logical axes ("expert", "embed", "mlp"); `sharding/` maps them to a mesh.
 """
@@ -62,6 +64,16 @@ def dropless_experts(x, weights, experts, w_gate, w_up, w_down) -> jax.Array:
     out_sorted = _swiglu(x[order // k], w_gate, w_up, w_down, grouped)  # [A, D]
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
     return jnp.einsum("NKD,NK->ND", out, weights.astype(x.dtype))
+
+
+def dense_experts(x, weights, experts, w_gate, w_up, w_down) -> jax.Array:
+    """The same sum with every expert on every token and a [N, E] gate zero off the top-k."""
+    dt = x.dtype
+    one_hot = jax.nn.one_hot(experts, w_gate.shape[0], dtype=dt)  # [N, K, E]
+    gates = jnp.einsum("NK,NKE->NE", weights.astype(dt), one_hot)
+    h = (jax.nn.silu(jnp.einsum("ND,EDF->NEF", x, w_gate.astype(dt)))
+         * jnp.einsum("ND,EDF->NEF", x, w_up.astype(dt)))
+    return jnp.einsum("NE,NEF,EFD->ND", gates, h, w_down.astype(dt))
 
 
 def capacity(num_tokens: int, k: int, num_experts: int, factor: float) -> int:
@@ -146,6 +158,8 @@ class MoE(nnx.Module):
         if cfg.moe_dispatch == "capacity":
             y = capacity_experts(tokens, weights, experts, *w, keep=mask.reshape(-1),
                                  factor=cfg.capacity_factor)
+        elif cfg.moe_dispatch == "dense":
+            y = dense_experts(tokens, weights, experts, *w)
         else:
             y = dropless_experts(tokens, weights, experts, *w)
         return y.reshape(b, t, d), logits

@@ -62,9 +62,10 @@ def moe64(w, x, k, normalise, kept=None):
     return y
 
 
+@pytest.mark.parametrize("dispatch", ["dropless", "dense"])
 @pytest.mark.parametrize("normalise", [True, False])
-def test_dropless_moe_matches_float64_reference(normalise):
-    layer = make_moe(dataclasses.replace(CFG, norm_topk_prob=normalise))
+def test_moe_matches_float64_reference(normalise, dispatch):
+    layer = make_moe(dataclasses.replace(CFG, norm_topk_prob=normalise, moe_dispatch=dispatch))
     x = tokens()
     y, logits = layer(x, jnp.ones((1, N), bool))
     w = weights64(layer)
@@ -74,13 +75,6 @@ def test_dropless_moe_matches_float64_reference(normalise):
     np.testing.assert_allclose(np.asarray(y[0]), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     # Not a trivial match: the experts differ and more than one is used.
     assert len(np.unique(route64(w, x64, K, normalise)[1])) == E
-
-
-def dense_one_hot(x, weights, experts, w_gate, w_up, w_down):
-    """Every expert on every token, mixed by a [N, E] gate that is zero off the top-k."""
-    gates = jnp.einsum("NK,NKE->NE", weights, jax.nn.one_hot(experts, w_gate.shape[0]))
-    h = jax.nn.silu(jnp.einsum("ND,EDF->NEF", x, w_gate)) * jnp.einsum("ND,EDF->NEF", x, w_up)
-    return jnp.einsum("NE,NEF,EFD->ND", gates, h, w_down)
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
@@ -99,7 +93,7 @@ def test_dispatch_and_its_gradients_equal_the_dense_one_hot_formulation(dispatch
     else:  # a capacity of N slots per expert drops nothing
         fn = lambda *a: moe_lib.capacity_experts(*a, keep=jnp.ones(N, bool), factor=E / K)
     out = jax.value_and_grad(run, argnums=(1, 2, 3))(fn, *w)
-    ref = jax.value_and_grad(run, argnums=(1, 2, 3))(dense_one_hot, *w)
+    ref = jax.value_and_grad(run, argnums=(1, 2, 3))(moe_lib.dense_experts, *w)
     np.testing.assert_allclose(out[0], ref[0], rtol=1e-5)
     for g, g_ref in zip(out[1], ref[1]):
         np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4 * np.abs(g_ref).max())
