@@ -59,16 +59,19 @@ def main():
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args()
     cfg = ModelConfig(hidden_size=args.hidden, moe_intermediate_size=args.expert_mlp,
                       num_experts=args.experts, num_experts_per_tok=args.top_k,
-                      capacity_factor=args.capacity_factor)
-    x = jax.random.normal(jax.random.key(1), (1, args.tokens, args.hidden), jnp.float32)
+                      capacity_factor=args.capacity_factor, param_dtype=args.dtype,
+                      dtype=args.dtype)
+    x = jax.random.normal(jax.random.key(1), (1, args.tokens, args.hidden), args.dtype)
     mask = jnp.ones((1, args.tokens), bool)
     print(f"{platform.node()} {jax.devices()[0].platform} jax {jax.__version__}: "
           f"N={args.tokens} D={args.hidden} F={args.expert_mlp} E={args.experts} "
-          f"K={args.top_k} capacity_factor={args.capacity_factor}, fwd+bwd, median of "
+          f"K={args.top_k} capacity_factor={args.capacity_factor} {args.dtype}, fwd+bwd, "
+          f"median of "
           f"{args.repeats}")
     ms = {mode: time_mode(dataclasses.replace(cfg, moe_dispatch=mode), x, mask, args.repeats)
           for mode in MODES}
