@@ -69,7 +69,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # layer i is sparse if (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense MLP)
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in SFT / RL losses
-    # dropless: every token reaches its k experts (grouped matmul; matches HF exactly).
+    # dropless: every token reaches its k experts (ragged_dot grouped matmul; exact, HF parity;
+    # native on TPU, expanded densely by XLA on CPU/GPU: see docs/benchmarks.md).
     # capacity: each expert takes at most ceil(capacity_factor * tokens * k / E) assignments,
     # first choices before second ones; the rest are dropped (static shapes, expert-parallel).
     # dense: every expert on every token, zero-weighted off the top-k (E/K x FLOPs; reference).
