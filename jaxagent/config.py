@@ -40,7 +40,7 @@ class ModelConfig:
     """A Llama / Qwen2 / Qwen3 (-MoE) decoder. Defaults: the tiny byte-level model for CPU runs."""
 
     # HF architecture written on export.
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "qwen3"
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen3"
     vocab_size: int = 264  # 256 bytes + specials, padded to a multiple of 8
     hidden_size: int = 128
     intermediate_size: int = 384

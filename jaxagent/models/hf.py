@@ -2,9 +2,10 @@
 
 HF stores a linear layer as [out, in]; we store einsum-ready [in, ...out] tensors split into
 heads, so each mapping below is a transpose plus a reshape, inverted on export. MoE experts
-are stored per expert (`mlp.experts.{j}.gate_proj.weight`, what released checkpoints and
-`save_pretrained` write) and stacked here into one [E, ...] tensor; the fused in-memory layout
-of transformers >= 5 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is read too.
+are stored per expert (Qwen3-MoE `mlp.experts.{j}.gate_proj.weight`, Mixtral
+`block_sparse_moe.experts.{j}.w1.weight`: what released checkpoints and `save_pretrained`
+write) and stacked here into one [E, ...] tensor; the fused in-memory layout of
+transformers >= 5 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is read too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+_MOE_FAMILIES = ("qwen3_moe", "mixtral")
 _FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 
 
@@ -71,8 +74,13 @@ def config_from_hf(hf: dict, file: Path = Path("config.json"), **overrides) -> M
         raise CheckpointError(f"{file}: mlp_bias=true is not supported")
     if hf.get("use_sliding_window"):
         raise CheckpointError(f"{file}: use_sliding_window=true is not supported")
+    if family == "mixtral" and hf.get("sliding_window") is not None:  # Mixtral has no switch
+        raise CheckpointError(f"{file}: sliding_window={hf['sliding_window']} is not supported")
+    if hf.get("router_jitter_noise"):
+        raise CheckpointError(f"{file}: router_jitter_noise={hf['router_jitter_noise']} is not "
+                              "supported (0 only)")
     try:
-        moe = _moe_from_hf(hf, file) if family == "qwen3_moe" else {}
+        moe = _moe_from_hf(hf, family, file) if family in _MOE_FAMILIES else {}
         heads = hf["num_attention_heads"]
         theta, scaling = _rope_from_hf(hf, file)
         return ModelConfig(
@@ -102,11 +110,16 @@ def config_from_hf(hf: dict, file: Path = Path("config.json"), **overrides) -> M
         raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
 
 
-def _moe_from_hf(hf: dict, file: Path) -> dict:
+def _moe_from_hf(hf: dict, family: str, file: Path) -> dict:
     # transformers >= 5 writes `num_local_experts` (an alias); released configs `num_experts`.
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if not experts:
-        raise CheckpointError(f"{file}: missing field 'num_experts' (a Qwen3-MoE needs experts)")
+        raise CheckpointError(f"{file}: missing field 'num_experts' (a {family} model needs "
+                              "experts)")
+    if family == "mixtral":  # every layer sparse, renormalised top-k, F = intermediate_size
+        return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+                "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True,
+                "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)}
     return {
         "num_experts": experts,
         "num_experts_per_tok": hf["num_experts_per_tok"],
@@ -136,11 +149,20 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         raise CheckpointError("model.attention_bias=false cannot be exported as Qwen2 (always biased)")
     if cfg.qk_norm != (cfg.family in ("qwen3", "qwen3_moe")):
         raise CheckpointError(f"model.qk_norm={cfg.qk_norm} cannot be exported as family {cfg.family!r}")
-    if (cfg.num_experts > 0) != (cfg.family == "qwen3_moe"):
+    if (cfg.num_experts > 0) != (cfg.family in _MOE_FAMILIES):
         raise CheckpointError(f"model.num_experts={cfg.num_experts} cannot be exported as family "
-                              f"{cfg.family!r} (experts need qwen3_moe)")
+                              f"{cfg.family!r} (experts need {' or '.join(_MOE_FAMILIES)})")
     moe = {}
-    if cfg.family == "qwen3_moe":
+    if cfg.family == "mixtral":
+        for key, value in (("norm_topk_prob", True), ("decoder_sparse_step", 1),
+                           ("mlp_only_layers", ())):
+            if getattr(cfg, key) != value:
+                raise CheckpointError(f"model.{key}={getattr(cfg, key)!r} cannot be exported as "
+                                      f"family 'mixtral' (needs {value!r})")
+        moe = {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+               "intermediate_size": cfg.moe_intermediate_size,  # Mixtral's F is the experts'
+               "router_aux_loss_coef": cfg.router_aux_loss_coef, "sliding_window": None}
+    elif cfg.family == "qwen3_moe":
         moe = {
             "num_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,
@@ -192,9 +214,17 @@ def _same(x):
     return x
 
 
-def _expert_map(pre: str, path: tuple, cfg: ModelConfig, fused: bool) -> list[_Mapping]:
+# Per-expert checkpoint names of (gate, up, down) and the sparse block's module name.
+_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def _expert_map(layer: str, path: tuple, cfg: ModelConfig, fused: bool) -> list[_Mapping]:
     """A sparse layer's router and experts: HF [E, D] router, [F, D] / [D, F] per expert."""
     e, f = cfg.num_experts, cfg.moe_intermediate_size
+    block, *names = _EXPERT_NAMES[cfg.family]
+    # transformers >= 5 names the block `mlp` in memory (fused) for every family.
+    pre = f"{layer}{'mlp' if fused else block}."
     out = [_Mapping((pre + "gate.weight",), path + ("router",), lambda ws: ws[0].T,
                     lambda w: [w.T])]
     if fused:  # [E, 2F, D] gate|up and [E, D, F] down; written by no exporter, so read-only
@@ -208,9 +238,9 @@ def _expert_map(pre: str, path: tuple, cfg: ModelConfig, fused: bool) -> list[_M
                      lambda ws: swap(ws[0]), None),
         ]
     return out + [
-        _Mapping(tuple(f"{pre}experts.{j}.{name}_proj.weight" for j in range(e)), path + (ours,),
+        _Mapping(tuple(f"{pre}experts.{j}.{name}.weight" for j in range(e)), path + (ours,),
                  lambda ws: np.stack([w.T for w in ws]), lambda w: [x.T for x in w])
-        for name, ours in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down"))
+        for name, ours in zip(names, ("w_gate", "w_up", "w_down"))
     ]
 
 
@@ -246,7 +276,7 @@ def _tensor_map(cfg: ModelConfig, fused_experts: bool = False) -> list[_Mapping]
             m(pre + "self_attn.o_proj.weight", at + ("wo",), o_proj),
         ]
         if is_moe_layer(cfg, i):
-            out += _expert_map(pre + "mlp.", ("layers", i, "mlp"), cfg, fused_experts)
+            out += _expert_map(pre, ("layers", i, "mlp"), cfg, fused_experts)
         else:
             out += [m(pre + f"mlp.{x}_proj.weight", ("layers", i, "mlp", f"w_{x}"), transpose)
                     for x in ("gate", "up", "down")]
