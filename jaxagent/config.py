@@ -37,7 +37,8 @@ class RopeScalingConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama / Qwen2 / Qwen3 (-MoE) decoder. Defaults: the tiny byte-level model for CPU runs."""
+    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder. Defaults: the tiny byte-level
+    model for CPU runs."""
 
     # HF architecture written on export.
     family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen3"

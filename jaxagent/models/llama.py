@@ -1,12 +1,12 @@
-"""A Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder in Flax NNX.
+"""A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder in Flax NNX.
 
 Letters: B batch, T time, S source (keys), N heads, K kv heads, H head dim, D model, F mlp,
 V vocab.
 
 One module covers the family; the differences are config switches: q/k/v bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling (Llama 3.1), sparse MoE MLPs
-(Qwen3-MoE, `moe.py`). Every parameter carries `logical_axes` metadata that `sharding/` maps
-to mesh axes; this file knows no mesh.
+(Qwen3-MoE, Mixtral: `moe.py`). Every parameter carries `logical_axes` metadata that
+`sharding/` maps to mesh axes; this file knows no mesh.
 """
 
 from __future__ import annotations
