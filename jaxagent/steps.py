@@ -144,17 +144,26 @@ def pack_shared(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
         positions=jnp.asarray(positions), gather=jnp.asarray(gather))
 
 
-def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """Log-probabilities of the targets [B, T], and the logits [B, T, V]."""
-    logits = model(batch.tokens, batch.positions, batch.segment_ids)
+def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the targets [B, T], the logits [B, T, V], and the MoE
+    load-balancing loss (0 for a dense model)."""
+    logits, aux = model(batch.tokens, batch.positions, batch.segment_ids, with_aux_loss=True)
     if batch.gather is not None:  # group rows [B/G, L, V] -> rollout rows [B, T, V]
         group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // logits.shape[0])
         logits = logits[group[:, None], batch.gather]
-    return rl.token_logprobs(logits, batch.targets), logits
+    return rl.token_logprobs(logits, batch.targets), logits, aux
 
 
-def _micro_batches(batch: TrainBatch, micro_batch: int) -> TrainBatch:
-    """[B, ...] -> [M, B/M, ...] for a scan over micro-batches."""
+def _add_aux_loss(loss, metrics: dict, model, aux, num_micro: int, prefix: str):
+    """loss + router_aux_loss_coef * aux, averaged over micro-batches (HF: per forward pass)."""
+    cfg = model.config
+    if not cfg.num_experts:
+        return loss, metrics
+    return (loss + cfg.router_aux_loss_coef * aux / num_micro,
+            {**metrics, f"{prefix}/aux_loss": aux / num_micro})
+
+
+def _num_micro(batch: TrainBatch, micro_batch: int) -> int:
     b = batch.targets.shape[0]
     if micro_batch and b % micro_batch:
         raise ValueError(f"train.micro_batch ({micro_batch}) must divide the batch size ({b})")
@@ -162,6 +171,12 @@ def _micro_batches(batch: TrainBatch, micro_batch: int) -> TrainBatch:
     if batch.size % m:  # shared-prompt rows hold whole groups
         raise ValueError(f"train.micro_batch ({micro_batch}) must be a multiple of the group "
                          f"size ({b // batch.size}) with shared-prompt packing")
+    return m
+
+
+def _micro_batches(batch: TrainBatch, micro_batch: int) -> TrainBatch:
+    """[B, ...] -> [M, B/M, ...] for a scan over micro-batches."""
+    m = _num_micro(batch, micro_batch)
     return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
 
@@ -196,16 +211,18 @@ def _apply(tx, params, opt_state, grads):
                    donate_argnames=("params", "opt_state"))
 def sft_step(graphdef, tx, params, opt_state, batch: TrainBatch, micro_batch: int = 0):
     total = jnp.maximum(batch.loss_mask.sum(), 1.0)
+    num_micro = _num_micro(batch, micro_batch)
 
     def loss_fn(p, mb):
-        logp, _ = target_logprobs(nnx.merge(graphdef, p), mb)
+        model = nnx.merge(graphdef, p)
+        logp, _, aux = target_logprobs(model, mb)
         loss = -(logp * mb.loss_mask).sum() / total
-        return loss, {"tokens": mb.loss_mask.sum()}
+        return _add_aux_loss(loss, {"sft/tokens": mb.loss_mask.sum()}, model, aux, num_micro,
+                             "sft")
 
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
     params, opt_state, grad_norm = _apply(tx, params, opt_state, grads)
-    return params, opt_state, {"sft/loss": loss, "sft/grad_norm": grad_norm,
-                               "sft/tokens": metrics["tokens"]}
+    return params, opt_state, {**metrics, "sft/loss": loss, "sft/grad_norm": grad_norm}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,9 +261,11 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
     current one, so the clipped ratio starts at 1 and only the sampler correction is off 1)."""
     o = options
     full_mask = batch.loss_mask
+    num_micro = _num_micro(batch, micro_batch)
 
     def loss_fn(p, mb):
-        logp, logits = target_logprobs(nnx.merge(graphdef, p), mb)
+        model = nnx.merge(graphdef, p)
+        logp, logits, aux = target_logprobs(model, mb)
         proximal = jax.lax.stop_gradient(logp)
         weights = None
         if o.importance_cap is not None:
@@ -262,7 +281,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         if weights is not None:
             metrics["train/importance_weight"] = (weights.sum() / jnp.maximum(mb.loss_mask.sum(), 1))
         if o.kl_coef:
-            ref_logp, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb)
+            ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb)
             kl = rl.aggregate(rl.kl_penalty(logp, jax.lax.stop_gradient(ref_logp),
                                             estimator=o.kl_estimator), mb.loss_mask,
                               aggregation=o.aggregation, norm_length=o.norm_length)
@@ -271,7 +290,8 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         if o.entropy_coef:
             loss = loss - o.entropy_coef * entropy
         share = _share(mb.loss_mask, full_mask, o.aggregation)
-        return loss * share, jax.tree.map(lambda v: v * share, metrics)
+        return _add_aux_loss(loss * share, jax.tree.map(lambda v: v * share, metrics), model, aux,
+                             num_micro, "train")
 
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
     params, opt_state, grad_norm = _apply(tx, params, opt_state, grads)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -203,3 +205,40 @@ def test_shared_prompt_micro_batches_hold_whole_groups():
     with pytest.raises(ValueError, match=r"multiple of the group size \(4\)"):
         rl_step(graphdef, tx, params, opt_state, pack_shared(p, c, lp, np.ones(12), group_size=4),
                 options=LossOptions(), micro_batch=6)
+
+
+MOE = dataclasses.replace(CFG, num_layers=2, num_experts=5, num_experts_per_tok=2,
+                          moe_intermediate_size=11, mlp_only_layers=(1,), router_aux_loss_coef=0.7)
+
+
+@pytest.mark.parametrize("step", ["sft", "rl"])
+def test_moe_aux_loss_is_in_the_gradient(step):
+    """With SGD(lr=1) the update is -grad: raising the coefficient from 0 to c adds exactly
+    -c * grad(load-balancing loss of this batch)."""
+    p, c, lp = random_rollouts()
+    batch = pack(p, c, lp, np.random.default_rng(5).normal(size=len(p)))
+    graphdef, params = nnx.split(init_model(MOE, seed=1))
+    tx = optax.sgd(1.0)
+
+    def update(coef):
+        # The coefficient is static config, part of the graphdef.
+        g, _ = nnx.split(init_model(dataclasses.replace(MOE, router_aux_loss_coef=coef)))
+        new, _, metrics = (sft_step(g, tx, copy(params), tx.init(params), batch) if step == "sft"
+                           else rl_step(g, tx, copy(params), tx.init(params), batch,
+                                        options=LossOptions()))
+        return jax.tree.map(jnp.subtract, new, params), metrics
+
+    with_aux, metrics = update(MOE.router_aux_loss_coef)
+    without, _ = update(0.0)
+
+    def aux_of(p):
+        return nnx.merge(graphdef, p)(batch.tokens, None, batch.segment_ids, with_aux_loss=True)[1]
+
+    aux, aux_grad = jax.jit(jax.value_and_grad(aux_of))(params)
+    prefix = "sft" if step == "sft" else "train"
+    np.testing.assert_allclose(float(metrics[f"{prefix}/aux_loss"]), float(aux), rtol=1e-5)
+    router = ("layers", 0, "mlp", "router")
+    flat = dict(nnx.to_flat_state(aux_grad))
+    assert np.abs(np.asarray(flat[router][...])).max() > 1e-3
+    for a, b, g in zip(jax.tree.leaves(with_aux), jax.tree.leaves(without), jax.tree.leaves(aux_grad)):
+        np.testing.assert_allclose(a - b, -MOE.router_aux_loss_coef * g, atol=1e-6)
