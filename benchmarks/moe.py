@@ -1,6 +1,5 @@
 """MoE MLP dispatch: dropless (sort + ragged_dot) vs capacity buffers vs dense (every expert on
-every token), forward + backward of one layer, side by side in one run; on a GPU also dropless
-through JAX's opt-in Pallas/Triton `ragged_dot` lowering.
+every token), forward + backward of one layer, side by side in one run.
 
 Same router, experts and tokens for each mode; prints ms per step and each mode's time as a
 ratio of dropless. Sizes are Qwen3-MoE-like ratios scaled down for a CPU (E 16, K 4 by
@@ -76,12 +75,8 @@ def main():
           f"{args.repeats}")
     ms = {mode: time_mode(dataclasses.replace(cfg, moe_dispatch=mode), x, mask, args.repeats)
           for mode in MODES}
-    if jax.default_backend() == "gpu":
-        # JAX's opt-in Pallas/Triton grouped matmul for ragged_dot (XLA:GPU expands it densely).
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
-        ms["dropless-triton"] = time_mode(cfg, x, mask, args.repeats)
     for mode, t in ms.items():
-        print(f"  {mode:15s} {t:8.2f} ms   x{t / ms['dropless']:.2f} of dropless")
+        print(f"  {mode:9s} {t:8.2f} ms   x{t / ms['dropless']:.2f} of dropless")
 
 
 if __name__ == "__main__":
