@@ -22,6 +22,7 @@ from jaxagent.config import ModelConfig
 from jaxagent.models.attention import get_backend
 
 _INIT_STD = 0.02
+_BTD = ("batch", "length", "embed")  # logical names of the residual stream
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
@@ -203,6 +204,12 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd)
+        # (x, logical axis names) -> x, pinning activations at layer boundaries to a layout;
+        # set from outside (sharding/), as this file knows no mesh. None: no constraint.
+        self.shard_activations = None
+
+    def _pin(self, x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+        return x if self.shard_activations is None else self.shard_activations(x, names)
 
     def __call__(
         self,
@@ -227,7 +234,7 @@ class Decoder(nnx.Module):
             )
         slots = jnp.broadcast_to(slots, (b, t))
 
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
+        x = self._pin(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype), _BTD)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kw = {}
@@ -235,6 +242,7 @@ class Decoder(nnx.Module):
                 kw = dict(cache_kv=(cache.k[i], cache.v[i]), cache_segment_ids=cache_segment_ids,
                           cache_index=cache.index)
             x, kv = layer(x, positions, segment_ids, slots, **kw)
+            x = self._pin(x, _BTD)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -243,7 +251,7 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(x.dtype))
         else:
             logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
-        logits = logits.astype(jnp.float32)
+        logits = self._pin(logits.astype(jnp.float32), ("batch", "length", "vocab"))
         if cache is None:
             return logits
         return logits, KVCache(new_k, new_v, cache_segment_ids, cache.index + t)
