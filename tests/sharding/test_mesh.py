@@ -19,8 +19,8 @@ def test_fill_and_explicit_sizes():
 
 
 @pytest.mark.parametrize("cfg, message", [
-    (MeshConfig(data=3, fsdp=2), "mesh.data=3, mesh.fsdp=2, mesh.expert=1, mesh.tensor=1 makes 6 "
-                                 "devices, but there are 8"),
+    (MeshConfig(data=3, fsdp=2), ("mesh.data=3, mesh.fsdp=2, mesh.expert=1, mesh.tensor=1 makes 6 "
+                                 "devices, but there are 8")),
     (MeshConfig(data=-1, tensor=3), "cannot fill 8 devices"),
     (MeshConfig(data=-1, fsdp=-1), "at most one -1"),
     (MeshConfig(data=0), "sizes must be >= 1"),
