@@ -89,6 +89,20 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process start-up (`jax.distributed`); explicit fields beat the environment."""
+
+    # auto: explicit fields, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID,
+    # else a detected TPU pod, SLURM job or Kubernetes JobSet, else one process. off: one.
+    mode: Literal["auto", "off"] = "auto"
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    initialization_timeout_s: int = 300  # waiting for every process to join
+    heartbeat_timeout_s: int = 60  # a peer silent this long stops all the others
+
+
+@dataclass(frozen=True)
 class SamplerConfig:
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -197,6 +211,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)  # the trainer's mesh
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     init_from: str | None = None  # HF checkpoint directory; None = random init of `model`
     workdir: str = "runs/default"
     seed: int = 0

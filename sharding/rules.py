@@ -21,12 +21,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = tuple[tuple[str, ...], ...]
 
 
+def _table(rules: Rules) -> dict[str, tuple[str, ...]]:
+    return {row[0]: row[1:] for row in rules}
+
+
 def partition_spec(shape: Sequence[int], names: Sequence[str | None], rules: Rules,
                    mesh: Mesh) -> PartitionSpec:
     """The spec of one array of `shape` whose dimensions are called `names`."""
     if len(names) != len(shape):
         raise ValueError(f"logical axes {tuple(names)} do not match the shape {tuple(shape)}")
-    table = {row[0]: row[1:] for row in rules}
+    table = _table(rules)
     used: set[str] = set()
     spec = []
     for size, name in zip(shape, names):
@@ -68,30 +72,22 @@ def place(tree: Any, mesh: Mesh, rules: Rules) -> Any:
     return jax.device_put(tree, shardings(tree, mesh, rules))
 
 
-def batch_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int]) -> NamedSharding:
-    """Leading dimension "batch", the rest replicated."""
-    names = ("batch",) + (None,) * (len(shape) - 1)
-    return NamedSharding(mesh, partition_spec(shape, names, rules, mesh))
-
-
-def shard_batch(batch: Any, mesh: Mesh, rules: Rules) -> Any:
-    """A host batch (the same global batch in every process) as global arrays split over the
-    batch axes; each process supplies only the rows of its own devices."""
+def shard_batch(local: Any, mesh: Mesh, rules: Rules, key: str = "the batch") -> Any:
+    """This process's rows of a batch -> global arrays with the leading dimension "batch"
+    (split over data and fsdp by default) and the rest replicated."""
 
     def one(x):
         x = np.asarray(x)
-        sharding = batch_sharding(mesh, rules, x.shape)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        rows = x.shape[0] * jax.process_count()
+        data_parallel = int(np.prod([mesh.shape[a] for a in _table(rules).get("batch", ())]))
+        if rows % data_parallel:
+            raise ValueError(f"{key}: {rows} rows do not split over the {data_parallel} "
+                             "data-parallel devices (mesh.rules 'batch' axes)")
+        spec = partition_spec((rows, *x.shape[1:]), ("batch",) + (None,) * (x.ndim - 1),
+                              rules, mesh)
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
 
-    return jax.tree.map(one, batch)
-
-
-def check_batch(size: int, mesh: Mesh, key: str) -> None:
-    """The batch must split evenly over the data-parallel devices."""
-    n = mesh.shape["data"] * mesh.shape["fsdp"]
-    if size % n:
-        raise ValueError(f"{key}: the batch ({size}) must be a multiple of mesh.data * "
-                         f"mesh.fsdp ({n})")
+    return jax.tree.map(one, local)
 
 
 @dataclasses.dataclass(frozen=True)
