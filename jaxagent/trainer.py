@@ -205,6 +205,10 @@ def train(cfg: Config, console: Console | None = None) -> dict:
     validate(cfg)
     initialize(cfg.distributed)
     layout = Layout(cfg)
+    layout.check_batch(cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count(),
+                       "train.prompts_per_step * rl.group_size")
+    if cfg.sft.steps:
+        layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     console = console or Console(stderr=True)
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -330,6 +334,7 @@ def run_sft(cfg: Config) -> Path:
         raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
     initialize(cfg.distributed)
     layout = Layout(cfg)
+    layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     model, tokenizer = load_model_and_tokenizer(cfg)
     graphdef, params = layout.split(model)
     train_tasks, _ = load_task_splits(cfg)

@@ -17,7 +17,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxagent.config import Config, MeshConfig
 from sharding.mesh import build_mesh
-from sharding.rules import ActivationSharding, place, shard_batch, shardings
+from sharding.rules import (
+    ActivationSharding,
+    check_batch,
+    place,
+    shard_batch,
+    shardings,
+)
 
 
 class Layout:
@@ -31,6 +37,10 @@ class Layout:
             # Default across processes: this process's devices, tensor parallel as in training.
             sampler = cfg.sampler.mesh or MeshConfig(data=-1, tensor=cfg.mesh.tensor)
             self.sampler_mesh = build_mesh(sampler, jax.local_devices(), key="sampler.mesh")
+
+    def check_batch(self, rows: int, key: str) -> None:
+        """Fail before any compute if a global batch of `rows` cannot split over the mesh."""
+        check_batch(rows, self.mesh, self.rules, key)
 
     # -- training -------------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxagent.config import ConfigError
+
 Rules = tuple[tuple[str, ...], ...]
 
 
@@ -72,6 +74,15 @@ def place(tree: Any, mesh: Mesh, rules: Rules) -> Any:
     return jax.device_put(tree, shardings(tree, mesh, rules))
 
 
+def check_batch(rows: int, mesh: Mesh, rules: Rules, key: str) -> None:
+    """A global batch of `rows` must split evenly over the rules' "batch" mesh axes."""
+    data_parallel = int(np.prod([mesh.shape[a] for a in _table(rules).get("batch", ())]))
+    if rows % data_parallel:
+        raise ConfigError(f"{key}: the global batch ({rows} rows) does not split over the "
+                          f"{data_parallel} data-parallel devices (mesh axes of 'batch' in "
+                          "mesh.rules)")
+
+
 def shard_batch(local: Any, mesh: Mesh, rules: Rules, key: str = "the batch") -> Any:
     """This process's rows of a batch -> global arrays with the leading dimension "batch"
     (split over data and fsdp by default) and the rest replicated."""
@@ -79,10 +90,7 @@ def shard_batch(local: Any, mesh: Mesh, rules: Rules, key: str = "the batch") ->
     def one(x):
         x = np.asarray(x)
         rows = x.shape[0] * jax.process_count()
-        data_parallel = int(np.prod([mesh.shape[a] for a in _table(rules).get("batch", ())]))
-        if rows % data_parallel:
-            raise ValueError(f"{key}: {rows} rows do not split over the {data_parallel} "
-                             "data-parallel devices (mesh.rules 'batch' axes)")
+        check_batch(rows, mesh, rules, key)
         spec = partition_spec((rows, *x.shape[1:]), ("batch",) + (None,) * (x.ndim - 1),
                               rules, mesh)
         return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
