@@ -85,12 +85,15 @@ def check_batch(rows: int, mesh: Mesh, rules: Rules, key: str) -> None:
 
 def shard_batch(local: Any, mesh: Mesh, rules: Rules, key: str = "the batch") -> Any:
     """This process's rows of a batch -> global arrays with the leading dimension "batch"
-    (split over data and fsdp by default) and the rest replicated."""
+    (split over data and fsdp by default) and the rest replicated. Across processes the rows
+    must split evenly; in one process an array whose rows do not (shared-prompt group rows)
+    is replicated."""
 
     def one(x):
         x = np.asarray(x)
         rows = x.shape[0] * jax.process_count()
-        check_batch(rows, mesh, rules, key)
+        if jax.process_count() > 1:  # else a leading dimension that does not split replicates
+            check_batch(rows, mesh, rules, key)
         spec = partition_spec((rows, *x.shape[1:]), ("batch",) + (None,) * (x.ndim - 1),
                               rules, mesh)
         return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)

@@ -2,6 +2,8 @@
 single-device one on every layout (8 fake CPU devices)."""
 
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,13 +28,16 @@ from sharding.rules import (
 MODEL = ModelConfig(vocab_size=72, hidden_size=24, intermediate_size=40, num_layers=2,
                     num_heads=6, num_kv_heads=3, head_dim=10, tie_embeddings=False,
                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# MoE: E 6 experts (3 per device on expert=2), top-2, expert mlp 14; layer 1 stays dense.
+MOE = dataclasses.replace(MODEL, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=14,
+                          mlp_only_layers=(1,), router_aux_loss_coef=0.1)
 _slow = pytest.mark.slow  # tens of seconds of compiling each on 2 shared cores
 LAYOUTS = [
     pytest.param({"data": 8}, marks=_slow),
     pytest.param({"data": 1, "fsdp": 8}, marks=_slow),
     pytest.param({"data": 4, "tensor": 2}, marks=_slow),
     {"data": 2, "fsdp": 2, "tensor": 2},  # default run: data, fsdp and tensor at once
-    pytest.param({"data": 1, "fsdp": 4, "expert": 2}, marks=_slow),
+    pytest.param({"data": 1, "fsdp": 4, "expert": 2}, marks=_slow),  # with the MoE model
 ]
 
 
@@ -64,7 +69,7 @@ def test_partition_spec_follows_rules_and_skips_what_cannot_split():
 @pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_params_are_sharded_as_the_rules_say(sizes):
     mesh = _mesh(**sizes)
-    model = init_model(MODEL, seed=1)
+    model = init_model(_model_for(sizes), seed=1)
     axes = logical_axes(model)
     params = place(nnx.state(model, nnx.Param), mesh, DEFAULT_AXIS_RULES)
     table = {row[0]: row[1:] for row in DEFAULT_AXIS_RULES}
@@ -100,6 +105,11 @@ def test_params_are_sharded_as_the_rules_say(sizes):
             assert "expert" in str(flat[path].get_value().sharding.spec), path
 
 
+def _model_for(sizes):
+    """Layouts with an expert axis run the MoE model (any parameter named "expert" splits)."""
+    return MOE if sizes.get("expert", 1) > 1 else MODEL
+
+
 def _batch(rng, b=8, t=13, v=72):
     tokens = rng.integers(0, v, (b, t + 1))
     mask = (rng.random((b, t)) < 0.7).astype(np.float32)
@@ -131,20 +141,26 @@ def _train(model, batches, mesh=None, micro_batch=0):
     return params, opt_state, history
 
 
-@pytest.fixture(scope="module")
-def reference():
-    rng = np.random.default_rng(7)
-    batches = [_batch(rng) for _ in range(2)]
-    with jax.default_device(jax.devices()[0]):
-        params, _, history = _train(init_model(MODEL, seed=3), batches)
-    return batches, params, history
+_REFERENCES = {}
+
+
+def _reference(model_cfg):
+    """Single-device training of `model_cfg` on fixed batches (computed once per model)."""
+    if model_cfg not in _REFERENCES:
+        rng = np.random.default_rng(7)
+        batches = [_batch(rng) for _ in range(2)]
+        with jax.default_device(jax.devices()[0]):
+            params, _, history = _train(init_model(model_cfg, seed=3), batches)
+        _REFERENCES[model_cfg] = batches, params, history
+    return _REFERENCES[model_cfg]
 
 
 @pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
-def test_sharded_train_step_equals_single_device(sizes, reference):
-    batches, ref_params, ref_history = reference
+def test_sharded_train_step_equals_single_device(sizes):
+    model_cfg = _model_for(sizes)
+    batches, ref_params, ref_history = _reference(model_cfg)
     mesh = _mesh(**sizes)
-    params, opt_state, history = _train(init_model(MODEL, seed=3), batches, mesh,
+    params, opt_state, history = _train(init_model(model_cfg, seed=3), batches, mesh,
                                         micro_batch=4 if sizes.get("data") == 2 else 0)
     for ref, got in zip(ref_history, history):
         assert ref.keys() == got.keys()
