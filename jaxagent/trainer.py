@@ -47,6 +47,8 @@ from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.humaneval import humaneval_tasks
+from sharding.distributed import initialize, is_leader
+from sharding.layout import Layout
 
 # ---------------------------------------------------------------------------------------------
 # Set-up helpers.
@@ -149,7 +151,8 @@ def evaluate(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *, 
 # Supervised warm-up.
 
 
-def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], progress=None):
+def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Layout,
+        progress=None):
     """`cfg.sft.steps` of token-mean cross-entropy on the tasks' reference completions."""
     s = cfg.sft
     data = [(tokenizer.encode(t.prompt, add_bos=getattr(tokenizer, "add_bos", False)),
@@ -159,13 +162,16 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], progress=No
         raise ValueError("sft.steps > 0 but no task has metadata['reference'] to imitate")
     tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
                         s.steps)
-    opt_state = tx.init(params)
+    opt_state = layout.place(tx.init(params))
     rng = np.random.default_rng(cfg.seed)
     task_bar = progress.add_task("sft", total=s.steps, info="") if progress else None
     metrics = {}
     for _ in range(s.steps):
         rows = [data[i] for i in rng.integers(0, len(data), s.batch_size)]
+        # Every process draws the same global batch and keeps its own rows of it.
         batch = pack([p for p, _ in rows], [c for _, c in rows])
+        batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)], batch),
+                             "sft.batch_size")
         params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
                                               cfg.train.micro_batch)
         if progress:
@@ -203,18 +209,27 @@ def validate(cfg: Config) -> None:
 
 def train(cfg: Config, console: Console | None = None) -> dict:
     validate(cfg)
+    initialize(cfg.distributed)
+    layout = Layout(cfg)
+    layout.check_batch(cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count(),
+                       "train.prompts_per_step * rl.group_size")
+    if cfg.sft.steps:
+        layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
+    if cfg.train.share_prompt and jax.process_count() > 1:  # one group row per prompt
+        layout.check_batch(cfg.train.prompts_per_step * jax.process_count(),
+                           "train.prompts_per_step (with train.share_prompt)")
     console = console or Console(stderr=True)
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, workdir / "config.yaml")
 
     model, tokenizer = load_model_and_tokenizer(cfg)
-    graphdef, params = nnx.split(model)
+    graphdef, params = layout.split(model)
     # A frozen reference copy only when KL is on (a copy: the train step donates params).
     frozen_copy = lambda p: jax.tree.map(jnp.copy, p) if cfg.rl.kl_coef else None  # noqa: E731
     ref_params = frozen_copy(params)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    opt_state = tx.init(params)
+    opt_state = layout.place(tx.init(params))
     train_tasks, eval_tasks = load_task_splits(cfg)
     task_iter = iter(task_dataset(train_tasks, seed=cfg.seed,
                                   shard_index=jax.process_index(),
@@ -222,7 +237,7 @@ def train(cfg: Config, console: Console | None = None) -> dict:
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep)
     start = ckpt.latest_step()
     metrics_writer = MetricsWriter(workdir, resume_step=start,
-                                   enabled=jax.process_index() == 0)
+                                   enabled=is_leader())
     options = loss_options(cfg)
     scorer = make_scorer(cfg)
     t = cfg.train
@@ -241,12 +256,12 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                 start = 0
                 if cfg.sft.steps:
                     params, sft_metrics = sft(cfg, graphdef, params, tokenizer, train_tasks,
-                                              progress)
+                                              layout, progress)
                     ref_params = frozen_copy(params)
                     metrics_writer.write(0, sft_metrics)
                 ckpt.save(0, {"params": params, "opt_state": opt_state},
                           {"step": 0, "data": task_iter.get_state()})
-            sampler = Sampler(nnx.merge(graphdef, params), tokenizer,
+            sampler = Sampler(layout.sampler_model(graphdef, params), tokenizer,
                               prompt_bucket=cfg.sampler.prompt_bucket,
                               cache_bucket=cfg.sampler.cache_bucket,
                               batch_bucket=cfg.sampler.batch_bucket)
@@ -276,9 +291,9 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                 train_batch = to_train_batch(batch, advantages, keep, share_prompt=share)
                 t1 = time.perf_counter()
                 params, opt_state, step_metrics = rl_step(
-                    graphdef, tx, params, opt_state, train_batch, ref_params,
+                    graphdef, tx, params, opt_state, layout.batch(train_batch), ref_params,
                     options=options, micro_batch=t.micro_batch)
-                sampler.update_weights(params)
+                sampler.update_weights(layout.sampler_params(params))
                 step_metrics = {k: float(v) for k, v in step_metrics.items()}
                 t2 = time.perf_counter()
                 row = {**batch.stats, **step_metrics, "rollout/kept_fraction": float(keep.mean()),
@@ -304,7 +319,7 @@ def train(cfg: Config, console: Console | None = None) -> dict:
         ckpt.close()
         scorer.close()
         metrics_writer.close()
-    if jax.process_index() == 0:
+    if is_leader():
         plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
     return summary
 
@@ -332,15 +347,21 @@ def run_sft(cfg: Config) -> Path:
 
     if cfg.sft.steps <= 0:
         raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
+    initialize(cfg.distributed)
+    layout = Layout(cfg)
+    layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     model, tokenizer = load_model_and_tokenizer(cfg)
-    graphdef, params = nnx.split(model)
+    graphdef, params = layout.split(model)
     train_tasks, _ = load_task_splits(cfg)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TextColumn("{task.fields[info]}")) as progress:
-        params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, progress)
+                  TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                  disable=not is_leader()) as progress:
+        params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress)
+    params = layout.gather(params)  # every process joins; only process 0 writes
     out = Path(cfg.workdir) / "sft"
-    save_pretrained(nnx.merge(graphdef, params), out)
-    (out / "sft_metrics.json").write_text(json.dumps(metrics))
+    if is_leader():
+        save_pretrained(nnx.merge(graphdef, params), out)
+        (out / "sft_metrics.json").write_text(json.dumps(metrics))
     return out
 
 

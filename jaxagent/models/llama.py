@@ -24,6 +24,9 @@ from jaxagent.models.attention import get_backend
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import param as _param
 
+_BTD = ("batch", "length", "embed")  # logical names of the residual stream
+
+
 # ---------------------------------------------------------------------------------------------
 # KV cache: a pytree passed in and returned, so jitted decode steps stay pure.
 
@@ -199,6 +202,12 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd)
+        # (x, logical axis names) -> x, pinning activations at layer boundaries to a layout;
+        # set from outside (sharding/), as this file knows no mesh. None: no constraint.
+        self.shard_activations = None
+
+    def _pin(self, x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+        return x if self.shard_activations is None else self.shard_activations(x, names)
 
     def __call__(
         self,
@@ -224,7 +233,7 @@ class Decoder(nnx.Module):
             )
         slots = jnp.broadcast_to(slots, (b, t))
 
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
+        x = self._pin(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype), _BTD)
         new_k, new_v, router_logits = [], [], []
         for i, layer in enumerate(self.layers):
             kw = {}
@@ -232,6 +241,7 @@ class Decoder(nnx.Module):
                 kw = dict(cache_kv=(cache.k[i], cache.v[i]), cache_segment_ids=cache_segment_ids,
                           cache_index=cache.index)
             x, kv, layer_router_logits = layer(x, positions, segment_ids, slots, **kw)
+            x = self._pin(x, _BTD)
             if layer_router_logits is not None:
                 router_logits.append(layer_router_logits)
             if kv is not None:
@@ -242,7 +252,7 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(x.dtype))
         else:
             logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
-        logits = logits.astype(jnp.float32)
+        logits = self._pin(logits.astype(jnp.float32), ("batch", "length", "vocab"))
         if with_aux_loss:
             if cache is not None:
                 raise ValueError("with_aux_loss is for training passes, not cached decoding")

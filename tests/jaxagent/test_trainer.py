@@ -62,6 +62,9 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
     ("rl.group_size=1", "rl.group_size: must be >= 2"),
     ("eval.k=[1, 8]", "eval.k: needs eval.samples >= max(k)"),
     ("tasks.source=jsonl", "tasks.path: required for jsonl"),
+    # conftest: 8 devices
+    ("mesh.data=3", "mesh: mesh.data=3, mesh.fsdp=1, mesh.expert=1, mesh.tensor=1 makes 3 devices"),
+    ("sft.batch_size=12", "sft.batch_size: the global batch (12 rows) does not split over the 8"),
 ])
 def test_semantic_config_errors_fail_before_compute(tmp_path, override, message):
     from jaxagent.trainer import train

