@@ -116,8 +116,31 @@ def _cmd_check_solutions(args: argparse.Namespace) -> int:
     return 1 if summary.bad_lines else 0
 
 
+def _cmd_make_deletion(args: argparse.Namespace) -> int:
+    import shlex
+
+    from rollouts.tasks.deletion import Target, make_deletion_tasks
+
+    try:
+        features = [[Target.parse(t) for t in f.split(",")] for f in args.feature] or None
+        made, skipped = make_deletion_tasks(
+            args.task_id, args.out, shlex.split(args.test_command), args.test_paths.split(","),
+            features, backend=args.backend)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for m in made:
+        print(f"{m.task_id}\t{len(m.targets)} target tests\t{' '.join(map(str, m.feature))}")
+    for why in skipped:
+        print(f"skipped: {why}", file=sys.stderr)
+    return 0 if made else 1
+
+
 def _cmd_tasks(args: argparse.Namespace) -> int:
     from rollouts.tasks import load_tasks
+
+    if args.action == "make-deletion":
+        return _cmd_make_deletion(args)
 
     try:
         tasks = load_tasks(args.tasks)
@@ -209,9 +232,20 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_check_solutions)
 
-    p = sub.add_parser("tasks", help="list or show tasks of a task set")
-    p.add_argument("action", choices=("list", "show"))
-    p.add_argument("task_id", nargs="?", help="the task to show")
+    p = sub.add_parser("tasks", help="list or show tasks of a task set; make deletion tasks",
+                       description="`tasks make-deletion REPO --out DIR`: repository tasks made "
+                                   "by deleting function bodies whose tests then fail.")
+    p.add_argument("action", choices=("list", "show", "make-deletion"))
+    p.add_argument("task_id", nargs="?", help="the task to show (make-deletion: the repository)")
+    p.add_argument("--out", help="make-deletion: directory to write the tasks into")
+    p.add_argument("--feature", action="append", default=[],
+                   help="make-deletion: comma-separated PATH::QUALNAME deleted together "
+                        "(repeatable; default: one task per documented function)")
+    p.add_argument("--test-command", default="python -m pytest tests",
+                   help="make-deletion: the repository's test command")
+    p.add_argument("--test-paths", default="tests", help="make-deletion: comma-separated test dirs")
+    p.add_argument("--backend", choices=("bwrap", "process"), default="bwrap",
+                   help="make-deletion: sandbox backend for the test runs")
     p.add_argument(
         "--tasks",
         default="humaneval",
@@ -228,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "tasks" and args.action == "show" and not args.task_id:
         parser.error("tasks show: a TASK_ID is required")
+    if args.command == "tasks" and args.action == "make-deletion" and not (args.task_id and args.out):
+        parser.error("tasks make-deletion: REPO and --out DIR are required")
     try:
         return int(args.func(args) or 0)
     except UserError as e:
