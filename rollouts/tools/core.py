@@ -95,7 +95,7 @@ class ToolOutput:
     text: str
     ok: bool  # False: the call was malformed, unknown, or raised ToolError
     finished: bool = False  # the agent called `finish`
-    known: bool = True  # False: no tool of that name (counted as a bad tool call)
+    bad_call: bool = False  # no tool of that name, or arguments that fit no schema
 
 
 def truncate(text: str, max_chars: int) -> str:
@@ -124,10 +124,14 @@ class Toolbox:
             return ToolOutput(
                 f"error: unknown tool {name!r}; available: {', '.join(self.tools)}",
                 ok=False,
-                known=False,
+                bad_call=True,
             )
         try:
-            text = tool.fn(ctx, **tool.check_args(args))
+            args = tool.check_args(args)
+        except ToolError as e:
+            return ToolOutput(f"error: {e}", ok=False, bad_call=True)
+        try:
+            text = tool.fn(ctx, **args)
         except ToolError as e:
             return ToolOutput(f"error: {e}", ok=False)
         return ToolOutput(truncate(text, max_chars), ok=True, finished=name == "finish")

@@ -49,7 +49,7 @@ def test_schemas_are_declared_once_and_complete():
 
 def test_argument_checking_and_unknown_tools(ctx):
     out = call(ctx, "nope")
-    assert not out.ok and not out.known and "unknown tool 'nope'" in out.text
+    assert not out.ok and out.bad_call and "unknown tool 'nope'" in out.text
     assert "missing required argument 'path'" in call(ctx, "read_file").text
     assert "unknown argument(s) colour" in call(ctx, "think", thought="x", colour=1).text
     assert "'start_line' must be a integer" in call(ctx, "read_file", path="a", start_line="1").text
