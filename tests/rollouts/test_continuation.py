@@ -14,7 +14,7 @@ from rollouts.sampler import Continuation, Sampler
 CFG = ModelConfig(vocab_size=67, hidden_size=36, intermediate_size=53, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=10, tie_embeddings=False)
 # One cache size and one chunk length, so each jitted function compiles once.
-OPTS = dict(prompt_bucket=16, cache_bucket=256, batch_bucket=4, segment_steps=6)
+OPTS = {"prompt_bucket": 16, "cache_bucket": 256, "batch_bucket": 4, "segment_steps": 6}
 PAD_TO = 192  # reference forwards are right-padded to one length (causal: the padding is unseen)
 STOP = 3
 
