@@ -61,6 +61,55 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_agent(args) -> int:
+    import json
+    from pathlib import Path
+
+    from jaxagent.trainer import load_model_and_tokenizer
+    from rollouts.agent import AgentOptions, ToolEnvironment
+    from rollouts.agent.metrics import agent_metrics
+    from rollouts.agent.rollout import run_episodes
+    from rollouts.rewards import RewardConfig, Scorer
+    from rollouts.sampler import Continuation, Sampler
+    from rollouts.tasks.deletion import load_deletion_task
+    from rollouts.tools import MemoryStore
+
+    cfg = _load_config(args)
+    a, s, r = cfg.agent, cfg.sampler, cfg.rewards
+    root = Path(a.tasks)
+    dirs = sorted(p for p in root.iterdir() if (p / "task.json").is_file()) if root.is_dir() else []
+    if not dirs:
+        print(f"error: agent.tasks: no DIR/ID/task.json under {root}", file=sys.stderr)
+        return 2
+    tasks = [load_deletion_task(d) for d in dirs]
+    model, tokenizer = load_model_and_tokenizer(cfg, None)
+    sampler = Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket,
+                      cache_bucket=s.cache_bucket, batch_bucket=s.batch_bucket)
+    cont = Continuation(sampler, a.episodes, max_new_tokens=a.max_action_tokens,
+                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                        stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)
+    options = AgentOptions.from_config(a, hack_penalty=r.hack_penalty)
+    memory = MemoryStore(Path(cfg.workdir) / "agent_memory") if a.memory else None
+    n = args.episodes or len(tasks)
+    with Scorer(RewardConfig(kind=r.kind, hack_penalty=r.hack_penalty), backend=r.backend,
+                workers=r.workers) as scorer:
+        envs = [ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
+                                backend=r.backend) for _ in range(a.episodes)]
+        try:
+            trajs = run_episodes(cont, envs, [tasks[i % len(tasks)] for i in range(n)])
+        finally:
+            for env in envs:
+                env.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            for t in trajs:
+                f.write(json.dumps({"task_id": t.task_id, "reward": t.reward, "info": t.info,
+                                    "text": tokenizer.decode(t.tokens[t.prompt_len:])}) + "\n")
+    for key, value in agent_metrics(trajs).items():
+        print(f"{key}\t{value:g}")
+    return 0
+
+
 def _cmd_train(args) -> int:
     from jaxagent.trainer import train
 
@@ -190,6 +239,15 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "command resumes from the newest checkpoint.")
     _add_config_args(p)
     p.set_defaults(func=_cmd_train, default_config="configs/default.yaml")
+
+    p = sub.add_parser("agent", help="run multi-turn tool episodes and print agent metrics",
+                       description="Run agent.episodes tool episodes at a time over the "
+                                   "agent.tasks repository tasks (the config's model) and print "
+                                   "the agent/... metrics.")
+    p.add_argument("--episodes", type=int, help="episodes in all (default: one per task)")
+    p.add_argument("--out", help="write each episode (task, reward, info, text) as JSONL here")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_agent, default_config="configs/agent_tiny.yaml")
 
     p = sub.add_parser("sft", help="supervised fine-tuning on reference solutions",
                        description="Run `sft.steps` of SFT on the tasks' references and save "

@@ -60,6 +60,12 @@ class AgentOptions:
             raise ValueError(f"AgentOptions.truncation must be 'mask' or 'penalty', got {self.truncation!r}")
         make_format(self.call_format)
 
+    @classmethod
+    def from_config(cls, agent, hack_penalty: float = 0.0) -> AgentOptions:
+        """From `jaxagent.config.AgentConfig` (the fields of the same names)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "hack_penalty"]
+        return cls(**{n: getattr(agent, n) for n in names}, hack_penalty=hack_penalty)
+
 
 def _under(path: str, roots: Sequence[str]) -> bool:
     return any(path == r.rstrip("/") or path.startswith(r.rstrip("/") + "/") for r in roots)
@@ -110,7 +116,7 @@ class ToolEnvironment(Environment):
         self.ctx = ToolContext(self.session, task, memory=self.memory, embedding=self.embedding,
                                timeout_s=self.options.tool_timeout_s)
         text = self.format.prompt(self.tokenizer, task.prompt, self.toolbox.schemas())
-        prompt = self.tokenizer.encode(text, add_bos=self.tokenizer.bos_id is not None)
+        prompt = self.tokenizer.encode(text, add_bos=getattr(self.tokenizer, "add_bos", False))
         self.context_len, self.turns, self.started = len(prompt), 0, time.monotonic()
         self.tool_calls: Counter[str] = Counter()
         self.bad_tool_calls = self.test_edit_attempts = 0

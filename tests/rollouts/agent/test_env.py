@@ -93,7 +93,7 @@ def test_scripted_policy_solves_an_embedded_task(task, scorer):
     env.close()
 
     # token-exact: prompt, then each action as sampled, then each observation tokenized once
-    expected = TOK.encode(env.format.prompt(TOK, task.prompt, env.toolbox.schemas()), add_bos=True)
+    expected = TOK.encode(env.format.prompt(TOK, task.prompt, env.toolbox.schemas()))
     mask = [False] * len(expected)
     for call, result in zip(SOLVE, results, strict=True):
         act = action(call)

@@ -71,5 +71,5 @@ def test_concurrent_episodes_are_token_exact_and_slots_refill():
         np.testing.assert_array_equal(logprobs[~mask], 0.0)
         assert np.all(logprobs[mask] <= 0.0) and np.any(logprobs[mask] < 0.0)
         task = next(t for t in tasks if t.id == traj.task_id)
-        prompt = TOK.encode(envs[0].format.prompt(TOK, task.prompt, envs[0].toolbox.schemas()), add_bos=True)
+        prompt = TOK.encode(envs[0].format.prompt(TOK, task.prompt, envs[0].toolbox.schemas()))
         assert traj.tokens[: traj.prompt_len] == prompt and not mask[: traj.prompt_len].any()
