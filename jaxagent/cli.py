@@ -102,9 +102,9 @@ def _cmd_agent(args) -> int:
                 env.close()
     if args.out:
         with open(args.out, "w") as f:
-            for t in trajs:
-                f.write(json.dumps({"task_id": t.task_id, "reward": t.reward, "info": t.info,
-                                    "text": tokenizer.decode(t.tokens[t.prompt_len:])}) + "\n")
+            f.writelines(json.dumps({"task_id": t.task_id, "reward": t.reward, "info": t.info,
+                                     "text": tokenizer.decode(t.tokens[t.prompt_len:])}) + "\n"
+                         for t in trajs)
     for key, value in agent_metrics(trajs).items():
         print(f"{key}\t{value:g}")
     return 0
