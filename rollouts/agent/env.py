@@ -131,7 +131,7 @@ class ToolEnvironment(Environment):
 
     def step(self, action: Sequence[int]) -> StepResult:
         if self.session is None:
-            raise RuntimeError("step() before reset()")
+            raise RuntimeError("step() before reset(), or after the episode ended")
         action = [int(t) for t in action]
         self.turns += 1
         self.context_len += len(action)
