@@ -156,3 +156,20 @@ def test_reset_refuses_function_tasks_and_options_are_checked():
         AgentOptions(truncation="drop")
     with pytest.raises(RuntimeError, match="before reset"):
         env.step([1])
+
+
+def test_hermes_episode_with_a_chat_template_tokenizer(task, scorer, qwen_tok):
+    env = ToolEnvironment(qwen_tok, AgentOptions(call_format="hermes", max_context_tokens=20000),
+                          scorer=scorer)
+    prompt = env.reset(task)
+    text = qwen_tok.decode(prompt, skip_special=False)
+    assert '"name": "run_tests"' in text and text.endswith("<|im_start|>assistant\n")
+    fmt = make_format("hermes")
+    act = qwen_tok.encode(fmt.render_call(ToolCall("run_tests", {}))) + [qwen_tok.eos_id]
+    result = env.step(act)
+    obs = qwen_tok.decode(result.observation, skip_special=False)
+    assert obs.startswith("\n<|im_start|>user\n<tool_response>\ntests: 12 passed, 1 failed")
+    assert obs.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    done = env.step(qwen_tok.encode(fmt.render_call(ToolCall("finish", {}))))
+    assert done.done and done.info["status"] == "failed" and done.info["bad_tool_calls"] == 0
+    env.close()
