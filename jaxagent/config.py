@@ -37,9 +37,11 @@ class RopeScalingConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama / Qwen2 / Qwen3 decoder. Defaults: the tiny byte-level model for CPU runs."""
+    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder. Defaults: the tiny byte-level
+    model for CPU runs."""
 
-    family: Literal["llama", "qwen2", "qwen3"] = "qwen3"  # HF architecture written on export
+    # HF architecture written on export.
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen3"
     vocab_size: int = 264  # 256 bytes + specials, padded to a multiple of 8
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -60,6 +62,21 @@ class ModelConfig:
     bos_token_id: int | None = 256
     eos_token_id: int | None = 257
     pad_token_id: int | None = 258
+    # Sparse mixture-of-experts MLP (Qwen3-MoE semantics); num_experts = 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # top-k experts per token
+    moe_intermediate_size: int = 128  # F of each expert
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse if (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense MLP)
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in SFT / RL losses
+    # dropless: every token reaches its k experts (ragged_dot grouped matmul; exact, HF parity;
+    # native on TPU, expanded densely by XLA on CPU/GPU: see docs/benchmarks.md).
+    # capacity: each expert takes at most ceil(capacity_factor * tokens * k / E) assignments,
+    # first choices before second ones; the rest are dropped (static shapes, expert-parallel).
+    # dense: every expert on every token, zero-weighted off the top-k (E/K x FLOPs; reference).
+    moe_dispatch: Literal["dropless", "capacity", "dense"] = "dropless"
+    capacity_factor: float = 1.25
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,9 @@ class TrainConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     log_rollouts: int = 4  # rollouts per step written to rollouts.jsonl
+    # Pack each group as one row [prompt, completion_1..G] so the prompt is computed once
+    # per group (same loss and gradients); ignored if the attention backend lacks it.
+    share_prompt: bool = True
 
 
 @dataclass(frozen=True)

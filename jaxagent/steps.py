@@ -5,6 +5,13 @@ Letters: B sequences, T time (prompt + completion, right-padded), V vocab, M mic
 A sequence is `prompt + completion`; position t predicts token t+1, so the loss lives on
 the positions whose *target* is a policy-generated token (`loss_mask`); prompt, padding and
 (in multi-turn episodes) tool-output tokens are masked out.
+
+Shared-prompt packing (`pack_shared`): the G rollouts of a group share one prompt, so the
+model reads each group as one row `[prompt, completion_1, ..., completion_G]` in which
+completion i attends to the prompt and to itself only (negative segment ids, see
+`jaxagent.models.attention`) and continues the prompt's positions. The prompt's activations
+are computed once per group instead of G times; the logits are then gathered back into the
+per-rollout layout, so every loss below is unchanged and so are its gradients.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ class TrainBatch:
     segment_ids: jax.Array  # [B, T] int32: 1 on real tokens, 0 on padding
     sampler_logprobs: jax.Array  # [B, T] behaviour-policy log-probs of the targets
     advantages: jax.Array  # [B]
+    # Shared-prompt layout only (else None): tokens/segment_ids/positions are [B/G, L] group
+    # rows, and gather[b, t] is the column of group row b // G whose logits predict targets[b, t].
+    positions: jax.Array | None = None  # [B/G, L] RoPE positions
+    gather: jax.Array | None = None  # [B, T] int32
 
     @property
     def size(self) -> int:
@@ -72,19 +83,101 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
     )
 
 
-def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """Log-probabilities of the targets [B, T], and the logits [B, T, V]."""
-    logits = model(batch.tokens, None, batch.segment_ids)
-    return rl.token_logprobs(logits, batch.targets), logits
+def pack_shared(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                sampler_logprobs: Sequence[Sequence[float]] | None = None,
+                advantages: Sequence[float] | None = None, *, group_size: int,
+                bucket: int = 32,
+                completion_masks: Sequence[Sequence[int]] | None = None) -> TrainBatch:
+    """Pack groups of `group_size` consecutive rows that share a prompt as one row per group.
+
+    Model inputs [B/G, L]: `prompt + completion_1 + ... + completion_G` (L rounded to
+    `bucket`), segment ids 1 on the prompt and -i on completion i, positions continuing the
+    prompt's in every completion. Targets, masks, behaviour log-probs [B, T] hold only the
+    completion tokens (T = longest completion, rounded to `bucket`), each with the input column
+    that predicts it: the prompt's last token for a completion's first token.
+    """
+    n, g = len(prompts), group_size
+    if n % g:
+        raise ValueError(f"{n} rollouts do not split into groups of {g} (rl.group_size)")
+    groups = n // g
+    for j in range(groups):
+        p = prompts[j * g]
+        if not p:
+            raise ValueError(f"group {j}: shared-prompt packing needs a non-empty prompt")
+        if any(list(prompts[j * g + i]) != list(p) for i in range(g)):
+            raise ValueError(f"group {j}: rows {j * g}..{j * g + g - 1} do not share one prompt")
+    length = max(len(prompts[j * g]) + sum(len(c) for c in completions[j * g:(j + 1) * g])
+                 for j in range(groups))
+    t = -(-max(max(len(c) for c in completions), 1) // bucket) * bucket
+    l_ = -(-length // bucket) * bucket
+    tokens = np.zeros((groups, l_), np.int32)
+    segment_ids = np.zeros((groups, l_), np.int32)
+    positions = np.zeros((groups, l_), np.int32)
+    targets = np.zeros((n, t), np.int32)
+    gather = np.zeros((n, t), np.int32)
+    mask = np.zeros((n, t), np.float32)
+    behaviour = np.zeros((n, t), np.float32)
+    for j in range(groups):
+        p = list(prompts[j * g])
+        lp = len(p)
+        tokens[j, :lp], segment_ids[j, :lp], positions[j, :lp] = p, 1, np.arange(lp)
+        start = lp
+        for i in range(g):
+            b = j * g + i
+            c = list(completions[b])
+            lc = len(c)
+            cols = slice(start, start + lc)
+            tokens[j, cols], segment_ids[j, cols] = c, -(i + 1)
+            positions[j, cols] = np.arange(lp, lp + lc)
+            targets[b, :lc] = c
+            # Token k of the completion is predicted by the column before it; token 0 by the
+            # prompt's last column.
+            gather[b, :lc] = [lp - 1] + list(range(start, start + lc - 1))
+            mask[b, :lc] = 1.0 if completion_masks is None else completion_masks[b]
+            if sampler_logprobs is not None:
+                behaviour[b, :lc] = sampler_logprobs[b]
+            start += lc
+    return TrainBatch(
+        tokens=jnp.asarray(tokens), targets=jnp.asarray(targets), loss_mask=jnp.asarray(mask),
+        segment_ids=jnp.asarray(segment_ids), sampler_logprobs=jnp.asarray(behaviour),
+        advantages=jnp.asarray(np.zeros(n) if advantages is None else advantages, jnp.float32),
+        positions=jnp.asarray(positions), gather=jnp.asarray(gather))
+
+
+def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the targets [B, T], the logits [B, T, V], and the MoE
+    load-balancing loss (0 for a dense model)."""
+    logits, aux = model(batch.tokens, batch.positions, batch.segment_ids, with_aux_loss=True)
+    if batch.gather is not None:  # group rows [B/G, L, V] -> rollout rows [B, T, V]
+        group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // logits.shape[0])
+        logits = logits[group[:, None], batch.gather]
+    return rl.token_logprobs(logits, batch.targets), logits, aux
+
+
+def _add_aux_loss(loss, metrics: dict, model, aux, num_micro: int, prefix: str):
+    """loss + router_aux_loss_coef * aux, averaged over micro-batches (HF: per forward pass)."""
+    cfg = model.config
+    if not cfg.num_experts:
+        return loss, metrics
+    return (loss + cfg.router_aux_loss_coef * aux / num_micro,
+            {**metrics, f"{prefix}/aux_loss": aux / num_micro})
+
+
+def _num_micro(batch: TrainBatch, micro_batch: int) -> int:
+    b = batch.targets.shape[0]
+    if micro_batch and b % micro_batch:
+        raise ValueError(f"train.micro_batch ({micro_batch}) must divide the batch size ({b})")
+    m = b // micro_batch if micro_batch else 1
+    if batch.size % m:  # shared-prompt rows hold whole groups
+        raise ValueError(f"train.micro_batch ({micro_batch}) must be a multiple of the group "
+                         f"size ({b // batch.size}) with shared-prompt packing")
+    return m
 
 
 def _micro_batches(batch: TrainBatch, micro_batch: int) -> TrainBatch:
     """[B, ...] -> [M, B/M, ...] for a scan over micro-batches."""
-    b = batch.size
-    if micro_batch and b % micro_batch:
-        raise ValueError(f"train.micro_batch ({micro_batch}) must divide the batch size ({b})")
-    m = b // micro_batch if micro_batch else 1
-    return jax.tree.map(lambda x: x.reshape(m, b // m, *x.shape[1:]), batch)
+    m = _num_micro(batch, micro_batch)
+    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
 
 def _accumulate(loss_fn, params, batch: TrainBatch, micro_batch: int):
@@ -118,16 +211,18 @@ def _apply(tx, params, opt_state, grads):
                    donate_argnames=("params", "opt_state"))
 def sft_step(graphdef, tx, params, opt_state, batch: TrainBatch, micro_batch: int = 0):
     total = jnp.maximum(batch.loss_mask.sum(), 1.0)
+    num_micro = _num_micro(batch, micro_batch)
 
     def loss_fn(p, mb):
-        logp, _ = target_logprobs(nnx.merge(graphdef, p), mb)
+        model = nnx.merge(graphdef, p)
+        logp, _, aux = target_logprobs(model, mb)
         loss = -(logp * mb.loss_mask).sum() / total
-        return loss, {"tokens": mb.loss_mask.sum()}
+        return _add_aux_loss(loss, {"sft/tokens": mb.loss_mask.sum()}, model, aux, num_micro,
+                             "sft")
 
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
     params, opt_state, grad_norm = _apply(tx, params, opt_state, grads)
-    return params, opt_state, {"sft/loss": loss, "sft/grad_norm": grad_norm,
-                               "sft/tokens": metrics["tokens"]}
+    return params, opt_state, {**metrics, "sft/loss": loss, "sft/grad_norm": grad_norm}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,9 +261,11 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
     current one, so the clipped ratio starts at 1 and only the sampler correction is off 1)."""
     o = options
     full_mask = batch.loss_mask
+    num_micro = _num_micro(batch, micro_batch)
 
     def loss_fn(p, mb):
-        logp, logits = target_logprobs(nnx.merge(graphdef, p), mb)
+        model = nnx.merge(graphdef, p)
+        logp, logits, aux = target_logprobs(model, mb)
         proximal = jax.lax.stop_gradient(logp)
         weights = None
         if o.importance_cap is not None:
@@ -184,7 +281,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         if weights is not None:
             metrics["train/importance_weight"] = (weights.sum() / jnp.maximum(mb.loss_mask.sum(), 1))
         if o.kl_coef:
-            ref_logp, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb)
+            ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb)
             kl = rl.aggregate(rl.kl_penalty(logp, jax.lax.stop_gradient(ref_logp),
                                             estimator=o.kl_estimator), mb.loss_mask,
                               aggregation=o.aggregation, norm_length=o.norm_length)
@@ -193,7 +290,8 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         if o.entropy_coef:
             loss = loss - o.entropy_coef * entropy
         share = _share(mb.loss_mask, full_mask, o.aggregation)
-        return loss * share, jax.tree.map(lambda v: v * share, metrics)
+        return _add_aux_loss(loss * share, jax.tree.map(lambda v: v * share, metrics), model, aux,
+                             num_micro, "train")
 
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
     params, opt_state, grad_norm = _apply(tx, params, opt_state, grads)

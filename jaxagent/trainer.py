@@ -26,21 +26,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from jaxagent import rl
 from jaxagent.checkpoint import Checkpointer
 from jaxagent.config import Config, ConfigError, RLConfig, save_config
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.metrics import MetricsWriter, plot_curves
+from jaxagent.models.attention import supports_sees_all
 from jaxagent.optim import make_optimizer
-from jaxagent.steps import LossOptions, TrainBatch, pack, rl_step, sft_step
+from jaxagent.steps import LossOptions, TrainBatch, pack, pack_shared, rl_step, sft_step
 from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
 from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.humaneval import humaneval_tasks
-
 
 # ---------------------------------------------------------------------------------------------
 # Set-up helpers.
@@ -260,13 +266,14 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                 sampler, tokenizer, scorer, task_iter, prompts_per_step=t.prompts_per_step,
                 group_size=cfg.rl.group_size, max_new_tokens=t.max_new_tokens,
                 temperature=t.temperature, seed=cfg.seed)
+            share = t.share_prompt and supports_sees_all(cfg.model.attention_backend)
             bar = progress.add_task("rl", total=t.steps, completed=start, info="")
             rollout_log = (workdir / "rollouts.jsonl").open("a")
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
                 batch = producer.produce(version=step)
                 advantages, keep = compute_advantages(cfg.rl, batch, t.max_new_tokens)
-                train_batch = to_train_batch(batch, advantages, keep)
+                train_batch = to_train_batch(batch, advantages, keep, share_prompt=share)
                 t1 = time.perf_counter()
                 params, opt_state, step_metrics = rl_step(
                     graphdef, tx, params, opt_state, train_batch, ref_params,
@@ -302,12 +309,17 @@ def train(cfg: Config, console: Console | None = None) -> dict:
     return summary
 
 
-def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray) -> TrainBatch:
-    """Pack a rollout batch; dropped groups stay in the batch (fixed shapes) with no loss."""
+def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray, *,
+                   share_prompt: bool = False) -> TrainBatch:
+    """Pack a rollout batch; dropped groups stay in the batch (fixed shapes) with no loss.
+    With `share_prompt`, each group's prompt is one row's prefix (see `pack_shared`)."""
     rows = batch.rollouts
     masks = [[float(k)] * len(r.completion) for r, k in zip(rows, keep)]
-    return pack([r.prompt for r in rows], [r.completion for r in rows],
-                 [r.logprobs for r in rows], advantages, completion_masks=masks)
+    args = ([r.prompt for r in rows], [r.completion for r in rows], [r.logprobs for r in rows],
+            advantages)
+    if share_prompt:
+        return pack_shared(*args, group_size=batch.group_size, completion_masks=masks)
+    return pack(*args, completion_masks=masks)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,9 +7,16 @@ Keys and values are laid out [B, K, S, H], the KV cache's layout: a decode step 
 each (batch, kv head) slice contiguously instead of transposing the whole cache.
 
 Masking is described, not materialised, so that kernels can skip whole blocks: a query may
-see a key iff both carry the same non-zero segment id and the key's slot is not after the
-query's slot (causal). Segment id 0 marks padding and empty cache slots. Slots are token
+see a key iff the key's slot is not after the query's slot (causal) and either both carry the
+same segment id, or the query's segment is a "sees all" segment (negative id) and the key's is
+a document (positive id). Segment id 0 marks padding and empty cache slots. Slots are token
 indices in the (packed or cached) sequence, not RoPE positions, which may restart per document.
+
+Negative segments express one row of shared context: documents `1, 2, ...` attend within
+themselves only, and each negative segment attends to all documents and to itself, not to the
+other negative segments. A GRPO group packed as `[prompt, completion_1, ..., completion_G]`
+(prompt id 1, completion i id -i) thus computes the prompt once; a document-level prompt
+(documents 1..n, final section -1) lets each document's KV be computed alone.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.doc_attention import doc_attention, visible
 
 
 class AttentionFn(Protocol):
@@ -36,11 +45,9 @@ class AttentionFn(Protocol):
 
 
 def attention_mask(q_segment_ids, kv_segment_ids, q_slots, kv_slots) -> jax.Array:
-    """[B, T, S] bool: same non-padding segment and causal."""
-    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-    real = kv_segment_ids[:, None, :] != 0
-    causal = kv_slots[:, None, :] <= q_slots[:, :, None]
-    return same & real & causal
+    """[B, T, S] bool: causal, and the same non-padding segment or a document seen by a
+    "sees all" (negative) segment."""
+    return visible(q_segment_ids, kv_segment_ids, q_slots, kv_slots)
 
 
 def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
@@ -59,12 +66,25 @@ def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
     return out.reshape(b, t, n, h)
 
 
-BACKENDS: dict[str, AttentionFn] = {"xla": xla_attention}
+def doc_kernel_attention(q, k, v, **segments):
+    """The block-sparse Pallas kernel (pallas_kernels.doc_attention); interpreted on CPU."""
+    return doc_attention(q, k, v, **segments, interpret=jax.default_backend() == "cpu")
 
 
-def register_backend(name: str, fn: AttentionFn) -> None:
+BACKENDS: dict[str, AttentionFn] = {"xla": xla_attention, "doc": doc_kernel_attention}
+_SEES_ALL = {"xla", "doc"}  # backends that implement negative ("sees all") segments
+
+
+def register_backend(name: str, fn: AttentionFn, *, sees_all_segments: bool = False) -> None:
     """Kernel packages add their backends here (e.g. "nsa", "flash")."""
     BACKENDS[name] = fn
+    if sees_all_segments:
+        _SEES_ALL.add(name)
+
+
+def supports_sees_all(name: str) -> bool:
+    """Whether backend `name` implements negative segments (shared-prompt packing)."""
+    return name in _SEES_ALL
 
 
 def get_backend(name: str) -> Callable[..., jax.Array]:

@@ -1,7 +1,11 @@
 """Hugging Face checkpoints in and out: `config.json` + `*.safetensors` (sharded or not).
 
 HF stores a linear layer as [out, in]; we store einsum-ready [in, ...out] tensors split into
-heads, so each mapping below is a transpose plus a reshape, inverted on export.
+heads, so each mapping below is a transpose plus a reshape, inverted on export. MoE experts
+are stored per expert (Qwen3-MoE `mlp.experts.{j}.gate_proj.weight`, Mixtral
+`block_sparse_moe.experts.{j}.w1.weight`: what released checkpoints and `save_pretrained`
+write) and stacked here into one [E, ...] tensor; the fused in-memory layout of
+transformers >= 5 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is read too.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ from safetensors.numpy import save_file
 from jaxagent.config import ModelConfig, RopeScalingConfig
 from jaxagent.errors import UserError
 from jaxagent.models.llama import Decoder
+from jaxagent.models.moe import is_moe_layer
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+_MOE_FAMILIES = ("qwen3_moe", "mixtral")
 _FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 
 
@@ -66,7 +74,13 @@ def config_from_hf(hf: dict, file: Path = Path("config.json"), **overrides) -> M
         raise CheckpointError(f"{file}: mlp_bias=true is not supported")
     if hf.get("use_sliding_window"):
         raise CheckpointError(f"{file}: use_sliding_window=true is not supported")
+    if family == "mixtral" and hf.get("sliding_window") is not None:  # Mixtral has no switch
+        raise CheckpointError(f"{file}: sliding_window={hf['sliding_window']} is not supported")
+    if hf.get("router_jitter_noise"):
+        raise CheckpointError(f"{file}: router_jitter_noise={hf['router_jitter_noise']} is not "
+                              "supported (0 only)")
     try:
+        moe = _moe_from_hf(hf, family, file) if family in _MOE_FAMILIES else {}
         heads = hf["num_attention_heads"]
         theta, scaling = _rope_from_hf(hf, file)
         return ModelConfig(
@@ -83,16 +97,38 @@ def config_from_hf(hf: dict, file: Path = Path("config.json"), **overrides) -> M
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             # Qwen2 always has q/k/v biases and no config key for it.
             attention_bias=hf.get("attention_bias", family == "qwen2"),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_embeddings=hf.get("tie_word_embeddings", False),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             bos_token_id=_first(hf.get("bos_token_id")),
             eos_token_id=_first(hf.get("eos_token_id")),
             pad_token_id=_first(hf.get("pad_token_id")),
+            **moe,
             **overrides,
         )
     except KeyError as e:
         raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
+
+
+def _moe_from_hf(hf: dict, family: str, file: Path) -> dict:
+    # transformers >= 5 writes `num_local_experts` (an alias); released configs `num_experts`.
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not experts:
+        raise CheckpointError(f"{file}: missing field 'num_experts' (a {family} model needs "
+                              "experts)")
+    if family == "mixtral":  # every layer sparse, renormalised top-k, F = intermediate_size
+        return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+                "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True,
+                "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": hf.get("norm_topk_prob", False),  # HF's default
+        "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
+        "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+    }
 
 
 def _first(token_id):
@@ -111,8 +147,31 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         )
     if cfg.family == "qwen2" and not cfg.attention_bias:
         raise CheckpointError("model.attention_bias=false cannot be exported as Qwen2 (always biased)")
-    if cfg.qk_norm != (cfg.family == "qwen3"):
+    if cfg.qk_norm != (cfg.family in ("qwen3", "qwen3_moe")):
         raise CheckpointError(f"model.qk_norm={cfg.qk_norm} cannot be exported as family {cfg.family!r}")
+    if (cfg.num_experts > 0) != (cfg.family in _MOE_FAMILIES):
+        raise CheckpointError(f"model.num_experts={cfg.num_experts} cannot be exported as family "
+                              f"{cfg.family!r} (experts need {' or '.join(_MOE_FAMILIES)})")
+    moe = {}
+    if cfg.family == "mixtral":
+        for key, value in (("norm_topk_prob", True), ("decoder_sparse_step", 1),
+                           ("mlp_only_layers", ())):
+            if getattr(cfg, key) != value:
+                raise CheckpointError(f"model.{key}={getattr(cfg, key)!r} cannot be exported as "
+                                      f"family 'mixtral' (needs {value!r})")
+        moe = {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+               "intermediate_size": cfg.moe_intermediate_size,  # Mixtral's F is the experts'
+               "router_aux_loss_coef": cfg.router_aux_loss_coef, "sliding_window": None}
+    elif cfg.family == "qwen3_moe":
+        moe = {
+            "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "decoder_sparse_step": cfg.decoder_sparse_step,
+            "mlp_only_layers": list(cfg.mlp_only_layers),
+            "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        }
     return {
         "architectures": [_FAMILY_ARCH[cfg.family]],
         "model_type": cfg.family,
@@ -135,6 +194,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
            for name, i in (("bos", cfg.bos_token_id), ("eos", cfg.eos_token_id),
                            ("pad", cfg.pad_token_id))},
         "torch_dtype": cfg.param_dtype,
+        **moe,
     }
 
 
@@ -144,31 +204,62 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Mapping:
-    hf_name: str
+    hf_names: tuple[str, ...]  # one tensor, or one per expert
     path: tuple  # our nnx parameter path
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    to_ours: Callable[[list[np.ndarray]], np.ndarray]
+    to_hf: Callable[[np.ndarray], list[np.ndarray]] | None  # None: read-only layout
 
 
 def _same(x):
     return x
 
 
-def _tensor_map(cfg: ModelConfig) -> list[_Mapping]:
+# Per-expert checkpoint names of (gate, up, down) and the sparse block's module name.
+_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def _expert_map(layer: str, path: tuple, cfg: ModelConfig, fused: bool) -> list[_Mapping]:
+    """A sparse layer's router and experts: HF [E, D] router, [F, D] / [D, F] per expert."""
+    e, f = cfg.num_experts, cfg.moe_intermediate_size
+    block, *names = _EXPERT_NAMES[cfg.family]
+    # transformers >= 5 names the block `mlp` in memory (fused) for every family.
+    pre = f"{layer}{'mlp' if fused else block}."
+    out = [_Mapping((pre + "gate.weight",), path + ("router",), lambda ws: ws[0].T,
+                    lambda w: [w.T])]
+    if fused:  # [E, 2F, D] gate|up and [E, D, F] down; written by no exporter, so read-only
+        swap = lambda w: w.transpose(0, 2, 1)
+        return out + [
+            _Mapping((pre + "experts.gate_up_proj",), path + ("w_gate",),
+                     lambda ws: swap(ws[0][:, :f]), None),
+            _Mapping((pre + "experts.gate_up_proj",), path + ("w_up",),
+                     lambda ws: swap(ws[0][:, f:]), None),
+            _Mapping((pre + "experts.down_proj",), path + ("w_down",),
+                     lambda ws: swap(ws[0]), None),
+        ]
+    return out + [
+        _Mapping(tuple(f"{pre}experts.{j}.{name}.weight" for j in range(e)), path + (ours,),
+                 lambda ws: np.stack([w.T for w in ws]), lambda w: [x.T for x in w])
+        for name, ours in zip(names, ("w_gate", "w_up", "w_down"))
+    ]
+
+
+def _tensor_map(cfg: ModelConfig, fused_experts: bool = False) -> list[_Mapping]:
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def heads_in(num):  # [num*h, d] -> [d, num, h]
-        return _Mapping("", (), lambda w: w.T.reshape(d, num, h), lambda w: w.reshape(d, num * h).T)
+        return lambda w: w.T.reshape(d, num, h), lambda w: w.reshape(d, num * h).T
 
     def bias(num):  # [num*h] -> [num, h]
-        return _Mapping("", (), lambda b: b.reshape(num, h), lambda b: b.reshape(num * h))
+        return lambda b: b.reshape(num, h), lambda b: b.reshape(num * h)
 
-    transpose = _Mapping("", (), lambda w: w.T, lambda w: w.T)
-    same = _Mapping("", (), _same, _same)
-    o_proj = _Mapping("", (), lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T)
+    transpose = (lambda w: w.T, lambda w: w.T)
+    same = (_same, _same)
+    o_proj = (lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T)
 
-    def m(hf_name, path, like):
-        return dataclasses.replace(like, hf_name=hf_name, path=path)
+    def m(hf_name, path, like):  # one HF tensor <-> one parameter
+        to_ours, to_hf = like
+        return _Mapping((hf_name,), path, lambda ws: to_ours(ws[0]), lambda w: [to_hf(w)])
 
     out = [m("model.embed_tokens.weight", ("embed",), same),
            m("model.norm.weight", ("final_norm", "scale"), same)]
@@ -183,10 +274,12 @@ def _tensor_map(cfg: ModelConfig) -> list[_Mapping]:
             m(pre + "self_attn.k_proj.weight", at + ("wk",), heads_in(k)),
             m(pre + "self_attn.v_proj.weight", at + ("wv",), heads_in(k)),
             m(pre + "self_attn.o_proj.weight", at + ("wo",), o_proj),
-            m(pre + "mlp.gate_proj.weight", ("layers", i, "mlp", "w_gate"), transpose),
-            m(pre + "mlp.up_proj.weight", ("layers", i, "mlp", "w_up"), transpose),
-            m(pre + "mlp.down_proj.weight", ("layers", i, "mlp", "w_down"), transpose),
         ]
+        if is_moe_layer(cfg, i):
+            out += _expert_map(pre, ("layers", i, "mlp"), cfg, fused_experts)
+        else:
+            out += [m(pre + f"mlp.{x}_proj.weight", ("layers", i, "mlp", f"w_{x}"), transpose)
+                    for x in ("gate", "up", "down")]
         if cfg.attention_bias:
             out += [m(pre + f"self_attn.{x}_proj.bias", at + (f"b{x}",), bias(num))
                     for x, num in (("q", n), ("k", k), ("v", k))]
@@ -233,7 +326,7 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: str | None = None,
                     **config_overrides) -> Decoder:
-    """Load an HF Llama/Qwen2/Qwen3 checkpoint directory as a `Decoder`.
+    """Load an HF Llama/Qwen2/Qwen3/Qwen3-MoE checkpoint directory as a `Decoder`.
 
     `dtype` is the parameter dtype; activations use `compute_dtype` (default: the same).
     """
@@ -241,22 +334,26 @@ def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: st
     cfg = dataclasses.replace(read_config(path), param_dtype=dtype,
                               dtype=compute_dtype or dtype, **config_overrides)
     files = _tensor_files(path)
+    fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in files)
     # Build the module without materialising random weights, then fill every parameter.
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     flat = dict(nnx.to_flat_state(state))
     handles: dict[Path, object] = {}
     try:
-        for mapping in _tensor_map(cfg):
-            file = files.get(mapping.hf_name)
-            if file is None:
-                raise CheckpointError(f"{path}: missing tensor {mapping.hf_name!r}")
-            if file not in handles:
-                handles[file] = safe_open(file, framework="numpy").__enter__()
-            value = mapping.to_ours(handles[file].get_tensor(mapping.hf_name))
+        for mapping in _tensor_map(cfg, fused_experts=fused):
+            tensors = []
+            for name in mapping.hf_names:
+                file = files.get(name)
+                if file is None:
+                    raise CheckpointError(f"{path}: missing tensor {name!r}")
+                if file not in handles:
+                    handles[file] = safe_open(file, framework="numpy").__enter__()
+                tensors.append(handles[file].get_tensor(name))
+            value = mapping.to_ours(tensors)
             var = flat[mapping.path]
             if value.shape != var.shape:
                 raise CheckpointError(
-                    f"{file}: tensor {mapping.hf_name!r} has shape {value.shape} after "
+                    f"{file}: tensor {mapping.hf_names[-1]!r} has shape {value.shape} after "
                     f"conversion, expected {var.shape} from config.json"
                 )
             var.set_value(jnp.asarray(value, dtype=dtype))
@@ -273,8 +370,10 @@ def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 2**
     cfg = model.config
     (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    tensors = {m.hf_name: np.ascontiguousarray(m.to_hf(np.asarray(jax.device_get(flat[m.path][...]))))
-               for m in _tensor_map(cfg)}
+    tensors = {}
+    for m in _tensor_map(cfg):
+        values = m.to_hf(np.asarray(jax.device_get(flat[m.path][...])))
+        tensors.update({name: np.ascontiguousarray(v) for name, v in zip(m.hf_names, values)})
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, value in tensors.items():

@@ -1,11 +1,12 @@
-"""A Llama / Qwen2 / Qwen3 decoder in Flax NNX.
+"""A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder in Flax NNX.
 
 Letters: B batch, T time, S source (keys), N heads, K kv heads, H head dim, D model, F mlp,
 V vocab.
 
 One module covers the family; the differences are config switches: q/k/v bias (Qwen2),
-per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling (Llama 3.1). Every parameter
-carries `logical_axes` metadata that `sharding/` maps to mesh axes; this file knows no mesh.
+per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling (Llama 3.1), sparse MoE MLPs
+(Qwen3-MoE, Mixtral: `moe.py`). Every parameter carries `logical_axes` metadata that
+`sharding/` maps to mesh axes; this file knows no mesh.
 """
 
 from __future__ import annotations
@@ -20,19 +21,8 @@ from flax import nnx
 
 from jaxagent.config import ModelConfig
 from jaxagent.models.attention import get_backend
-
-_INIT_STD = 0.02
-
-
-def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, logical_axes=axes)
-
+from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
+from jaxagent.models.params import param as _param
 
 # ---------------------------------------------------------------------------------------------
 # KV cache: a pytree passed in and returned, so jitted decode steps stay pure.
@@ -179,27 +169,33 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         pd = cfg.param_dtype
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.sparse = is_moe_layer(cfg, layer)
+        self.mlp = MoE(cfg, rngs=rngs) if self.sparse else MLP(cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, slots, **cache):
+        """-> (x, new kv or None, router logits [N, E] or None)."""
         h, new_kv = self.attn(self.attn_norm(x), positions, segment_ids, slots, **cache)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), new_kv
+        if self.sparse:
+            h, router_logits = self.mlp(self.mlp_norm(x), segment_ids != 0)
+            return x + h, new_kv, router_logits
+        return x + self.mlp(self.mlp_norm(x)), new_kv, None
 
 
 class Decoder(nnx.Module):
-    """`model(tokens) -> logits [B, T, V]`; with a cache, `(logits, new_cache)`."""
+    """`model(tokens) -> logits [B, T, V]`; with a cache, `(logits, new_cache)`; with
+    `with_aux_loss`, `(logits, load-balancing loss)` (0 for a dense model)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         v, d, pd = cfg.vocab_size, cfg.hidden_size, cfg.param_dtype
         self.config = cfg
         self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd)
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd)
@@ -212,6 +208,7 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         *,
         last_only: bool = False,  # logits of the last position only (prefill)
+        with_aux_loss: bool = False,  # also return the MoE load-balancing loss (training)
     ):
         cfg = self.config
         b, t = tokens.shape
@@ -228,13 +225,15 @@ class Decoder(nnx.Module):
         slots = jnp.broadcast_to(slots, (b, t))
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
-        new_k, new_v = [], []
+        new_k, new_v, router_logits = [], [], []
         for i, layer in enumerate(self.layers):
             kw = {}
             if cache is not None:
                 kw = dict(cache_kv=(cache.k[i], cache.v[i]), cache_segment_ids=cache_segment_ids,
                           cache_index=cache.index)
-            x, kv = layer(x, positions, segment_ids, slots, **kw)
+            x, kv, layer_router_logits = layer(x, positions, segment_ids, slots, **kw)
+            if layer_router_logits is not None:
+                router_logits.append(layer_router_logits)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -244,6 +243,13 @@ class Decoder(nnx.Module):
         else:
             logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
         logits = logits.astype(jnp.float32)
+        if with_aux_loss:
+            if cache is not None:
+                raise ValueError("with_aux_loss is for training passes, not cached decoding")
+            aux = (load_balancing_loss(router_logits, cfg.num_experts_per_tok,
+                                       segment_ids.reshape(-1) != 0)
+                   if router_logits else jnp.zeros((), jnp.float32))
+            return logits, aux
         if cache is None:
             return logits
         return logits, KVCache(new_k, new_v, cache_segment_ids, cache.index + t)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,14 @@ from flax import nnx
 from jaxagent.config import ModelConfig, OptimizerConfig
 from jaxagent.models import init_model
 from jaxagent.optim import make_optimizer
-from jaxagent.steps import LossOptions, pack, rl_step, sft_step, target_logprobs
+from jaxagent.steps import (
+    LossOptions,
+    pack,
+    pack_shared,
+    rl_step,
+    sft_step,
+    target_logprobs,
+)
 
 CFG = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2, num_heads=3,
                   num_kv_heads=1, head_dim=8, tie_embeddings=False)
@@ -116,3 +125,120 @@ def test_micro_batch_must_divide_the_batch():
     with pytest.raises(ValueError, match=r"train.micro_batch \(4\) must divide the batch size \(6\)"):
         rl_step(graphdef, tx, params, opt_state, pack(p, c, lp, np.ones(6)),
                 options=LossOptions(), micro_batch=4)
+
+
+def grouped_rollouts(groups=3, g=4, seed=5):
+    """Groups of `g` rows sharing a prompt, completions of uneven lengths (one of length 1)."""
+    rng = np.random.default_rng(seed)
+    prompts, completions = [], []
+    for j in range(groups):
+        prompt = rng.integers(0, 61, rng.integers(2, 11)).tolist()
+        for i in range(g):
+            prompts.append(prompt)
+            completions.append(rng.integers(0, 61, 1 if (i, j) == (1, 0) else rng.integers(2, 9))
+                               .tolist())
+    logprobs = [(-rng.random(len(c))).tolist() for c in completions]
+    return prompts, completions, logprobs
+
+
+def test_pack_shared_layout():
+    batch = pack_shared([[5, 6, 7]] * 2 + [[8]] * 2, [[1, 2], [3], [4, 9, 9], [2]],
+                        [[-0.1, -0.2], [-0.3], [-0.4, -0.5, -0.6], [-0.7]], [1.0, -1.0, 0.5, 0.0],
+                        group_size=2, bucket=4)
+    assert batch.tokens.shape == (2, 8) and batch.targets.shape == (4, 4)
+    np.testing.assert_array_equal(batch.tokens[0], [5, 6, 7, 1, 2, 3, 0, 0])
+    np.testing.assert_array_equal(batch.segment_ids[0], [1, 1, 1, -1, -1, -2, 0, 0])
+    np.testing.assert_array_equal(batch.positions[0], [0, 1, 2, 3, 4, 3, 0, 0])
+    # Completion 2 of group 0 (token 3) is predicted by the prompt's last column, 2.
+    np.testing.assert_array_equal(batch.gather[:2], [[2, 3, 0, 0], [2, 0, 0, 0]])
+    np.testing.assert_array_equal(batch.targets[1], [3, 0, 0, 0])
+    np.testing.assert_array_equal(batch.loss_mask[2], [1, 1, 1, 0])
+    np.testing.assert_array_equal(batch.gather[2], [0, 1, 2, 0])
+    np.testing.assert_allclose(batch.sampler_logprobs[3], [-0.7, 0, 0, 0])
+
+
+def test_pack_shared_rejects_groups_without_one_prompt():
+    with pytest.raises(ValueError, match="rows 0..1 do not share one prompt"):
+        pack_shared([[1], [2]], [[3], [4]], group_size=2)
+    with pytest.raises(ValueError, match="do not split into groups of 2"):
+        pack_shared([[1]] * 3, [[3]] * 3, group_size=2)
+
+
+def test_shared_prompt_logprobs_equal_separate_sequences():
+    p, c, lp = grouped_rollouts()
+    model = nnx.merge(*setup()[:2])
+    sep = pack(p, c, lp)
+    shared = pack_shared(p, c, lp, group_size=4)
+    logp_sep = np.asarray(target_logprobs(model, sep)[0])
+    logp_shared = np.asarray(target_logprobs(model, shared)[0])
+    for b in range(len(p)):
+        got = logp_shared[b][np.asarray(shared.loss_mask[b]) > 0]
+        want = logp_sep[b][np.asarray(sep.loss_mask[b]) > 0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation,micro_batch", [
+    ("token-mean", 0), ("seq-mean-token-mean", 4), ("seq-mean-token-sum-norm", 4)])
+def test_shared_prompt_step_equals_the_unshared_step(aggregation, micro_batch):
+    graphdef, params, _, _ = setup()
+    tx = optax.sgd(1.0)  # the parameter change is the gradient itself
+    p, c, lp = grouped_rollouts(seed=11)
+    adv = np.random.default_rng(12).standard_normal(len(p))
+    options = LossOptions(aggregation=aggregation, entropy_coef=0.01, kl_coef=0.1,
+                          norm_length=9 if aggregation == "seq-mean-token-sum-norm" else None)
+    ref = jax.tree.map(lambda x: x + 0.01, params)  # a reference policy that differs
+    sep, _, m_sep = rl_step(graphdef, tx, copy(params), tx.init(params), pack(p, c, lp, adv),
+                            copy(ref), options=options, micro_batch=micro_batch)
+    shared, _, m_shared = rl_step(graphdef, tx, copy(params), tx.init(params),
+                                  pack_shared(p, c, lp, adv, group_size=4), copy(ref),
+                                  options=options, micro_batch=micro_batch)
+    for key in m_sep:
+        np.testing.assert_allclose(float(m_shared[key]), float(m_sep[key]), rtol=2e-5,
+                                   atol=1e-7, err_msg=key)
+    for p0, a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sep), jax.tree.leaves(shared)):
+        np.testing.assert_allclose(b - p0, a - p0, rtol=1e-4, atol=2e-6)
+
+
+def test_shared_prompt_micro_batches_hold_whole_groups():
+    graphdef, params, tx, opt_state = setup()
+    p, c, lp = grouped_rollouts()
+    with pytest.raises(ValueError, match=r"multiple of the group size \(4\)"):
+        rl_step(graphdef, tx, params, opt_state, pack_shared(p, c, lp, np.ones(12), group_size=4),
+                options=LossOptions(), micro_batch=6)
+
+
+MOE = dataclasses.replace(CFG, num_layers=2, num_experts=5, num_experts_per_tok=2,
+                          moe_intermediate_size=11, mlp_only_layers=(1,), router_aux_loss_coef=0.7)
+
+
+@pytest.mark.parametrize("step", ["sft", "rl"])
+def test_moe_aux_loss_is_in_the_gradient(step):
+    """With SGD(lr=1) the update is -grad: raising the coefficient from 0 to c adds exactly
+    -c * grad(load-balancing loss of this batch)."""
+    p, c, lp = random_rollouts()
+    batch = pack(p, c, lp, np.random.default_rng(5).normal(size=len(p)))
+    graphdef, params = nnx.split(init_model(MOE, seed=1))
+    tx = optax.sgd(1.0)
+
+    def update(coef):
+        # The coefficient is static config, part of the graphdef.
+        g, _ = nnx.split(init_model(dataclasses.replace(MOE, router_aux_loss_coef=coef)))
+        new, _, metrics = (sft_step(g, tx, copy(params), tx.init(params), batch) if step == "sft"
+                           else rl_step(g, tx, copy(params), tx.init(params), batch,
+                                        options=LossOptions()))
+        return jax.tree.map(jnp.subtract, new, params), metrics
+
+    with_aux, metrics = update(MOE.router_aux_loss_coef)
+    without, _ = update(0.0)
+
+    def aux_of(p):
+        return nnx.merge(graphdef, p)(batch.tokens, None, batch.segment_ids, with_aux_loss=True)[1]
+
+    aux, aux_grad = jax.jit(jax.value_and_grad(aux_of))(params)
+    prefix = "sft" if step == "sft" else "train"
+    np.testing.assert_allclose(float(metrics[f"{prefix}/aux_loss"]), float(aux), rtol=1e-5)
+    router = ("layers", 0, "mlp", "router")
+    flat = dict(nnx.to_flat_state(aux_grad))
+    assert np.abs(np.asarray(flat[router][...])).max() > 1e-3
+    for a, b, g in zip(jax.tree.leaves(with_aux), jax.tree.leaves(without), jax.tree.leaves(aux_grad)):
+        np.testing.assert_allclose(a - b, -MOE.router_aux_loss_coef * g, atol=1e-6)

@@ -1,6 +1,7 @@
 """End to end: `jaxagent train` on a tiny model, killed with SIGKILL after a checkpoint and
 re-run, trains each step exactly once and matches an uninterrupted run."""
 
+import json
 import os
 import re
 import signal
@@ -79,12 +80,19 @@ def test_bad_config_fails_before_compute(tmp_path):
     assert not (tmp_path / "config.yaml").exists()
 
 
-def test_sft_then_eval_cli(tmp_path, capsys):
+MOE = ["model.family=qwen3_moe", "model.num_experts=3", "model.num_experts_per_tok=2",
+       "model.moe_intermediate_size=24"]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_sft_then_eval_cli(tmp_path, capsys, moe):
     from jaxagent.cli import main
 
-    small = [o for o in TINY if not o.startswith(("sft.steps", "checkpoint"))]
+    small = [o for o in TINY if not o.startswith(("sft.steps", "checkpoint"))] + (MOE if moe else [])
     assert main(["sft", *small, "sft.steps=2", f"workdir={tmp_path}"]) == 0
-    assert (tmp_path / "sft" / "config.json").exists()
+    exported = json.loads((tmp_path / "sft" / "config.json").read_text())
+    assert exported["architectures"] == ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"]
+    assert exported.get("num_experts") == (3 if moe else None)
     out = tmp_path / "eval.jsonl"
     assert main(["eval", "--checkpoint", str(tmp_path / "sft"), "--tasks", "synthetic:3:5",
                  "--k", "1,2", "--samples", "2", "--out", str(out), *small]) == 0

@@ -36,6 +36,20 @@ CASES = {
     "qwen3-qknorm-untied": ("Qwen3", dict(tie_word_embeddings=False)),
     "qwen3-qknorm-bias-tied": ("Qwen3", dict(attention_bias=True, tie_word_embeddings=True,
                                              rope_theta=500000.0)),
+    # HF's default grouped-mm experts need 16-byte strides (odd dims fail): the eager loop.
+    # 5 experts top-2, renormalised, layer 1 dense through mlp_only_layers.
+    "qwen3moe-norm-topk-dense-layer-untied": ("Qwen3Moe", dict(
+        num_hidden_layers=3, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=23,
+        mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False,
+        experts_implementation="eager")),
+    # 7 experts top-3, raw softmax weights, only every second layer sparse.
+    "qwen3moe-sparse-step-unnormalised-tied": ("Qwen3Moe", dict(
+        num_hidden_layers=3, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=19,
+        decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=True,
+        experts_implementation="eager")),
+    # Mixtral: every layer sparse, 5 experts top-2 of F = intermediate_size 73.
+    "mixtral-untied": ("Mixtral", dict(num_local_experts=5, num_experts_per_tok=2,
+                                       tie_word_embeddings=False, experts_implementation="eager")),
 }
 
 
@@ -133,17 +147,86 @@ def test_unsupported_architecture_is_named(tmp_path):
         from_pretrained(tmp_path)
 
 
-def test_missing_tensor_is_named(tmp_path):
+@pytest.mark.parametrize("case, tensor", [
+    ("qwen3-qknorm-untied", "model.layers.1.self_attn.k_norm.weight"),
+    ("qwen3moe-norm-topk-dense-layer-untied", "model.layers.2.mlp.experts.3.up_proj.weight"),
+])
+def test_missing_tensor_is_named(tmp_path, case, tensor):
     from safetensors.numpy import load_file, save_file
 
-    make_hf("qwen3-qknorm-untied", tmp_path)
+    make_hf(case, tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
-    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    del tensors[tensor]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.self_attn.k_norm.weight'"):
+    with pytest.raises(CheckpointError, match=rf"missing tensor '{tensor}'"):
         from_pretrained(tmp_path)
 
 
 def test_missing_config_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"config.json: not found"):
         from_pretrained(tmp_path)
+
+
+MOE_EXPORTS = {
+    "qwen3_moe": dict(mlp_only_layers=(0,), norm_topk_prob=False),
+    "mixtral": dict(qk_norm=False),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_EXPORTS))
+def test_moe_save_pretrained_round_trip_through_transformers(tmp_path, family):
+    cfg = ModelConfig(family=family, vocab_size=VOCAB, hidden_size=42, intermediate_size=61,
+                      num_layers=3, num_heads=3, num_kv_heads=1, head_dim=14, tie_embeddings=False,
+                      num_experts=5, num_experts_per_tok=2, moe_intermediate_size=27,
+                      **MOE_EXPORTS[family])
+    model = init_model(cfg, seed=8)
+    # Larger router weights than the init make the top-k choice matter.
+    for layer in model.layers:
+        if layer.sparse:
+            layer.mlp.router[...] *= 20.0
+    save_pretrained(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, experts_implementation="eager").eval()
+    assert hf.config.model_type == family and hf.config.num_local_experts == 5
+    ids = np.random.default_rng(9).integers(0, VOCAB, (2, 13))
+    ours = model(jnp.asarray(ids))
+    np.testing.assert_array_less(np.abs(log_softmax(ours) - log_softmax(hf_logits(hf, ids))).max(), 1e-4)
+    again = from_pretrained(tmp_path, dtype="float32")
+    moe_fields = ("family", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef")
+    assert all(getattr(again.config, f) == getattr(cfg, f) for f in moe_fields)
+    np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids))), np.asarray(ours))
+
+
+@pytest.mark.parametrize("case", ["qwen3moe-norm-topk-dense-layer-untied", "mixtral-untied"])
+def test_moe_fused_expert_layout_loads(tmp_path, case):
+    """transformers >= 5 keeps experts fused in memory ([E, 2F, D] gate|up, [E, D, F] down)."""
+    from safetensors.numpy import save_file
+
+    hf = make_hf(case, tmp_path / "per_expert")
+    fused = {k: v.contiguous().numpy() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    (tmp_path / "fused").mkdir()
+    save_file(fused, tmp_path / "fused" / "model.safetensors")
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "per_expert" / "config.json").read_text())
+    ids = np.random.default_rng(10).integers(0, VOCAB, (B, T))
+    ours = from_pretrained(tmp_path / "fused", dtype="float32")(jnp.asarray(ids))
+    np.testing.assert_array_less(np.abs(log_softmax(ours) - log_softmax(hf_logits(hf, ids))).max(), 1e-4)
+
+
+def test_moe_missing_expert_count_is_named(tmp_path):
+    make_hf("qwen3moe-norm-topk-dense-layer-untied", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("num_local_experts", None)
+    config.pop("num_experts", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config.json: missing field 'num_experts'"):
+        from_pretrained(tmp_path)
+
+
+def test_experts_cannot_be_exported_as_a_dense_family(tmp_path):
+    model = init_model(ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                                   num_experts=3, moe_intermediate_size=8))
+    with pytest.raises(CheckpointError, match=r"model.num_experts=3 cannot be exported as family 'qwen3'"):
+        save_pretrained(model, tmp_path)

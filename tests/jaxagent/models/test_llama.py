@@ -56,7 +56,8 @@ def test_xla_attention_matches_float64_reference():
     rng = np.random.default_rng(0)
     b, t, s, n, k, h = 2, 5, 7, 6, 2, 3
     q, kk, v = (rng.standard_normal(shape) for shape in [(b, t, n, h), (b, k, s, h), (b, k, s, h)])
-    q_seg = rng.integers(1, 3, (b, t)); kv_seg = rng.integers(0, 3, (b, s))
+    # Negative query segments ("sees all") see every positive segment as well as their own.
+    q_seg = rng.integers(-2, 3, (b, t)); kv_seg = rng.integers(-2, 3, (b, s))
     q_slots = np.sort(rng.integers(0, s, (b, t))); kv_slots = np.tile(np.arange(s), (b, 1))
     out = xla_attention(*(jnp.asarray(x, jnp.float32) for x in (q, kk, v)),
                         q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slots,
@@ -66,7 +67,8 @@ def test_xla_attention_matches_float64_reference():
         for ti in range(t):
             for ni in range(n):
                 ki = ni // (n // k)
-                ok = (kv_seg[bi] == q_seg[bi, ti]) & (kv_seg[bi] != 0) & (kv_slots[bi] <= q_slots[bi, ti])
+                qs, ks = q_seg[bi, ti], kv_seg[bi]
+                ok = ((ks == qs) | ((qs < 0) & (ks > 0))) & (ks != 0) & (kv_slots[bi] <= q_slots[bi, ti])
                 if not ok.any():
                     continue
                 scores = kk[bi, ki] @ q[bi, ti, ni] / np.sqrt(h)
@@ -119,3 +121,20 @@ def test_bfloat16_params_and_compute():
     assert m.layers[0].attn.wq.dtype == jnp.bfloat16
     out = forward(m, jnp.zeros((1, 4), jnp.int32))
     assert out.dtype == jnp.float32 and bool(jnp.isfinite(out).all())
+
+
+def test_document_kernel_backend_equals_dense_model():
+    """`attention_backend: doc` (the Pallas kernel, interpreted here) on a document-level row:
+    two documents restarting their positions, then a final section that reads both."""
+    dense = init_model(CFG, seed=1)
+    doc = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(CFG, attention_backend="doc"))),
+                    nnx.state(dense))
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, 83, (1, 23)))
+    segment_ids = jnp.asarray([[1] * 9 + [2] * 8 + [-1] * 5 + [0]])
+    positions = jnp.asarray([list(range(9)) + list(range(8)) + list(range(9, 14)) + [0]])
+    want = forward(dense, tokens, positions, segment_ids)
+    np.testing.assert_allclose(forward(doc, tokens, positions, segment_ids), want, atol=2e-5)
+    # A document's logits do not depend on the other document.
+    alone = forward(dense, tokens[:, 9:17], positions[:, 9:17], jnp.ones((1, 8), jnp.int32))
+    np.testing.assert_allclose(want[:, 9:17], alone, atol=2e-5)

@@ -1,0 +1,148 @@
+"""The document-attention kernel vs a float64 reference and vs the model's dense attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.models.attention import xla_attention
+from pallas_kernels.doc_attention import (
+    BlockSizes,
+    block_visibility,
+    doc_attention,
+    doc_attention_reference,
+    visible,
+)
+
+BLOCKS = BlockSizes(block_q=16, block_k=16)
+
+
+def layout(name, t):
+    """Segment ids [t] for a named layout; lengths are not multiples of the 16-token blocks."""
+    seg = np.zeros(t, np.int32)
+    if name == "documents":  # 3 documents of uneven length, then a final section
+        seg[:7], seg[7:26], seg[26:29], seg[29:t - 3] = 1, 2, 3, -1
+    elif name == "single_document":  # one document and its final section
+        seg[:t - 8], seg[t - 8:t - 1] = 1, -1
+    elif name == "empty_final":  # documents only
+        seg[:11], seg[11:t] = 1, 2
+    elif name == "shared_prompt":  # a GRPO group: prompt, completions 1..3
+        seg[:13], seg[13:18], seg[18:19], seg[19:t - 4] = 1, -1, -2, -3
+    return seg
+
+
+def inputs(seed, t=41, n=6, kv_heads=2, h=16, names=("documents", "shared_prompt")):
+    rng = np.random.default_rng(seed)
+    seg = np.stack([layout(name, t) for name in names])
+    b = len(names)
+    slots = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    q = rng.standard_normal((b, t, n, h))
+    k, v = (rng.standard_normal((b, kv_heads, t, h)) for _ in range(2))
+    return q, k, v, seg, slots
+
+
+def run(q, k, v, seg, slots, **kw):
+    return doc_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_slots=slots,
+                         kv_slots=slots, block_sizes=BLOCKS, interpret=True, **kw)
+
+
+def float64_reference(q, k, v, seg, slots, do):
+    """(out, dq, dk, dv) in float64."""
+    with jax.enable_x64(True):
+        f = lambda q, k, v: doc_attention_reference(q, k, v, seg, seg, slots, slots)  # noqa: E731
+        out, vjp = jax.vjp(f, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+        return [np.asarray(x) for x in (out, *vjp(jnp.asarray(do, jnp.float64)))]
+
+
+def assert_close(got, want, tol):
+    rel = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+    assert rel < tol, rel
+
+
+@pytest.mark.parametrize("names", [("documents", "shared_prompt"),
+                                   ("single_document", "empty_final")])
+def test_forward_and_gradients_match_float64_reference(names):
+    q, k, v, seg, slots = inputs(seed=len(names[0]), names=names)
+    do = np.random.default_rng(9).standard_normal(q.shape)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    out, vjp = jax.vjp(lambda *a: run(*a, seg, slots), *f32)
+    grads = vjp(jnp.asarray(do, jnp.float32))
+    for got, want in zip((out, *grads), float64_reference(q, k, v, seg, slots, do)):
+        assert_close(got, want, 1e-5)
+
+
+def test_equals_dense_attention_with_the_explicit_mask():
+    q, k, v, seg, slots = (jnp.asarray(x, jnp.float32) if x.dtype == np.float64 else x
+                           for x in inputs(seed=3, n=3, kv_heads=3))
+    kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_slots=slots, kv_slots=slots)
+    dense = lambda q, k, v: xla_attention(q, k, v, **kw)  # noqa: E731
+    kernel = lambda q, k, v: run(q, k, v, seg, slots)  # noqa: E731
+    np.testing.assert_allclose(kernel(q, k, v), dense(q, k, v), atol=2e-6)
+    loss = lambda fn: lambda *a: (fn(*a) * jnp.cos(fn(*a))).sum()  # noqa: E731
+    for g_kernel, g_dense in zip(jax.grad(loss(kernel), (0, 1, 2))(q, k, v),
+                                 jax.grad(loss(dense), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g_kernel, g_dense, atol=2e-5)
+
+
+def test_decode_step_against_a_cache():
+    """One query per row at the end of a cache whose tail is empty (segment 0)."""
+    q, k, v, seg, slots = inputs(seed=4, names=("documents", "shared_prompt"))
+    q_last = jnp.asarray(q[:, 30:31], jnp.float32)
+    q_seg, q_slot = seg[:, 30:31], slots[:, 30:31]
+    kv_seg = np.where(slots <= 30, seg, 0)
+    out = doc_attention(q_last, *(jnp.asarray(x, jnp.float32) for x in (k, v)),
+                        q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slot,
+                        kv_slots=slots, block_sizes=BLOCKS, interpret=True)
+    want = doc_attention_reference(q_last, jnp.asarray(k), jnp.asarray(v), q_seg, kv_seg,
+                                   q_slot, slots)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_block_visibility_covers_every_visible_entry_and_skips_documents():
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        t = int(rng.integers(17, 90))
+        seg = np.sort(rng.integers(1, 5, t)).astype(np.int32)  # contiguous documents
+        tail = int(rng.integers(0, t // 3))
+        seg[t - tail:] = -rng.integers(1, 3, tail)  # sees-all sections
+        seg[rng.random(t) < 0.1] = 0  # padding anywhere
+        pad = -t % 16
+        seg = np.pad(seg, (0, pad))[None]
+        slots = np.arange(t + pad, dtype=np.int32)[None]
+        entries = np.asarray(visible(seg, seg, slots, slots))[0]
+        vis = np.asarray(block_visibility(seg, seg, slots, slots, 16, 16))[0]
+        blocks = entries.reshape(vis.shape[0], 16, vis.shape[1], 16).any((1, 3))
+        assert not (blocks & ~vis.astype(bool)).any()  # nothing visible is skipped
+    # Four 32-token documents: each sees only its own (causal) blocks, 3 of the 16 pairs per
+    # document instead of the dense causal 10 of 16 pairs overall.
+    seg = np.repeat(np.arange(1, 5, dtype=np.int32), 32)[None]
+    slots = np.arange(128, dtype=np.int32)[None]
+    assert int(block_visibility(seg, seg, slots, slots, 16, 16).sum()) == 4 * 3
+
+
+def test_fully_masked_queries_give_zero_and_finite_gradients():
+    q, k, v, seg, slots = inputs(seed=6)
+    seg = seg.copy()
+    seg[:, 5] = 0  # a padding query amid real ones
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    out = run(*f32, seg, slots)
+    assert float(jnp.abs(out[:, 5]).max()) == 0.0
+    grads = jax.grad(lambda *a: run(*a, seg, slots).sum(), (0, 1, 2))(*f32)
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [64, 128])
+def test_compiled_gpu_kernel_matches_reference(h):
+    q, k, v, seg, slots = inputs(seed=7, t=1000, n=8, kv_heads=2, h=h)
+    do = np.random.default_rng(8).standard_normal(q.shape)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    fn = lambda *a: doc_attention(*a, q_segment_ids=seg, kv_segment_ids=seg,  # noqa: E731
+                                  q_slots=slots, kv_slots=slots)
+    out, vjp = jax.vjp(fn, *f32)
+    grads = vjp(jnp.asarray(do, jnp.float32))
+    ref = jax.vjp(lambda *a: doc_attention_reference(*a, seg, seg, slots, slots), *f32)
+    want = (ref[0], *ref[1](jnp.asarray(do, jnp.float32)))
+    for got, w in zip((out, *grads), want):
+        # TF32 matmuls on the GPU: a looser bound than the CPU float32 runs.
+        assert_close(got, np.asarray(w, np.float64), 2e-3)
