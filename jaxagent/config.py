@@ -217,6 +217,28 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """Multi-turn tool episodes over repository tasks (rollouts.agent); mirrors AgentOptions."""
+
+    enabled: bool = False  # agent episodes instead of single completions (trainer: after issue 6)
+    tasks: str = "rollouts/tasks/data/textkit_tasks"  # directory of deletion tasks (DIR/ID/task.json)
+    call_format: Literal["hermes", "compact"] = "compact"  # hermes: Qwen <tool_call>; compact: @name {json}
+    episodes: int = 8  # episodes in flight (sampler slots); a finished one's slot is refilled
+    max_turns: int = 8
+    max_context_tokens: int = 4096  # prompt + actions + observations
+    max_action_tokens: int = 128  # tokens sampled per turn
+    tool_timeout_s: float = 10.0  # one tool call's wall and CPU limit
+    episode_timeout_s: float = 300.0
+    max_output_chars: int = 2000  # a tool's output beyond this is cut (head + tail, with a note)
+    truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: out of the advantage, or penalised
+    truncation_penalty: float = 1.0
+    memory: bool = True  # the memory tool's notes persist under WORKDIR/agent_memory
+    embedding: Literal["ngram", "minilm"] = "ngram"  # semantic search; minilm: extra `semantic`
+    feedback_detectors: tuple[str, ...] = ()  # bad_tool_call, test_edit, repeat
+    feedback_beta: float = 0.0  # weight of KL(policy with hint || policy) at flagged turns
+
+
+@dataclass(frozen=True)
 class Config:
     """The root of every experiment config."""
 
@@ -232,6 +254,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)  # the trainer's mesh
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     init_from: str | None = None  # HF checkpoint directory; None = random init of `model`
     workdir: str = "runs/default"
     seed: int = 0

@@ -345,3 +345,208 @@ class Sampler:
         state["rows"] = jnp.where(pad, -1, state["rows"])
         state["done"] = state["done"] | pad
         return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-turn continuation: episodes keep their KV cache rows between turns.
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _extend(graphdef, params, cache, tokens, segment_ids, positions):
+    """Write one left-padded chunk per row at the cache's next slots; the last logits [B, V]."""
+    model = nnx.merge(graphdef, params)
+    logits, cache = model(tokens, positions, segment_ids, cache, last_only=True)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _forget_slots(cache: KVCache, keep):
+    """Mark the slots where `keep` [B, S] is False as empty (segment 0: attended by nothing)."""
+    return KVCache(cache.k, cache.v, cache.segment_ids * keep, cache.index)
+
+
+def _fresh_cache(config, batch: int, size: int) -> KVCache:
+    """An empty cache whose arrays are distinct buffers (`KVCache.empty` shares one zeros array
+    between layers and k/v, which cannot be donated)."""
+    return jax.tree.map(jnp.copy, KVCache.empty(config, batch, size))
+
+
+class Continuation:
+    """Many multi-turn episodes on one persistent KV cache, one batch row (slot) each.
+
+        cont = Continuation(sampler, slots=8, max_new_tokens=256, stop_token_ids=tok.stop_ids)
+        cont.start(slot, prompt)            # a new episode in a free slot
+        actions = cont.turn()               # {slot: (tokens, logprobs, finish_reason)}
+        cont.append(slot, observation)      # the environment's reply
+        cont.release(slot)                  # the episode ended; the slot can be refilled
+
+    Each turn prefills only the tokens appended since a slot's last turn (its prompt, or the
+    unwritten tail of its action plus the new observation) onto the cache, never the whole
+    history, then decodes every active slot's action together. All rows share the cache's write
+    index, so each turn's chunks are left-padded (segment 0) like prompts; slots a row did not
+    use (padding, decode steps after it stopped, a finished episode) are marked empty. The cache
+    grows by `cache_bucket`; past `max_cache_slots` it is rebuilt by re-prefilling the live
+    histories (the only whole-history prefill).
+    """
+
+    def __init__(self, sampler: Sampler, slots: int, *, max_new_tokens: int,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 stop_token_ids=(), seed: int = 0, max_cache_slots: int = 1 << 15):
+        if slots < 1:
+            raise ValueError(f"slots: must be >= 1, got {slots}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        stop_token_ids = tuple(int(t) for t in stop_token_ids)
+        if len(stop_token_ids) > _MAX_STOP_IDS:
+            raise ValueError(f"stop_token_ids: at most {_MAX_STOP_IDS}, got {len(stop_token_ids)}")
+        self.sampler, self.slots = sampler, slots
+        self.batch = _round_up(slots, sampler.batch_bucket)
+        self.max_new_tokens, self.max_cache_slots = max_new_tokens, max_cache_slots
+        self.mode = _SamplingMode(greedy=temperature == 0, top_k=top_k, top_p=top_p is not None)
+        self.stop_set = set(stop_token_ids)
+        self.stop_ids = jnp.asarray(stop_token_ids + (-1,) * (_MAX_STOP_IDS - len(stop_token_ids)),
+                                    jnp.int32)
+        self.temperature = jnp.float32(temperature or 1.0)
+        self.top_p = jnp.float32(top_p or 1.0)
+        self.key = jax.random.key(seed)
+        self.history: list[list[int] | None] = [None] * self.batch  # None: a free slot
+        self.pending: list[list[int]] = [[] for _ in range(self.batch)]
+        self.positions = np.zeros(self.batch, np.int32)  # tokens of the episode in the cache
+        self.cache = _fresh_cache(sampler.config, self.batch, sampler.cache_bucket)
+        self.used = 0  # host copy of cache.index
+        self.turns = 0
+        self.stats = {"prefill_tokens": 0, "prefill_slots": 0, "decode_row_steps": 0, "rebuilds": 0}
+
+    # ---- episodes ----
+    def start(self, slot: int, prompt) -> None:
+        self._check_slot(slot)
+        if self.history[slot] is not None:
+            raise ValueError(f"slot {slot} is busy; release() it first")
+        prompt = self.sampler._check_prompts([prompt])[0]
+        self._forget_row(slot)
+        self.history[slot], self.pending[slot] = list(prompt), list(prompt)
+        self.positions[slot] = 0
+
+    def append(self, slot: int, tokens) -> None:
+        self._check_slot(slot)
+        if self.history[slot] is None:
+            raise ValueError(f"slot {slot} has no episode; start() one first")
+        tokens = [int(t) for t in tokens]
+        self.history[slot] += tokens
+        self.pending[slot] += tokens
+
+    def release(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.history[slot], self.pending[slot] = None, []
+        self._forget_row(slot)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside [0, {self.slots})")
+
+    def _forget_row(self, slot: int) -> None:
+        keep = np.ones((self.batch, self.cache.size), np.int32)
+        keep[slot] = 0
+        self.cache = _forget_slots(self.cache, jnp.asarray(keep))
+
+    # ---- cache room ----
+    def _reserve(self, cache: KVCache, needed: int) -> KVCache:
+        free = cache.size - self.used
+        if free < needed:
+            cache = _grow_cache(cache, extra=_round_up(needed - free, self.sampler.cache_bucket))
+        return cache
+
+    def _rebuild(self) -> None:
+        """A fresh cache: every live history is prefilled again at the next turn."""
+        self.cache = _fresh_cache(self.sampler.config, self.batch, self.sampler.cache_bucket)
+        self.used = 0
+        for i, h in enumerate(self.history):
+            self.pending[i] = list(h) if h is not None else []
+            self.positions[i] = 0
+        self.stats["rebuilds"] += 1
+
+    # ---- a turn ----
+    def prefill(self):
+        """Write every slot's pending tokens onto the cache; the logits after them [B, V]."""
+        lengths = [len(p) for p in self.pending]
+        chunk = _round_up(max(max(lengths), 1), self.sampler.prompt_bucket)
+        if self.used + chunk + self.max_new_tokens > self.max_cache_slots and self.used:
+            self._rebuild()
+            return self.prefill()
+        tokens = np.zeros((self.batch, chunk), np.int32)
+        segment_ids = np.zeros((self.batch, chunk), np.int32)
+        positions = np.zeros((self.batch, chunk), np.int32)
+        for i, p in enumerate(self.pending):
+            if p:
+                tokens[i, chunk - len(p):] = p
+                segment_ids[i, chunk - len(p):] = 1
+                positions[i, chunk - len(p):] = self.positions[i] + np.arange(len(p))
+        cache = self._reserve(self.cache, chunk)
+        logits, self.cache = _extend(self.sampler.graphdef, self.sampler.params, cache, tokens,
+                                     segment_ids, positions)
+        self.used += chunk
+        self.positions += np.asarray(lengths, np.int32)
+        self.pending = [[] for _ in range(self.batch)]
+        self.stats["prefill_tokens"] += sum(lengths)
+        self.stats["prefill_slots"] += chunk * self.batch
+        return logits
+
+    def turn(self) -> dict[int, tuple[list[int], np.ndarray, str]]:
+        """Sample one action for every active slot: {slot: (tokens, logprobs, reason)}."""
+        active = np.array([h is not None for h in self.history])
+        if not active.any():
+            return {}
+        idle = [i for i in np.flatnonzero(active) if not self.pending[i]]
+        if idle:
+            raise ValueError(f"slot {idle[0]} has no new tokens since its last action; append() "
+                             "the observation first")
+        logits = self.prefill()
+        s = self.sampler
+        key = jax.random.fold_in(self.key, self.turns)
+        rows = np.where(active, np.arange(self.batch), -1).astype(np.int32)
+        first, first_lp, done = _first_tokens(logits, rows, key, self.temperature, self.top_p,
+                                              self.stop_ids, mode=self.mode)
+        max_new = _round_up(self.max_new_tokens, 64)
+        state = {
+            "cache": self.cache,
+            "tokens": jnp.zeros((self.batch, max_new), jnp.int32).at[:, 0].set(first),
+            "logprobs": jnp.zeros((self.batch, max_new), jnp.float32).at[:, 0].set(first_lp),
+            "lengths": jnp.asarray(rows >= 0, jnp.int32),
+            "positions": jnp.asarray(self.positions),
+            "done": done | (self.max_new_tokens == 1),
+            "rows": jnp.asarray(rows),
+            "step": jnp.int32(1),
+        }
+        start, step = self.used, 1
+        while step < self.max_new_tokens and not bool(jnp.all(state["done"])):
+            n = min(s.segment_steps, self.max_new_tokens - step)
+            state["cache"] = self._reserve(state["cache"], (step - 1) + n)
+            state = _decode_segment(s.graphdef, s.params, state, jnp.int32(step + n),
+                                    jnp.int32(self.max_new_tokens), key, self.temperature,
+                                    self.top_p, self.stop_ids, mode=self.mode)
+            new_step = int(state["step"])
+            self.stats["decode_row_steps"] += (new_step - step) * self.batch
+            step = new_step
+        written_all = step - 1  # decode step k wrote the token sampled at step k-1
+        self.cache, self.used = state["cache"], start + written_all
+        tokens, logprobs, lengths = jax.device_get(
+            (state["tokens"], state["logprobs"], state["lengths"]))
+        keep = np.ones((self.batch, self.cache.size), np.int32)
+        keep[:, start + written_all:] = 0  # beyond the index: nothing yet, keep it empty
+        out = {}
+        for i in range(self.batch):
+            if not active[i]:
+                keep[i, start:start + written_all] = 0
+                continue
+            n = int(lengths[i])
+            toks = tokens[i, :n].tolist()
+            written = min(n, written_all)
+            keep[i, start + written:start + written_all] = 0  # steps after the row stopped
+            self.positions[i] += written
+            self.history[i] += toks
+            self.pending[i] = toks[written:]  # not in the cache yet: prefilled next turn
+            reason = "stop" if toks and toks[-1] in self.stop_set else "length"
+            out[i] = (toks, logprobs[i, :n], reason)
+        self.cache = _forget_slots(self.cache, jnp.asarray(keep))
+        self.turns += 1
+        return out

@@ -1,10 +1,17 @@
 """Pure RL math for GRPO / RLOO / DAPO / Dr.GRPO: advantages, losses, KL, log-probs.
 
 Imports only jax and numpy; every function is pure and jit-compatible (string and size
-options static). See advantages.py and losses.py for the formulas.
+options static). See advantages.py, losses.py and feedback.py for the formulas.
 """
 
-from jaxagent.rl.advantages import group_has_signal, grpo_advantages, overlong_penalty, rloo_advantages
+from jaxagent.rl.advantages import (
+    group_has_signal,
+    grpo_advantages,
+    masked_grpo_advantages,
+    overlong_penalty,
+    rloo_advantages,
+)
+from jaxagent.rl.feedback import feedback_loss, token_kl
 from jaxagent.rl.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -21,12 +28,15 @@ __all__ = [
     "KL_ESTIMATORS",
     "aggregate",
     "entropy_from_logits",
+    "feedback_loss",
     "group_has_signal",
     "grpo_advantages",
     "kl_penalty",
+    "masked_grpo_advantages",
     "overlong_penalty",
     "policy_loss",
     "rloo_advantages",
+    "token_kl",
     "token_logprobs",
     "truncated_importance_weights",
 ]

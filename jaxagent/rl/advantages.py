@@ -102,3 +102,33 @@ def overlong_penalty(lengths, *, max_len, buffer_len, penalty=1.0):
     lengths = lengths.astype(jnp.result_type(lengths.dtype, float))
     excess = (lengths - (max_len - buffer_len)) / buffer_len
     return -penalty * jnp.clip(excess, 0.0, 1.0)
+
+
+def masked_grpo_advantages(rewards, valid, *, normalize_std=True, eps=1e-6):
+    """GRPO advantages over the valid members of each group only (agent episodes cut by a
+    budget are masked out of the advantage): with v the 0/1 validity and n = sum_j v_j,
+
+        mean = sum_j v_j r_j / n,   std = sqrt(sum_j v_j (r_j - mean)^2 / n)
+        A_i  = v_i (r_i - mean) / (std + eps)     (or v_i (r_i - mean) without normalize_std)
+
+    Invalid members get exactly 0 and do not move their group's statistics; a group with fewer
+    than two valid members, or whose valid rewards are all equal, gets exactly 0. With every
+    member valid this is `grpo_advantages`.
+
+    rewards, valid: [N, G] -> advantages [N, G].
+    """
+    rewards = jnp.asarray(rewards)
+    v = (jnp.asarray(valid) != 0).astype(rewards.dtype)
+    n = jnp.sum(v, axis=-1, keepdims=True)
+    safe_n = jnp.maximum(n, 1.0)
+    r = jnp.where(v > 0, rewards, 0.0)  # garbage at invalid members never reaches the result
+    mean = jnp.sum(r, axis=-1, keepdims=True) / safe_n
+    centered = v * (r - mean)
+    if normalize_std:
+        var = jnp.sum(centered * centered, axis=-1, keepdims=True) / safe_n
+        positive = var > 0
+        std = jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
+        centered = centered / (std + eps)
+    first = jnp.sum(jnp.where(jnp.cumsum(v, axis=-1) == 1, r * v, 0.0), axis=-1, keepdims=True)
+    all_equal = jnp.all((v == 0) | (r == first), axis=-1, keepdims=True)
+    return jnp.where(all_equal | (n < 2), 0.0, centered)

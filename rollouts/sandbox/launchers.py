@@ -43,6 +43,7 @@ _PYTEST_PACKAGES = (
     "py",
 )
 SANDBOX_PYLIB = "/pylib"  # where repository tasks find pytest inside bwrap/docker
+SESSION_WORKDIR = "/work"  # a session's persistent repository inside bwrap
 
 
 class SandboxUnavailable(RuntimeError):
@@ -207,7 +208,20 @@ _ISOLATION = ["--unshare-all", "--die-with-parent", "--new-session", "--clearenv
 _ENV = ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]  # fmt: skip
 # /tmp (size-capped) is the only writable place; then /dev and / go read-only.
 _FINISH = ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/dev"]
-_FINISH += ["--remount-ro", "/", "--chdir", "/tmp"]
+_FINISH += ["--remount-ro", "/"]
+
+
+def in_cgroup(argv: list[str], cgroup: Cgroup) -> list[str]:
+    """Join the cgroups in a shell that then execs `argv`, so every sandbox process is
+    born inside them (preexec_fn is unsafe in our threaded host)."""
+    join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f"; shift; done; exec "$@"'
+    return ["/bin/sh", "-c", join, "sh", *cgroup.procs_files, "--", *argv]
+
+
+def sandbox_cgroup(limits: Limits) -> Cgroup | None:
+    """A cgroup slot sized like a zygote's (None where cgroup v1 is not writable)."""
+    mem = (limits.memory_mb + limits.tmpfs_mb + _CGROUP_OVERHEAD_MB) << 20
+    return Cgroup.create(limits.max_procs + 8, mem)
 
 
 class BwrapLauncher:
@@ -230,37 +244,40 @@ class BwrapLauncher:
         return self.wrap([inside, *args], binds={binary: inside})
 
     def wrap(
-        self, command: list[str], binds: dict[str, str] | None = None
+        self,
+        command: list[str],
+        binds: dict[str, str] | None = None,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> list[str]:
-        """bwrap argv running `command` sandboxed; `binds` maps host paths in read-only."""
+        """bwrap argv running `command` sandboxed; `binds` maps host paths in read-only;
+        `workdir` (sessions) is a host directory bound read-write at /work, the cwd."""
         tmpfs = ["--size", str(self.limits.tmpfs_mb << 20), "--tmpfs", "/tmp"]
         root = _root_args(os.path.realpath(sys.base_prefix))
         extra = _bind_args(binds or {})
+        work = ["--bind", workdir, SESSION_WORKDIR] if workdir else []
+        chdir = ["--chdir", SESSION_WORKDIR if workdir else "/tmp"]
+        setenv = [a for k, v in (env or {}).items() for a in ("--setenv", k, v)]
         return [
             self.bwrap,
             *_ISOLATION,
             *_ENV,
+            *setenv,
             *root,
             *extra,
             *tmpfs,
+            *work,
             *_FINISH,
+            *chdir,
             *command,
         ]
 
     def launch(self, image: str | None) -> Channel:
         del image  # one host root for every task
-        cgroup = None
-        if self.use_cgroups:
-            mem = (
-                self.limits.memory_mb + self.limits.tmpfs_mb + _CGROUP_OVERHEAD_MB
-            ) << 20
-            cgroup = Cgroup.create(self.limits.max_procs + 8, mem)
+        cgroup = sandbox_cgroup(self.limits) if self.use_cgroups else None
         argv = self.wrap([self.python, *_PYTHON_FLAGS, "/harness/zygote.py"])
         if cgroup:
-            # Join the cgroups in a shell that then execs bwrap, so every sandbox process
-            # is born inside them (preexec_fn is unsafe in our threaded host).
-            join = 'for f in "$@"; do case $f in --) shift; break;; esac; echo $$ > "$f"; shift; done; exec "$@"'
-            argv = ["/bin/sh", "-c", join, "sh", *cgroup.procs_files, "--", *argv]
+            argv = in_cgroup(argv, cgroup)
         channel = PipeChannel(argv, cgroup=cgroup)
         hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True)
         channel.baseline = len(cgroup.pids()) if cgroup else 0

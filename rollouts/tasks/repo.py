@@ -25,10 +25,11 @@ def _check_member(name: str, source: str) -> str:
 
 
 def _read_dir(root: Path) -> dict[str, bytes]:
+    """The repository's files; its .git directory is history, not content."""
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and ".git" not in p.relative_to(root).parts
     }
 
 

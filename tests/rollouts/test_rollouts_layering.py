@@ -10,7 +10,8 @@ import pytest
 
 @pytest.mark.parametrize(
     "module",
-    ["rollouts.sandbox", "rollouts.tasks", "rollouts.rewards", "rollouts.check"],
+    ["rollouts.sandbox", "rollouts.tasks", "rollouts.rewards", "rollouts.check", "rollouts.tools",
+     "rollouts.agent"],
 )
 def test_importing_does_not_import_jax_or_start_anything(module):
     code = (

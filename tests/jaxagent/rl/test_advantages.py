@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent.rl import group_has_signal, grpo_advantages, overlong_penalty, rloo_advantages
+from jaxagent.rl import (
+    group_has_signal,
+    grpo_advantages,
+    masked_grpo_advantages,
+    overlong_penalty,
+    rloo_advantages,
+)
 
 N, G = 5, 7  # groups, group size: distinct odd sizes so a transposed axis cannot pass
 
@@ -180,3 +186,33 @@ def test_advantage_functions_jit():
     lengths = jnp.arange(30)
     fn = lambda n: overlong_penalty(n, max_len=25, buffer_len=10, penalty=0.7)
     np.testing.assert_allclose(jax.jit(fn)(lengths), fn(lengths), rtol=1e-6, atol=1e-7)
+
+
+def _masked_grpo_reference(rewards, valid, normalize_std, eps=1e-6):
+    out = np.zeros_like(rewards, dtype=np.float64)
+    for i, (r, v) in enumerate(zip(rewards.astype(np.float64), valid.astype(bool), strict=True)):
+        if v.sum() < 2 or np.all(r[v] == r[v][0]):
+            continue
+        centered = r[v] - r[v].mean()
+        out[i, v] = centered / (r[v].std() + eps) if normalize_std else centered
+    return out
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_masked_grpo_advantages_match_a_float64_reference(normalize_std):
+    rng = np.random.default_rng(7)
+    rewards = rng.normal(size=(5, 7)).astype(np.float32)
+    valid = rng.random((5, 7)) < 0.6
+    valid[0] = True  # one full group, one with a single valid member, one all-equal group
+    valid[1] = False
+    valid[1, 3] = True
+    rewards[2] = 0.5
+    rewards[~valid] = np.nan  # masked-out episodes may carry anything
+    got = masked_grpo_advantages(rewards, valid, normalize_std=normalize_std)
+    np.testing.assert_allclose(got, _masked_grpo_reference(rewards, valid, normalize_std), atol=1e-5)
+    assert np.all(np.asarray(got)[~valid] == 0.0) and not np.any(np.asarray(got)[1:3])
+    full = rng.normal(size=(3, 5)).astype(np.float32)
+    np.testing.assert_allclose(masked_grpo_advantages(full, np.ones((3, 5))),
+                               grpo_advantages(full), atol=1e-6)
+    grad = jax.grad(lambda r: jnp.sum(masked_grpo_advantages(r, valid) ** 2))(jnp.nan_to_num(rewards))
+    assert np.all(np.isfinite(grad))

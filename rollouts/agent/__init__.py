@@ -1,0 +1,14 @@
+"""Multi-turn tool-using episodes over repository tasks (see `env.ToolEnvironment`)."""
+
+from rollouts.agent.env import AgentOptions, ToolEnvironment, edited_test_files
+from rollouts.agent.formats import BadCall, ToolCall, make_format, observation_text
+
+__all__ = [
+    "AgentOptions",
+    "BadCall",
+    "ToolCall",
+    "ToolEnvironment",
+    "edited_test_files",
+    "make_format",
+    "observation_text",
+]

@@ -1,0 +1,212 @@
+"""`ToolEnvironment`: a multi-turn tool-using episode over a repository task.
+
+reset: a sandbox session holding the task's repository (and its git history), and the prompt
+(task + tool schemas, in the chosen call format) as tokens. step: the policy's tokens are
+parsed as one tool call, the tool runs in the session, and its output is rendered as a tool
+message, tokenized once and returned to be appended. Malformed or unknown calls become an
+error observation and are counted. The episode ends on `finish` or a budget (turns, context
+tokens, episode wall time); then the repository is graded in a fresh sandbox from the pristine
+task with the agent's edits applied, except edits to the tests, which are discarded and flagged
+(reward `-hack_penalty`, `hack` set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from rollouts.agent.formats import BadCall, make_format, observation_text
+from rollouts.environment import Environment, StepResult
+from rollouts.rewards import Scorer
+from rollouts.sandbox import Limits
+from rollouts.sandbox.lint import ruff_binary
+from rollouts.sandbox.session import Session
+from rollouts.tasks.task import Task
+from rollouts.tools import (
+    TOOLS,
+    Embedding,
+    MemoryStore,
+    NgramEmbedding,
+    Tool,
+    Toolbox,
+    ToolContext,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentOptions:
+    """Episode budgets and behaviour (mirrored by `jaxagent.config.AgentConfig`)."""
+
+    call_format: Literal["hermes", "compact"] = "compact"
+    max_turns: int = 8
+    max_context_tokens: int = 4096
+    tool_timeout_s: float = 10.0
+    episode_timeout_s: float = 300.0
+    max_output_chars: int = 2000  # a tool's output beyond this is cut (head + tail, with a note)
+    truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: no advantage, or penalised
+    truncation_penalty: float = 1.0
+    hack_penalty: float = 0.0  # subtracted when the tests were edited (the reward is then -penalty)
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_context_tokens", "tool_timeout_s", "episode_timeout_s",
+                     "max_output_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"AgentOptions.{name} must be positive, got {getattr(self, name)!r}")
+        if self.truncation not in ("mask", "penalty"):
+            raise ValueError(f"AgentOptions.truncation must be 'mask' or 'penalty', got {self.truncation!r}")
+        make_format(self.call_format)
+
+    @classmethod
+    def from_config(cls, agent, hack_penalty: float = 0.0) -> AgentOptions:
+        """From `jaxagent.config.AgentConfig` (the fields of the same names)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "hack_penalty"]
+        return cls(**{n: getattr(agent, n) for n in names}, hack_penalty=hack_penalty)
+
+
+def _under(path: str, roots: Sequence[str]) -> bool:
+    return any(path == r.rstrip("/") or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def edited_test_files(pristine: dict[str, str], final: dict[str, str], test_paths: Sequence[str]) -> list[str]:
+    """Test files the agent added, changed or removed."""
+    paths = {p for p in (*pristine, *final) if _under(p, test_paths)}
+    return sorted(p for p in paths if pristine.get(p) != final.get(p))
+
+
+class ToolEnvironment(Environment):
+    """One episode at a time over repository tasks; `scorer` grades (bwrap by default)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        options: AgentOptions | None = None,
+        scorer: Scorer | None = None,
+        memory: MemoryStore | None = None,
+        embedding: Embedding | None = None,
+        tools: Sequence[Tool] = TOOLS,
+        backend: str = "bwrap",
+        limits: Limits | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.options = options or AgentOptions()
+        self.format = make_format(self.options.call_format)
+        self.toolbox = Toolbox(tools)
+        self.scorer = scorer
+        self._owns_scorer = scorer is None
+        self.memory, self.embedding = memory, embedding or NgramEmbedding()
+        self.backend = backend
+        self.limits = limits or Limits(wall_s=self.options.tool_timeout_s,
+                                       cpu_s=self.options.tool_timeout_s)
+        self.session: Session | None = None
+        self.task: Task | None = None
+
+    # ---- episode ----
+    def reset(self, task: Task) -> list[int]:
+        if task.repo is None:
+            raise ValueError(f"task {task.id}: ToolEnvironment needs a repository task")
+        self._end_session()
+        self.task = task
+        self.session = Session(task.files, backend=self.backend, limits=self.limits,
+                               tools={"ruff": ruff_binary()},
+                               git_source=task.metadata.get("git_source"))
+        self.ctx = ToolContext(self.session, task, memory=self.memory, embedding=self.embedding,
+                               timeout_s=self.options.tool_timeout_s)
+        text = self.format.prompt(self.tokenizer, task.prompt, self.toolbox.schemas())
+        prompt = self.tokenizer.encode(text, add_bos=getattr(self.tokenizer, "add_bos", False))
+        self.context_len, self.turns, self.started = len(prompt), 0, time.monotonic()
+        self.tool_calls: Counter[str] = Counter()
+        self.bad_tool_calls = self.test_edit_attempts = 0
+        self.turn_flags: list[dict[str, bool]] = []
+        self._last_action: list[int] | None = None
+        self._tests_before = self._test_files()
+        return prompt
+
+    def _test_files(self) -> dict[str, str]:
+        paths = self.task.metadata.get("test_paths", ())
+        return {p: c for p, c in self.session.files().items() if _under(p, paths)}
+
+    def step(self, action: Sequence[int]) -> StepResult:
+        if self.session is None:
+            raise RuntimeError("step() before reset(), or after the episode ended")
+        action = [int(t) for t in action]
+        self.turns += 1
+        self.context_len += len(action)
+        parsed = self.format.parse(self.tokenizer.decode(action))
+        if isinstance(parsed, BadCall):
+            out_text, bad, finished = f"error: {parsed.reason}", True, False
+        else:
+            out = self.toolbox.call(self.ctx, parsed.name, parsed.args, self.options.max_output_chars)
+            out_text, bad, finished = out.text, out.bad_call, out.finished
+            if parsed.name in self.toolbox.tools:
+                self.tool_calls[parsed.name] += 1
+        self.bad_tool_calls += bad
+        tests_now = self._test_files()
+        edited_tests = tests_now != self._tests_before
+        self._tests_before = tests_now
+        self.test_edit_attempts += edited_tests
+        self.turn_flags.append({"bad_tool_call": bad, "test_edit": edited_tests,
+                                "repeat": action == self._last_action})
+        self._last_action = action
+        cut = self._budget_cut()
+        if finished or cut:
+            reward, info = self._grade(truncated=bool(cut) and not finished, why=cut)
+            return StepResult([], reward, True, info)
+        ended = bool(action) and action[-1] in self.tokenizer.stop_ids
+        obs = self.tokenizer.encode(observation_text(self.tokenizer, out_text, ended))
+        self.context_len += len(obs)
+        if self.context_len >= self.options.max_context_tokens:  # no room for another action
+            reward, info = self._grade(truncated=True, why="max_context_tokens")
+            return StepResult([], reward, True, info)
+        return StepResult(obs, 0.0, False, self._info())
+
+    def _budget_cut(self) -> str:
+        if self.turns >= self.options.max_turns:
+            return "max_turns"
+        if self.context_len >= self.options.max_context_tokens:
+            return "max_context_tokens"
+        if time.monotonic() - self.started > self.options.episode_timeout_s:
+            return "episode_timeout"
+        return ""
+
+    def _info(self) -> dict[str, Any]:
+        return {"turns": self.turns, "tool_calls": dict(self.tool_calls),
+                "bad_tool_calls": self.bad_tool_calls, "test_edit_attempts": self.test_edit_attempts,
+                "turn_flags": list(self.turn_flags)}
+
+    def _grade(self, truncated: bool, why: str) -> tuple[float, dict[str, Any]]:
+        task = self.task
+        final = self.session.files()
+        edited_tests = edited_test_files(task.files, final, task.metadata.get("test_paths", ()))
+        edits = {p: c for p, c in final.items()
+                 if task.files.get(p) != c and p not in edited_tests}
+        if self.scorer is None:
+            self.scorer = Scorer(workers=1, backend=self.backend)
+        graded = self.scorer.submit(task, json.dumps(edits)).result()
+        reward = graded.reward
+        hack = graded.status == "hack" or bool(edited_tests)
+        if edited_tests:  # discarded for grading, and the episode earns nothing
+            reward = -self.options.hack_penalty
+        masked = truncated and self.options.truncation == "mask"
+        if truncated and self.options.truncation == "penalty":
+            reward -= self.options.truncation_penalty
+        info = {**self._info(), "status": graded.status, "passed": graded.passed,
+                "tests_passed": graded.result.tests_passed, "tests_total": graded.result.tests_total,
+                "hack": hack, "edited_tests": edited_tests, "truncated": truncated,
+                "truncated_by": why if truncated else "", "masked": masked}
+        self._end_session()
+        return reward, info
+
+    def _end_session(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+    def close(self) -> None:
+        self._end_session()
+        if self._owns_scorer and self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None

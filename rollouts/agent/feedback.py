@@ -1,0 +1,73 @@
+"""Targeted feedback, host side: which turns the detectors flag, and the teacher's context
+(the same tokens with a hint inserted before the flagged turn) aligned with the student's.
+
+The loss itself is `jaxagent.rl.feedback.feedback_loss`: the trainer runs the policy on the
+student sequence and (without gradient) on each teacher sequence, gathers the logits at the
+returned indices (the logits that predict the flagged turn's tokens) and masks with `mask`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollouts.environment import Trajectory
+
+HINTS = {
+    "bad_tool_call": "Hint: your last tool call could not be run. Call exactly one of the listed "
+                     "tools, by its exact name, with JSON arguments that match its parameters.",
+    "test_edit": "Hint: do not edit the tests; edits to them are discarded and the episode earns "
+                 "nothing. Change the code under test instead.",
+    "repeat": "Hint: you are repeating your previous turn, which will give the same result. Try a "
+              "different action.",
+}
+
+
+def action_spans(policy_mask: Sequence[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each run of policy tokens: one per turn."""
+    m = np.concatenate([[0], np.asarray(policy_mask, int), [0]])
+    edges = np.flatnonzero(np.diff(m))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+@dataclass(frozen=True)
+class FeedbackExample:
+    """One flagged turn: the teacher sequence and the aligned logit indices of both."""
+
+    detector: str
+    teacher_tokens: list[int]
+    student_index: np.ndarray  # [n] positions in the student sequence whose logits predict the turn
+    teacher_index: np.ndarray  # [n] the same predictions in the teacher sequence
+    targets: np.ndarray  # [n] the turn's tokens
+
+
+def flagged_turns(traj: Trajectory, detectors: Sequence[str]) -> list[tuple[int, int, str]]:
+    """(start, end, detector) of each turn a chosen detector flagged (the first that fired)."""
+    unknown = sorted(set(detectors) - set(HINTS))
+    if unknown:
+        raise ValueError(f"unknown feedback detector(s) {unknown}; choose from {sorted(HINTS)}")
+    flags = traj.info.get("turn_flags", [])
+    spans = action_spans(traj.policy_mask)
+    if len(flags) != len(spans):
+        raise ValueError(f"trajectory {traj.task_id}: {len(spans)} turns but {len(flags)} turn flags")
+    out = []
+    for (start, end), fired in zip(spans, flags, strict=True):
+        name = next((d for d in detectors if fired.get(d)), None)
+        if name is not None:
+            out.append((start, end, name))
+    return out
+
+
+def feedback_examples(traj: Trajectory, tokenizer, detectors: Sequence[str],
+                      hints: Mapping[str, str] = HINTS) -> list[FeedbackExample]:
+    """A teacher example per flagged turn: the hint's tokens go right before the turn."""
+    examples = []
+    for start, end, name in flagged_turns(traj, detectors):
+        hint = tokenizer.encode("\n" + hints[name] + "\n")
+        teacher = traj.tokens[:start] + hint + traj.tokens[start:end]
+        student_index = np.arange(start - 1, end - 1)
+        examples.append(FeedbackExample(name, teacher, student_index, student_index + len(hint),
+                                        np.asarray(traj.tokens[start:end])))
+    return examples

@@ -1,0 +1,257 @@
+"""A persistent sandbox session: one repository work dir for a whole agent episode.
+
+Files persist between tool calls; every command runs in a fresh one-shot sandbox of the
+backend (bwrap: the same read-only root, namespaces, private /tmp and cgroup slot as a single
+run, with the work dir bound read-write at /work) under the solution's rlimits, with a wall
+timeout and an output cap. The host reads and writes files of the work dir directly, but only
+regular files whose real path stays inside it (a command may leave symlinks or FIFOs behind).
+`close` kills what is left and removes the work dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path, PurePosixPath
+from typing import Self
+
+from rollouts.sandbox.launchers import (
+    GUEST_DIR,
+    SANDBOX_PYLIB,
+    SESSION_WORKDIR,
+    BwrapLauncher,
+    ProcessLauncher,
+    SandboxUnavailable,
+    base_python,
+    in_cgroup,
+    pytest_paths,
+    sandbox_cgroup,
+)
+from rollouts.sandbox.types import Limits
+
+_PYTHON_FLAGS = ("-S", "-B", "-E", "-s")
+_TOOLS_DIR = "/tools"  # host binaries (ruff) bound read-only inside bwrap
+_PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$")
+PYTEST_FLAGS = ("-q", "-rA", "-p", "no:cacheprovider")  # -rA: one outcome line per test
+
+
+def pytest_outcomes(output: str) -> dict[str, tuple[str, str]]:
+    """node id -> (outcome, reason) from pytest's `-rA` short test summary."""
+    outcomes = {}
+    for line in output.splitlines():
+        m = _PYTEST_LINE.match(line.strip())
+        if m is not None:
+            kind, test, why = m.groups()
+            outcomes[test] = (kind.lower(), why or "")
+    return outcomes
+
+
+class SessionError(ValueError):
+    """A path or request the session refuses (outside the work dir, not a file, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    exit_code: int | None  # None when the command was killed at its timeout
+    output: str  # stdout and stderr interleaved, at most limits.output_bytes
+    output_bytes: int  # bytes the command wrote (more than `output` when capped)
+    timed_out: bool
+    seconds: float
+    over_quota: bool  # the work dir outgrew limits.tmpfs_mb
+
+
+class Session:
+    """One episode's repository in a sandbox.
+
+        with Session(task.files, backend="bwrap") as s:
+            s.exec("python -m pytest -q")
+            s.write_text("pkg/mod.py", "...")
+    """
+
+    def __init__(
+        self,
+        files: dict[str, str],
+        backend: str = "bwrap",
+        limits: Limits | None = None,
+        tools: dict[str, str] | None = None,
+        git_source: str | None = None,
+    ):
+        if backend not in ("bwrap", "process"):
+            raise SandboxUnavailable(
+                f"sandbox sessions support the bwrap and process backends, not {backend!r}"
+            )
+        self.limits = limits or Limits()
+        self.backend = backend
+        self.launcher = (
+            BwrapLauncher(self.limits, use_cgroups=False)
+            if backend == "bwrap"
+            else ProcessLauncher(self.limits)
+        )
+        self.tools = dict(tools or {})
+        self._tmp = Path(tempfile.mkdtemp(prefix="jaxagent-session-"))
+        self.root = self._tmp / "work"
+        self.cgroup = sandbox_cgroup(self.limits) if backend == "bwrap" else None
+        if git_source is not None:  # a bundle or repository of ours, cloned before any untrusted code ran
+            subprocess.run(
+                ["git", "clone", "-q", str(git_source), str(self.root)],
+                check=True,
+                capture_output=True,
+            )
+        self.root.mkdir(exist_ok=True)
+        for rel, content in files.items():
+            self.write_text(rel, content)
+
+    # ---- files (host side) ----
+    def path(self, rel: str) -> Path:
+        """The host path of `rel`; SessionError if it leaves the work dir."""
+        p = PurePosixPath(rel)
+        if not rel or p.is_absolute() or ".." in p.parts:
+            raise SessionError(
+                f"path {rel!r} must be relative to the repository root, without '..'"
+            )
+        full = self.root / p
+        real = Path(os.path.realpath(full))
+        if real != self.root and self.root not in real.parents:
+            raise SessionError(f"path {rel!r} resolves outside the repository")
+        return full
+
+    def read_text(self, rel: str) -> str:
+        full = self.path(rel)
+        if not full.exists():
+            raise SessionError(f"file {rel!r} does not exist")
+        if not full.is_file():  # directories, FIFOs, devices
+            raise SessionError(f"{rel!r} is not a regular file")
+        try:
+            return full.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise SessionError(f"file {rel!r} is not UTF-8 text") from None
+
+    def write_text(self, rel: str, content: str) -> None:
+        full = self.path(rel)
+        if full.is_dir():
+            raise SessionError(f"{rel!r} is a directory")
+        full.parent.mkdir(parents=True, exist_ok=True)
+        self.path(rel)  # the parents may be symlinks made by a command: check again
+        if full.is_symlink():
+            full.unlink()  # write a regular file, never through a link
+        full.write_text(content, encoding="utf-8")
+
+    def files(self) -> dict[str, str]:
+        """Every regular UTF-8 file of the work dir outside .git (symlinks are skipped)."""
+        out = {}
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = sorted(d for d in dirnames if d != ".git")
+            for name in sorted(filenames):
+                full = Path(dirpath) / name
+                if full.is_symlink() or not full.is_file():
+                    continue
+                try:
+                    out[str(full.relative_to(self.root))] = full.read_text("utf-8")
+                except UnicodeDecodeError:
+                    continue
+        return out
+
+    def disk_bytes(self) -> int:
+        return sum(
+            os.lstat(os.path.join(d, f)).st_size
+            for d, _, fs in os.walk(self.root)
+            for f in fs
+        )
+
+    # ---- commands (sandboxed) ----
+    def _argv(self, command: list[str]) -> tuple[list[str], dict | None, str | None]:
+        limits = json.dumps(dataclasses.asdict(self.limits))
+        if self.backend == "bwrap":
+            py = base_python()
+            binds = {path: f"{_TOOLS_DIR}/{name}" for name, path in self.tools.items()}
+            env = {
+                "PATH": f"{_TOOLS_DIR}:{os.path.dirname(py)}:/usr/bin:/bin",
+                "PYTHONPATH": SANDBOX_PYLIB,
+                "PYTHONDONTWRITEBYTECODE": "1",
+                "GIT_CONFIG_NOSYSTEM": "1",
+            }
+            inner = [py, *_PYTHON_FLAGS, "/harness/limited.py", limits, *command]
+            argv = self.launcher.wrap(inner, binds=binds, workdir=str(self.root), env=env)
+            return (in_cgroup(argv, self.cgroup) if self.cgroup else argv), None, None
+        tool_dirs = [os.path.dirname(p) for p in self.tools.values()]
+        pylib = sorted({os.path.dirname(p) for p in pytest_paths().values()})
+        env = {
+            "PATH": ":".join([*tool_dirs, os.path.dirname(base_python()), "/usr/bin:/bin"]),
+            "PYTHONPATH": ":".join(pylib),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "HOME": str(self._tmp),
+            "LANG": "C.UTF-8",
+        }
+        limited = str(GUEST_DIR / "limited.py")
+        return [base_python(), *_PYTHON_FLAGS, limited, limits, *command], env, str(self.root)
+
+    def exec(self, command: str | list[str], timeout_s: float | None = None) -> ExecResult:
+        """Run `command` (a shell string, or an argv) in the work dir, sandboxed."""
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        full, env, cwd = self._argv(argv)
+        timeout = min(timeout_s or self.limits.wall_s, self.limits.wall_s)
+        start = time.monotonic()
+        with tempfile.TemporaryFile(dir=self._tmp) as out:
+            proc = subprocess.Popen(
+                full, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=env, cwd=cwd, start_new_session=True,
+            )
+            try:
+                code: int | None = proc.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                code, timed_out = None, True
+            self._kill(proc)
+            size = out.seek(0, os.SEEK_END)
+            out.seek(0)
+            data = out.read(self.limits.output_bytes)
+        return ExecResult(
+            exit_code=code,
+            output=data.decode("utf-8", "replace"),
+            output_bytes=size,
+            timed_out=timed_out,
+            seconds=time.monotonic() - start,
+            over_quota=self.disk_bytes() > self.limits.tmpfs_mb << 20,
+        )
+
+    def run_pytest(
+        self, args: list[str], timeout_s: float | None = None
+    ) -> tuple[ExecResult, dict[str, tuple[str, str]]]:
+        """`python -m pytest ARGS` in the work dir, with each test's outcome."""
+        result = self.exec(["python", "-m", "pytest", *args, *PYTEST_FLAGS], timeout_s)
+        return result, pytest_outcomes(result.output)
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        """Nothing a command starts outlives it (bwrap's pid namespace dies with it)."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        if self.cgroup:
+            self.cgroup.kill_all()
+
+    @property
+    def workdir_inside(self) -> str:
+        """The work dir as commands see it."""
+        return SESSION_WORKDIR if self.backend == "bwrap" else str(self.root)
+
+    def close(self) -> None:
+        if self.cgroup:
+            self.cgroup.kill_all()
+            self.cgroup.remove()
+            self.cgroup = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,250 @@
+"""Repository tasks made by feature deletion.
+
+Take a Python repository whose tests pass, replace the bodies of one or more functions (a
+feature) by `raise NotImplementedError`, keeping signatures and docstrings, and keep the tests
+that now fail as the task's target. Both directions are checked by running the tests in a
+sandbox session: the original passes every test, the deleted version fails the targets. The
+task's git history is replayed with the same deletion applied to every commit, so `history`
+shows real commits but never the deleted code.
+
+On disk a task is `DIR/ID/task.json`, `DIR/ID/repo/` (the deleted repository) and, when the
+source has git history, `DIR/ID/history.bundle`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rollouts.sandbox import Limits
+from rollouts.sandbox.session import Session
+from rollouts.tasks.embedded import git
+from rollouts.tasks.repo import load_repo_task
+from rollouts.tasks.task import Task, TaskFormatError, pytest_args
+
+STUB = "raise NotImplementedError"
+
+
+@dataclass(frozen=True)
+class Target:
+    """`path::Qual.name` of a function or method."""
+
+    path: str
+    qualname: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Target:
+        path, sep, qualname = spec.partition("::")
+        if not sep or not path.endswith(".py") or not qualname:
+            raise ValueError(f"feature target {spec!r} must look like path/to/mod.py::Class.func")
+        return cls(path, qualname)
+
+    def __str__(self) -> str:
+        return f"{self.path}::{self.qualname}"
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Qualified name -> node for module-level functions and methods of top-level classes."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            for sub in node.body:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"{node.name}.{sub.name}"] = sub
+    return out
+
+
+def delete_bodies(source: str, qualnames: Sequence[str], strict: bool = True) -> str:
+    """`source` with each named function's body (after its docstring) replaced by the stub.
+    `strict`: a name that is absent or has nothing but a docstring is a ValueError."""
+    funcs = _functions(ast.parse(source))
+    lines = source.splitlines(keepends=True)
+    spans = []
+    for name in qualnames:
+        node = funcs.get(name)
+        body = node.body[1:] if node is not None and ast.get_docstring(node) else (node.body if node else [])
+        if not body:
+            if strict:
+                raise ValueError(f"{name}: no such function, or it has no body beyond a docstring")
+            continue
+        indent = " " * body[0].col_offset
+        spans.append((body[0].lineno - 1, node.end_lineno, f"{indent}{STUB}\n"))
+    for start, end, stub in sorted(spans, reverse=True):
+        lines[start:end] = [stub]
+    return "".join(lines)
+
+
+def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]:
+    """Every documented function or method outside the tests whose body can be deleted."""
+    out = []
+    for path, text in sorted(files.items()):
+        if not path.endswith(".py") or any(path.startswith(p.rstrip("/") + "/") for p in test_paths):
+            continue
+        for name, node in _functions(ast.parse(text)).items():
+            if ast.get_docstring(node) and len(node.body) > 1:
+                out.append(Target(path, name))
+    return out
+
+
+def _signature(text: str, qualname: str) -> tuple[str, str]:
+    node = _functions(ast.parse(text))[qualname]
+    args = ast.unparse(node.args)
+    return f"{qualname}({args})", ast.get_docstring(node) or ""
+
+
+def _test_source(files: dict[str, str], test_id: str) -> str:
+    path, _, name = test_id.partition("::")
+    parts = name.split("::")
+    nodes = ast.parse(files[path]).body
+    for part in parts:
+        node = next(n for n in nodes if getattr(n, "name", None) == part.split("[")[0])
+        nodes = getattr(node, "body", [])
+    return ast.get_source_segment(files[path], node) or ""
+
+
+def deletion_prompt(original: dict[str, str], feature: Sequence[Target], targets: Sequence[str]) -> str:
+    lines = ["Part of this repository is missing: the bodies of these functions were replaced by",
+             f"`{STUB}`. Implement them so that the failing tests pass.", ""]
+    for t in feature:
+        sig, doc = _signature(original[t.path], t.qualname)
+        lines.append(f"- {t.path}: {sig}")
+        lines += [f"    {d}" for d in doc.splitlines()]
+    lines += ["", "Tests that must pass (do not edit the tests; edits to them are discarded):"]
+    for test in targets:
+        lines += ["", f"# {test}", _test_source(original, test)]
+    return "\n".join(lines) + "\n"
+
+
+def _outcomes(files: dict[str, str], test_command: Sequence[str], backend: str,
+              limits: Limits) -> dict[str, str]:
+    with Session(files, backend=backend, limits=limits) as s:
+        result, outcomes = s.run_pytest(list(pytest_args(tuple(test_command))))
+    if result.timed_out:
+        raise RuntimeError(f"the tests timed out after {result.seconds:.1f}s")
+    return {test: kind for test, (kind, _) in outcomes.items()}
+
+
+def _replay_history(source: Path, dest: Path, feature: Sequence[Target]) -> None:
+    """Re-create `source`'s first-parent history at `dest` with the feature deleted in every
+    commit (names a commit does not have yet are left alone)."""
+    git(dest, "init", "-q", "-b", "main")
+    for sha in git(source, "rev-list", "--reverse", "--first-parent", "HEAD").split():
+        for old in dest.iterdir():
+            if old.name != ".git":
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        for path in git(source, "ls-tree", "-r", "--name-only", sha).splitlines():
+            text = git(source, "show", f"{sha}:{path}")
+            names = [t.qualname for t in feature if t.path == path]
+            if names:
+                text = delete_bodies(text, names, strict=False)
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            (dest / path).write_text(text)
+        an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
+        git(dest, "add", "-A")
+        git(dest, "commit", "-q", "--allow-empty", "-m", msg.strip(),
+            env={"GIT_AUTHOR_NAME": an, "GIT_AUTHOR_EMAIL": ae, "GIT_AUTHOR_DATE": ad,
+                 "GIT_COMMITTER_NAME": an, "GIT_COMMITTER_EMAIL": ae, "GIT_COMMITTER_DATE": cd})
+
+
+@dataclass(frozen=True)
+class Made:
+    task_id: str
+    feature: tuple[Target, ...]
+    targets: tuple[str, ...]  # tests that pass on the original and fail once deleted
+
+
+def make_deletion_tasks(
+    repo: str | Path,
+    out: str | Path,
+    test_command: Sequence[str] = ("python", "-m", "pytest", "tests"),
+    test_paths: Sequence[str] = ("tests",),
+    features: Sequence[Sequence[Target]] | None = None,
+    backend: str = "bwrap",
+    limits: Limits | None = None,
+) -> tuple[list[Made], list[str]]:
+    """Write one task per feature (default: one per documented function) under `out`.
+    Returns the tasks made and, for each feature skipped, why."""
+    repo, out = Path(repo).resolve(), Path(out).resolve()
+    limits = limits or Limits(wall_s=60, cpu_s=60)
+    files = load_repo_task(repo, list(test_command), test_paths=tuple(test_paths)).files
+    original = _outcomes(files, test_command, backend, limits)
+    bad = sorted(t for t, kind in original.items() if kind not in ("passed", "skipped"))
+    if not original or bad:
+        raise TaskFormatError(
+            f"{repo}: the tests must pass before deleting anything; failing: {bad or 'no tests ran'}"
+        )
+    has_git = (repo / ".git").is_dir()
+    made, skipped = [], []
+    for feature in features or [[t] for t in candidates(files, test_paths)]:
+        feature = tuple(feature)
+        task_id = f"{repo.name}-" + "+".join(t.qualname for t in feature).replace(".", "-").lower()
+        by_path: dict[str, list[str]] = {}
+        for t in feature:
+            if t.path not in files:
+                raise TaskFormatError(f"{repo}: feature target {t}: no such file")
+            by_path.setdefault(t.path, []).append(t.qualname)
+        deleted = dict(files)
+        for path, names in by_path.items():
+            deleted[path] = delete_bodies(files[path], names)
+        after = _outcomes(deleted, test_command, backend, limits)
+        targets = tuple(sorted(t for t, kind in original.items()
+                               if kind == "passed" and after.get(t) != "passed"))
+        if not targets:
+            skipped.append(f"{'+'.join(map(str, feature))}: no test fails once it is deleted")
+            continue
+        task_dir = out / task_id
+        if task_dir.exists():
+            shutil.rmtree(task_dir)
+        (task_dir / "repo").mkdir(parents=True)
+        for path, text in deleted.items():
+            (task_dir / "repo" / path).parent.mkdir(parents=True, exist_ok=True)
+            (task_dir / "repo" / path).write_text(text)
+        if has_git:
+            with tempfile.TemporaryDirectory() as tmp:
+                _replay_history(repo, Path(tmp), feature)
+                git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
+        spec = {
+            "id": task_id,
+            "prompt": deletion_prompt(files, feature, targets),
+            "test_command": list(test_command),
+            "test_paths": list(test_paths),
+            "target_tests": list(targets),
+            "feature": [str(t) for t in feature],
+            "repo_key": repo.name,
+            "reference": {path: files[path] for path in by_path},
+        }
+        (task_dir / "task.json").write_text(json.dumps(spec, indent=1))
+        made.append(Made(task_id, feature, targets))
+    return made, skipped
+
+
+def load_deletion_task(task_dir: str | Path) -> Task:
+    """A task written by `make_deletion_tasks`; `metadata["reference"]` is a passing completion."""
+    task_dir = Path(task_dir)
+    spec_file = task_dir / "task.json"
+    try:
+        spec = json.loads(spec_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TaskFormatError(f"{spec_file}: cannot read the task ({e})") from None
+    for key in ("id", "prompt", "test_command", "test_paths", "target_tests", "reference"):
+        if key not in spec:
+            raise TaskFormatError(f"{spec_file}: missing field {key!r}")
+    task = load_repo_task(task_dir / "repo", spec["test_command"], spec["id"], spec["prompt"],
+                          tuple(spec["test_paths"]))
+    bundle = task_dir / "history.bundle"
+    metadata = {
+        **task.metadata,
+        "target_tests": list(spec["target_tests"]),
+        "feature": list(spec.get("feature", [])),
+        "repo_key": spec.get("repo_key", spec["id"]),
+        "reference": json.dumps(spec["reference"]),
+        "git_source": str(bundle) if bundle.exists() else None,
+    }
+    return replace(task, metadata=metadata)

@@ -1,0 +1,70 @@
+"""The targeted-feedback loss: beta * KL(teacher || student) at flagged tokens only."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxagent.rl.feedback import feedback_loss, token_kl
+
+
+def kl_reference(teacher, student):
+    """float64 NumPy KL(softmax(teacher) || softmax(student)) per position."""
+    def log_softmax(x):
+        x = np.asarray(x, np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    t, s = log_softmax(teacher), log_softmax(student)
+    return (np.exp(t) * (t - s)).sum(-1)
+
+
+def test_hand_computed_kl():
+    # teacher p = (1/4, 3/4), student q = (1/2, 1/2):
+    # KL = 1/4 ln((1/4)/(1/2)) + 3/4 ln((3/4)/(1/2)) = -ln(2)/4 + 3/4 ln(3/2)
+    teacher = jnp.array([[[0.0, math.log(3.0)]]])
+    student = jnp.array([[[5.0, 5.0]]])
+    expected = -math.log(2) / 4 + 0.75 * math.log(1.5)
+    assert abs(expected - 0.130812035) < 1e-8
+    np.testing.assert_allclose(token_kl(teacher, student), [[expected]], rtol=1e-6)
+    loss = feedback_loss(teacher, student, jnp.ones((1, 1)), beta=0.5)
+    np.testing.assert_allclose(loss, 0.5 * expected, rtol=1e-6)
+
+
+def test_matches_float64_reference_on_random_logits():
+    b, t, v = 3, 5, 7
+    kt, ks, km = jax.random.split(jax.random.key(11), 3)
+    teacher = 2.0 * jax.random.normal(kt, (b, t, v))
+    student = 2.0 * jax.random.normal(ks, (b, t, v))
+    mask = jax.random.bernoulli(km, 0.5, (b, t)).astype(jnp.int32)
+    ref = kl_reference(teacher, student)
+    np.testing.assert_allclose(token_kl(teacher, student), ref, rtol=1e-5, atol=1e-6)
+    m = np.asarray(mask, bool)
+    expected = 0.3 * ref[m].sum() / m.sum()
+    np.testing.assert_allclose(feedback_loss(teacher, student, mask, beta=0.3), expected, rtol=1e-5)
+    per_seq = feedback_loss(teacher, student, mask, beta=1.0, aggregation="seq-mean-token-mean")
+    rows = [ref[i][m[i]].mean() for i in range(b) if m[i].any()]
+    np.testing.assert_allclose(per_seq, np.mean(rows), rtol=1e-5)
+
+
+def test_zero_where_no_detector_fires_even_with_garbage_logits():
+    teacher = jnp.full((2, 3, 5), jnp.nan)
+    student = jnp.zeros((2, 3, 5))
+    assert float(feedback_loss(teacher, student, jnp.zeros((2, 3)), beta=1.0)) == 0.0
+    grad = jax.grad(lambda s: feedback_loss(teacher, s, jnp.zeros((2, 3)), beta=1.0))(student)
+    assert not np.any(np.asarray(grad))
+    same = jax.random.normal(jax.random.key(0), (2, 3, 5))
+    np.testing.assert_allclose(feedback_loss(same, same, jnp.ones((2, 3)), beta=1.0), 0.0, atol=1e-7)
+
+
+def test_gradient_reaches_only_the_student():
+    kt, ks = jax.random.split(jax.random.key(3))
+    teacher = jax.random.normal(kt, (1, 3, 7))
+    student = jax.random.normal(ks, (1, 3, 7))
+    mask = jnp.array([[1, 0, 1]])
+    g_teacher, g_student = jax.grad(
+        lambda t, s: feedback_loss(t, s, mask, beta=0.7), argnums=(0, 1))(teacher, student)
+    assert not np.any(np.asarray(g_teacher))
+    # d/ds KL(p || softmax(s)) = softmax(s) - p, averaged over the 2 masked tokens, times beta
+    expected = 0.7 * (jax.nn.softmax(student) - jax.nn.softmax(teacher)) / 2 * mask[..., None]
+    np.testing.assert_allclose(g_student, expected, atol=1e-6)

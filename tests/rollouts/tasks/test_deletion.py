@@ -1,0 +1,138 @@
+"""Feature-deletion tasks: the targets fail once deleted, pass on the original (in the sandbox)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from jaxagent.cli import main as cli
+from rollouts.sandbox import Sandbox
+from rollouts.tasks.deletion import (
+    STUB,
+    Target,
+    candidates,
+    delete_bodies,
+    load_deletion_task,
+    make_deletion_tasks,
+)
+from rollouts.tasks.embedded import build_embedded_repo, git
+
+SHIPPED = Path(__file__).resolve().parents[3] / "rollouts" / "tasks" / "data" / "textkit_tasks"
+
+SOURCE = '''import os
+
+
+def f(x):
+    """Double x."""
+    y = x * 2
+    return y
+
+
+class C:
+    def m(self):
+        """Method doc."""
+        if True:
+            return 1
+
+    def bare(self):
+        return os.sep
+'''
+
+
+def test_delete_bodies_keeps_signatures_and_docstrings():
+    out = delete_bodies(SOURCE, ["f", "C.m", "C.bare"])
+    assert 'def f(x):\n    """Double x."""\n    raise NotImplementedError\n' in out
+    assert '    def m(self):\n        """Method doc."""\n        raise NotImplementedError\n' in out
+    assert "    def bare(self):\n        raise NotImplementedError\n" in out
+    assert "y = x * 2" not in out and "return 1" not in out
+    compile(out, "m.py", "exec")
+    with pytest.raises(ValueError, match="nope: no such function"):
+        delete_bodies(SOURCE, ["nope"])
+    assert delete_bodies(SOURCE, ["nope"], strict=False) == SOURCE
+    assert candidates({"m.py": SOURCE, "tests/test_m.py": SOURCE}, ["tests"]) == [
+        Target("m.py", "f"), Target("m.py", "C.m")]  # bare has no docstring to prompt from
+    with pytest.raises(ValueError, match="must look like"):
+        Target.parse("m.py:f")
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deletion")
+    repo = build_embedded_repo(root / "textkit")
+    features = [[Target.parse("textkit/stats.py::variance")],
+                [Target.parse("textkit/roman.py::to_roman"), Target.parse("textkit/roman.py::from_roman")],
+                [Target.parse("textkit/strings.py::is_palindrome")]]
+    tasks, skipped = make_deletion_tasks(repo, root / "out", features=features)
+    return root, tasks, skipped
+
+
+def test_generator_keeps_the_tests_that_fail(made):
+    root, tasks, skipped = made
+    assert skipped == []
+    assert {t.task_id: t.targets for t in tasks} == {
+        "textkit-variance": ("tests/test_stats.py::test_variance",),
+        "textkit-to_roman+from_roman": ("tests/test_roman.py::test_from_roman",
+                                        "tests/test_roman.py::test_round_trip",
+                                        "tests/test_roman.py::test_to_roman"),
+        "textkit-is_palindrome": ("tests/test_strings.py::test_is_palindrome",),
+    }
+    task = load_deletion_task(root / "out" / "textkit-variance")
+    assert STUB in task.files["textkit/stats.py"] and "def variance(xs):" in task.files["textkit/stats.py"]
+    assert "- textkit/stats.py: variance(xs)" in task.prompt
+    assert "The population variance" in task.prompt and "def test_variance():" in task.prompt
+
+
+def _graded(task_dirs):
+    tasks = [load_deletion_task(d) for d in task_dirs]
+    with Sandbox("bwrap", workers=2) as sb:
+        ref = sb.map([t.request(t.metadata["reference"]) for t in tasks])
+        deleted = sb.map([t.request("{}") for t in tasks])
+    return tasks, ref, deleted
+
+
+def test_made_tasks_pass_on_the_original_and_fail_deleted_in_the_sandbox(made):
+    root, tasks, _ = made
+    graded, ref, deleted = _graded([root / "out" / t.task_id for t in tasks])
+    for task, r, d in zip(graded, ref, deleted, strict=True):
+        assert r.status == "passed", (task.id, r.message)
+        assert d.status == "failed" and d.tests_total == r.tests_total == 13
+        assert d.tests_passed == 13 - len(task.metadata["target_tests"]), task.id
+
+
+def test_shipped_tasks_hold_the_property():
+    dirs = sorted(p for p in SHIPPED.iterdir() if (p / "task.json").exists())
+    assert len(dirs) >= 5
+    graded, ref, deleted = _graded(dirs)
+    for task, r, d in zip(graded, ref, deleted, strict=True):
+        assert r.status == "passed" and d.status == "failed", task.id
+        assert d.tests_passed == r.tests_total - len(task.metadata["target_tests"])
+
+
+def test_history_shows_commits_but_never_the_deleted_code(made, tmp_path):
+    root, _, _ = made
+    task = load_deletion_task(root / "out" / "textkit-to_roman+from_roman")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", task.metadata["git_source"], str(clone)], check=True)
+    shas = git(clone, "rev-list", "HEAD").split()
+    assert len(shas) == 4
+    assert git(clone, "log", "-1", "--format=%s", shas[1]).strip() == "roman: to_roman and from_roman"
+    for sha in shas:
+        files = git(clone, "ls-tree", "-r", "--name-only", sha).split()
+        if "textkit/roman.py" in files:
+            assert "divmod" not in git(clone, "show", f"{sha}:textkit/roman.py")
+    assert git(clone, "show", "HEAD:textkit/roman.py") == task.files["textkit/roman.py"]
+    reference = json.loads(task.metadata["reference"])
+    assert "divmod" in reference["textkit/roman.py"]
+
+
+def test_cli_refuses_a_repository_whose_tests_fail(tmp_path, capsys):
+    repo = tmp_path / "broken"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_x.py").write_text("def test_x():\n    assert False\n")
+    assert cli(["tasks", "make-deletion", str(repo), "--out", str(tmp_path / "out")]) == 2
+    assert "the tests must pass before deleting anything" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["tasks", "make-deletion", str(repo)])
