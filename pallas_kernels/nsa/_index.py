@@ -1,0 +1,54 @@
+"""Index plumbing shared by the selected-attention kernels (plain JAX, outside the kernels).
+
+Letters: B batch, T query time, S key time, K kv heads, J selected-block slots, P key blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def clean_block_idx(block_idx, *, block_size, s_len, causal):
+    """Canonical block lists [B,T,K,J]: out-of-range, repeated and (causal) wholly future
+    blocks become -1, so the kernels may loop over slots without de-duplicating."""
+    num_blocks = -(-s_len // block_size)
+    idx = jnp.where((block_idx >= 0) & (block_idx < num_blocks), block_idx, -1)
+    if causal:
+        t = jnp.arange(block_idx.shape[1])[None, :, None, None]
+        idx = jnp.where(idx * block_size <= t, idx, -1)
+    idx = jnp.sort(idx, axis=-1)
+    repeat = jnp.concatenate([jnp.zeros_like(idx[..., :1], bool), idx[..., 1:] == idx[..., :-1]], -1)
+    return jnp.where(repeat, -1, idx).astype(jnp.int32)
+
+
+def invert_block_idx(block_idx, num_blocks):
+    """The inverted (CSR) index: for each key block, the queries that selected it.
+
+    block_idx [B,T,K,J] (clean) -> query [B,K,T*J] (query positions grouped by block, ascending
+    within a block), start [B,K,P], end [B,K,P]: block p was selected by query[start:end].
+    """
+    b, t, k, j = block_idx.shape
+    flat = jnp.transpose(block_idx, (0, 2, 1, 3)).reshape(b, k, t * j)
+    key = jnp.where(flat >= 0, flat, num_blocks)  # unused slots sort last
+
+    def one(key_bk):
+        order = jnp.argsort(key_bk, stable=True)
+        sorted_key = key_bk[order]
+        blocks = jnp.arange(num_blocks)
+        start = jnp.searchsorted(sorted_key, blocks, side="left")
+        end = jnp.searchsorted(sorted_key, blocks, side="right")
+        return (order // j).astype(jnp.int32), start.astype(jnp.int32), end.astype(jnp.int32)
+
+    return jax.vmap(jax.vmap(one))(key)
+
+
+def pad_axis(x, axis, multiple, value=0):
+    """Pad x along axis up to a multiple."""
+    size = x.shape[axis]
+    extra = -size % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
