@@ -5,8 +5,40 @@ Letters: B batch, T query time, S key time, K kv heads, J selected-block slots, 
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static shapes and the padded layouts the kernels see."""
+
+    t_len: int
+    s_len: int
+    groups: int
+    block_size: int
+    causal: bool
+    scale: float
+    block_sizes: object  # the kernel file's BlockSizes
+
+    @property
+    def num_blocks(self):
+        return -(-self.s_len // self.block_size)
+
+    @classmethod
+    def of(cls, q, k, *, block_size, causal, scale, block_sizes):
+        return cls(
+            t_len=q.shape[1],
+            s_len=k.shape[1],
+            groups=q.shape[2] // k.shape[2],
+            block_size=block_size,
+            causal=causal,
+            scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+            block_sizes=block_sizes,
+        )
 
 
 def clean_block_idx(block_idx, *, block_size, s_len, causal):
@@ -41,6 +73,13 @@ def invert_block_idx(block_idx, num_blocks):
         return (order // j).astype(jnp.int32), start.astype(jnp.int32), end.astype(jnp.int32)
 
     return jax.vmap(jax.vmap(one))(key)
+
+
+def visible_keys(blk, start, t, s_len, block_size, causal):
+    """[bs] mask of the keys of block blk (first key at start) that query t may see."""
+    pos = start + jnp.arange(block_size)
+    ok = (pos < s_len) & (blk >= 0)
+    return (ok & (pos <= t)) if causal else ok
 
 
 def pad_axis(x, axis, multiple, value=0):

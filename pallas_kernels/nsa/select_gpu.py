@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.nsa._index import clean_block_idx, invert_block_idx, pad_axis
+from pallas_kernels.nsa._index import (
+    Geometry,
+    clean_block_idx,
+    invert_block_idx,
+    pad_axis,
+    visible_keys,
+)
 
 MIN_DOT_ROWS = 16  # Triton's smallest dot tile
 
@@ -39,13 +44,6 @@ def _pow2(n, lo=1):
     return max(lo, pl.next_power_of_2(n))
 
 
-def _visible(blk, start, t, s_len, block_size, causal):
-    """[bs] mask of the keys of block blk (start = its first key) that query t may see."""
-    pos = start + jnp.arange(block_size)
-    ok = (pos < s_len) & (blk >= 0)
-    return (ok & (pos <= t)) if causal else ok
-
-
 def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size, s_len, causal, scale):
     t = pl.program_id(2)
     q = q_ref[...].astype(jnp.float32) * scale  # [Gp,H]
@@ -57,7 +55,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size, s_l
         start = jnp.maximum(blk, 0) * block_size
         k = k_ref[pl.ds(start, block_size), :].astype(jnp.float32)  # [bs,H]
         v = v_ref[pl.ds(start, block_size), :].astype(jnp.float32)  # [bs,V]
-        ok = _visible(blk, start, t, s_len, block_size, causal)[None, :]
+        ok = visible_keys(blk, start, t, s_len, block_size, causal)[None, :]
         s = jnp.where(ok, plgpu.dot(q, k.T), -jnp.inf)  # [Gp,bs]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -92,7 +90,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref,
         start = jnp.maximum(blk, 0) * block_size
         k = k_ref[pl.ds(start, block_size), :].astype(jnp.float32)
         v = v_ref[pl.ds(start, block_size), :].astype(jnp.float32)
-        ok = _visible(blk, start, t, s_len, block_size, causal)[None, :]
+        ok = visible_keys(blk, start, t, s_len, block_size, causal)[None, :]
         p = _probs(q, k, lse, ok)
         ds = p * (plgpu.dot(do, v.T) - delta[:, None])
         return dq + plgpu.dot(ds, k)
@@ -115,7 +113,7 @@ def _dkdv_kernel(
         t = query_ref[i]
         q = q_ref[t, :, :].astype(jnp.float32) * scale  # [Gp,H]
         do = do_ref[t, :, :].astype(jnp.float32)  # [Gp,V]
-        ok = _visible(c, first, t, s_len, block_size, causal)[None, :]
+        ok = visible_keys(c, first, t, s_len, block_size, causal)[None, :]
         p = _probs(q, k, lse_ref[t, :], ok)  # [Gp,bs]
         ds = p * (plgpu.dot(do, v.T) - delta_ref[t, :][:, None])
         return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.T, do)
@@ -126,24 +124,7 @@ def _dkdv_kernel(
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Geometry:
-    """Static shapes and the padded layouts the kernels see."""
-
-    t_len: int
-    s_len: int
-    groups: int
-    block_size: int
-    causal: bool
-    scale: float
-    block_sizes: BlockSizes
-
-    @property
-    def num_blocks(self):
-        return -(-self.s_len // self.block_size)
-
-
-def _to_kernel_layout(q, k, v, block_idx, g: _Geometry):
+def _to_kernel_layout(q, k, v, block_idx, g: Geometry):
     """q[B,T,N,H] -> [B,T,K,Gp,Hp]; k,v -> [B,P*bs,K,Hp|Vp]; block_idx -> clean [B,T,K,Jp]."""
     b, t, _n, h = q.shape
     kh = k.shape[2]
@@ -156,7 +137,7 @@ def _to_kernel_layout(q, k, v, block_idx, g: _Geometry):
     return qg, k, v, idx
 
 
-def _forward(qg, k, v, idx, g: _Geometry, interpret):
+def _forward(qg, k, v, idx, g: Geometry, interpret):
     b, t, kh, gp, hp = qg.shape
     vp = v.shape[-1]
     sp = k.shape[1]
@@ -189,7 +170,7 @@ def _forward(qg, k, v, idx, g: _Geometry, interpret):
     )(qg, k, v, idx)
 
 
-def _backward(qg, k, v, idx, o, lse, do, g: _Geometry, interpret):
+def _backward(qg, k, v, idx, o, lse, do, g: Geometry, interpret):
     b, t, kh, gp, hp = qg.shape
     vp = v.shape[-1]
     sp = k.shape[1]
@@ -250,26 +231,17 @@ def select_attention_gpu(
     q, k, v, block_idx, *, block_size, causal=True, scale=None, interpret=False, block_sizes=BlockSizes()
 ):
     """GPU-style selected-block attention; same contract as select_attention_reference."""
-    _b, t, n, h = q.shape
-    g = _Geometry(
-        t_len=t,
-        s_len=k.shape[1],
-        groups=n // k.shape[2],
-        block_size=block_size,
-        causal=causal,
-        scale=1.0 / math.sqrt(h) if scale is None else float(scale),
-        block_sizes=block_sizes,
-    )
+    g = Geometry.of(q, k, block_size=block_size, causal=causal, scale=scale, block_sizes=block_sizes)
     return _select(q, k, v, block_idx, g, interpret)
 
 
-def _unpad_q(x, q_shape, g: _Geometry):
+def _unpad_q(x, q_shape, g: Geometry):
     b, t, n, _ = q_shape
     return x[:, :, :, : g.groups].reshape(b, t, n, -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _select(q, k, v, block_idx, g: _Geometry, interpret):
+def _select(q, k, v, block_idx, g: Geometry, interpret):
     qg, kp, vp, idx = _to_kernel_layout(q, k, v, block_idx, g)
     o, _ = _forward(qg, kp, vp, idx, g, interpret)
     return _unpad_q(o, q.shape, g)[..., : v.shape[-1]]
