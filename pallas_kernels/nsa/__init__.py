@@ -5,5 +5,6 @@ from pallas_kernels.nsa.reference import (
     nsa_reference,
     select_attention_reference,
 )
+from pallas_kernels.nsa.select import select_attention
 
-__all__ = ["NSAShape", "nsa_reference", "select_attention_reference"]
+__all__ = ["NSAShape", "nsa_reference", "select_attention", "select_attention_reference"]
