@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.nsa._index import clean_block_idx, pad_axis
+
 NEG_INF = -jnp.inf
 
 
@@ -126,11 +128,16 @@ def compress_blocks(x, params, shape: NSAShape):
     return jnp.einsum("bckf,fh->bckh", hidden, params["w2"])
 
 
+def positions_of(t_len, offset=0):
+    """Query positions [B|1,T]: offset (a scalar or [B]) + 0..T-1."""
+    return jnp.reshape(jnp.asarray(offset), (-1, 1)) + jnp.arange(t_len)[None, :]
+
+
 def compressed_mask(t_len, c_len, shape: NSAShape, offset=0):
-    """[1,T,1,C]: compressed block i (keys i*d .. i*d+l-1) visible to query t iff i*d+l-1 <= t."""
-    t = offset + jnp.arange(t_len)[:, None]
-    last_key = jnp.arange(c_len)[None, :] * shape.compress_stride + shape.compress_block - 1
-    return (last_key <= t)[None, :, None, :]
+    """[B|1,T,1,C]: compressed block i (keys i*d .. i*d+l-1) visible to query t iff i*d+l-1 <= t."""
+    t = positions_of(t_len, offset)[:, :, None]
+    last_key = jnp.arange(c_len) * shape.compress_stride + shape.compress_block - 1
+    return (last_key <= t)[:, :, None, :]
 
 
 def compressed_probs(q, k_cmp, mask, scale):
@@ -166,14 +173,11 @@ def select_blocks(p_slc, num_kv_heads, shape: NSAShape, offset=0):
     the slots of queries with fewer than n past blocks. Ties go to the lower block index."""
     b, t, n, p = p_slc.shape
     score = p_slc.reshape(b, t, num_kv_heads, n // num_kv_heads, p).sum(axis=3)
-    pos = offset + jnp.arange(t)
-    own = pos // shape.select_block  # the block holding query t
+    own = (positions_of(t, offset) // shape.select_block)[:, :, None, None]  # query t's block
     blk = jnp.arange(p)
-    forced = (blk[None, :] == 0) | (
-        (blk[None, :] <= own[:, None]) & (blk[None, :] > own[:, None] - shape.num_local_blocks)
-    )
-    score = jnp.where(forced[None, :, None, :], jnp.inf, score)
-    score = jnp.where((blk[None, :] <= own[:, None])[None, :, None, :], score, NEG_INF)
+    forced = (blk == 0) | ((blk <= own) & (blk > own - shape.num_local_blocks))
+    score = jnp.where(forced, jnp.inf, score)
+    score = jnp.where(blk <= own, score, NEG_INF)
     j = min(shape.num_selected, p)
     top, idx = jax.lax.top_k(score, j)
     idx = jnp.where(top > NEG_INF, idx, -1).astype(jnp.int32)
@@ -221,5 +225,91 @@ def nsa_reference(q, k, v, params, shape: NSAShape, scale=None, select_fn=None):
     select_fn = select_fn or select_attention_reference
     o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)
     o_win = sliding_window_reference(q, k, v, window=shape.window, scale=scale)
+    g = gates(q, params["gate"])
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+
+# --- fast plain-JAX formulations (gathered blocks, banded window, one decode step) ------------
+
+
+def select_attention_gathered(
+    q, k, v, block_idx, *, block_size, causal=True, scale=None, offset=0, chunk=256
+):
+    """select_attention_reference computed from the gathered blocks, O(T * n * block) instead of
+    O(T * S); queries sit at positions offset + t. Queries go in chunks to bound the gather."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    pos = jnp.broadcast_to(positions_of(t, offset), (b, t))
+    idx = clean_block_idx(block_idx, block_size=block_size, s_len=s_len, causal=False)
+    as_blocks = lambda x: jnp.moveaxis(pad_axis(x, 1, block_size).reshape(b, -1, block_size, kh, x.shape[-1]), 3, 1)
+    kb, vb = as_blocks(k), as_blocks(v)  # [B,K,P,bs,*]
+    rows = min(chunk, t)
+    qc, idc, pc = (pad_axis(x, 1, rows) for x in (q, idx, pos))
+    split = lambda x: jnp.moveaxis(x.reshape(b, -1, rows, *x.shape[2:]), 1, 0)
+
+    def one(args):
+        q_c, idx_c, pos_c = args  # [B,R,N,H], [B,R,K,J], [B,R]
+        take = jax.vmap(jax.vmap(lambda blocks, i: blocks[jnp.maximum(i, 0)], (0, 1), 1))  # over B, K
+        ks, vs = take(kb, idx_c), take(vb, idx_c)  # [B,R,K,J,bs,*]
+        key_pos = jnp.maximum(idx_c, 0)[..., None] * block_size + jnp.arange(block_size)  # [B,R,K,J,bs]
+        ok = (idx_c[..., None] >= 0) & (key_pos < s_len)
+        if causal:
+            ok &= key_pos <= pos_c[:, :, None, None, None]
+        qg = q_c.reshape(b, rows, kh, n // kh, h)
+        sc = jnp.einsum("brkgh,brkjsh->brkgjs", qg, ks) * scale
+        sc = jnp.where(ok[:, :, :, None], sc, NEG_INF)
+        m = jnp.max(sc, axis=(-2, -1), keepdims=True)
+        p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
+        den = jnp.sum(p, axis=(-2, -1), keepdims=True)
+        p = p / jnp.where(den > 0, den, 1.0)
+        return jnp.einsum("brkgjs,brkjsv->brkgv", p, vs).reshape(b, rows, n, -1)
+
+    out = jax.lax.map(one, (split(qc), split(idc), split(pc)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, -1, n, v.shape[-1])[:, :t]
+
+
+def sliding_window_banded(q, k, v, *, window, scale=None):
+    """sliding_window_reference in O(T * 2w): query chunk c of w rows sees key chunks c-1, c."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b, t, n, h = q.shape
+    kh, w = k.shape[2], window
+    qp, kp, vp = (pad_axis(x, 1, w) for x in (q, k, v))
+    c = qp.shape[1] // w
+    front = lambda x: jnp.pad(x, ((0, 0), (w, 0), (0, 0), (0, 0))).reshape(b, c + 1, w, kh, -1)
+    kc, vc = front(kp), front(vp)
+    keys = jnp.concatenate([kc[:, :-1], kc[:, 1:]], axis=2)  # [B,C,2w,K,H]
+    vals = jnp.concatenate([vc[:, :-1], vc[:, 1:]], axis=2)
+    qpos = jnp.arange(c * w).reshape(c, w)
+    kpos = (jnp.arange(c)[:, None] - 1) * w + jnp.arange(2 * w)[None, :]  # [C,2w]
+    ok = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] > qpos[:, :, None] - w) & (kpos[:, None, :] >= 0)
+    qg = qp.reshape(b, c, w, kh, n // kh, h)
+    sc = jnp.einsum("bcwkgh,bcskh->bcwkgs", qg, keys) * scale
+    sc = jnp.where(ok[None, :, :, None, None, :], sc, NEG_INF)
+    p = jax.nn.softmax(sc, axis=-1)  # every query sees itself
+    out = jnp.einsum("bcwkgs,bcskv->bcwkgv", p, vals)
+    return out.reshape(b, c * w, n, -1)[:, :t]
+
+
+def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSAShape, scale=None):
+    """One decode step of the NSA layer: q[B,1,N,H] at position pos[B]; the caches hold keys
+    0..pos (raw: [B,S,K,*], compressed: [B,C,K,*], block i valid once i*d+l-1 <= pos).
+    Reads O(C + n*l' + w) keys per head instead of O(pos)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s_len = k_cache.shape[1]
+    cmp_mask = compressed_mask(1, k_cmp.shape[1], shape, pos)
+    o_cmp = attend(q, k_cmp, v_cmp, cmp_mask, scale)
+    p_cmp = compressed_probs(q, k_cmp, cmp_mask, scale)
+    p_slc = selection_scores(p_cmp, -(-s_len // shape.select_block), shape)
+    idx = select_blocks(p_slc, k_cache.shape[2], shape, pos)
+    o_slc = select_attention_gathered(q, k_cache, v_cache, idx, block_size=shape.select_block, scale=scale, offset=pos)
+    w = shape.window
+    start = jnp.maximum(pos - w + 1, 0)
+    kw, vw = (pad_axis(x, 1, w) if x.shape[1] < w else x for x in (k_cache, v_cache))
+    start = jnp.minimum(start, kw.shape[1] - w)
+    window = jax.vmap(lambda x, s0: jax.lax.dynamic_slice_in_dim(x, s0, w, axis=0))
+    key_pos = start[:, None] + jnp.arange(w)  # [B,w]
+    win_mask = ((key_pos <= pos[:, None]) & (key_pos > pos[:, None] - w))[:, None, None, :]
+    o_win = attend(q, window(kw, start), window(vw, start), win_mask, scale)
     g = gates(q, params["gate"])
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win

@@ -46,22 +46,22 @@ def _pow2(n, lo=1):
 
 def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size, s_len, causal, scale):
     t = pl.program_id(2)
-    q = q_ref[...].astype(jnp.float32) * scale  # [Gp,H]
+    q = (q_ref[...].astype(jnp.float32) * scale).astype(k_ref.dtype)  # [Gp,H]; dots in the input dtype
     gp = q.shape[0]
 
     def body(i, carry):
         m, l, acc = carry
         blk = idx_ref[i]
         start = jnp.maximum(blk, 0) * block_size
-        k = k_ref[pl.ds(start, block_size), :].astype(jnp.float32)  # [bs,H]
-        v = v_ref[pl.ds(start, block_size), :].astype(jnp.float32)  # [bs,V]
+        k = k_ref[pl.ds(start, block_size), :]  # [bs,H]
+        v = v_ref[pl.ds(start, block_size), :]  # [bs,V]
         ok = visible_keys(blk, start, t, s_len, block_size, causal)[None, :]
-        s = jnp.where(ok, plgpu.dot(q, k.T), -jnp.inf)  # [Gp,bs]
+        s = jnp.where(ok, plgpu.dot(q, k.T), -jnp.inf)  # [Gp,bs] float32
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
         alpha = jnp.exp(m - m_safe)
-        return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + plgpu.dot(p, v)
+        return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
 
     init = (
         jnp.full((gp,), -jnp.inf, jnp.float32),

@@ -122,3 +122,42 @@ def test_nsa_reference_float64_and_gradients():
         grads = jax.grad(lambda p, q: jnp.sum(R.nsa_reference(q, k, v, p, shape) ** 2), (0, 1))(params, q)
         assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(grads))
         assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(grads))
+
+
+def test_gathered_and_banded_match_masked():
+    rng = np.random.default_rng(5)
+    b, t, n, kh, h, vd = 2, 23, 6, 3, 4, 5
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
+        idx = jnp.asarray(rng.integers(-1, 6, size=(b, t, kh, 4)), jnp.int32)
+        for causal in (True, False):
+            want = R.select_attention_reference(q, k, v, idx, block_size=4, causal=causal)
+            got = R.select_attention_gathered(q, k, v, idx, block_size=4, causal=causal, chunk=7)
+            np.testing.assert_allclose(got, want, atol=1e-12)
+        # one query at position 17 of each row, as in decoding
+        last = R.select_attention_gathered(q[:, 17:18], k, v, idx[:, 17:18], block_size=4, offset=jnp.array([17, 17]))
+        np.testing.assert_allclose(last, R.select_attention_reference(q, k, v, idx, block_size=4)[:, 17:18], atol=1e-12)
+        for w in (1, 5, 30):
+            got = R.sliding_window_banded(q, k, v, window=w)
+            np.testing.assert_allclose(got, R.sliding_window_reference(q, k, v, window=w), atol=1e-12)
+
+
+def test_decode_steps_match_teacher_forced_layer():
+    shape = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
+    rng = np.random.default_rng(6)
+    b, t, n, kh, h, vd = 2, 27, 4, 2, 8, 6
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
+        params = R.init_nsa_params(jax.random.key(2), shape, n, h, vd, dtype=jnp.float64)
+        full = R.nsa_reference(q, k, v, params, shape)
+        k_cmp = R.compress_blocks(k, params["compress_k"], shape)
+        v_cmp = R.compress_blocks(v, params["compress_v"], shape)
+        for pos in (0, 5, 11, 26):
+            # the caches beyond pos hold garbage: decoding must not read it
+            junk = lambda x, valid: jnp.where(jnp.arange(x.shape[1])[None, :, None, None] < valid, x, 1e3)
+            n_cmp = max((pos + 1 - 8) // 4 + 1, 0)
+            step = R.nsa_decode_step(
+                q[:, pos : pos + 1], junk(k, pos + 1), junk(v, pos + 1), junk(k_cmp, n_cmp), junk(v_cmp, n_cmp),
+                jnp.full((b,), pos), params, shape,
+            )
+            np.testing.assert_allclose(step, full[:, pos : pos + 1], atol=1e-10)
