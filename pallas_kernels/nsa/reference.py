@@ -313,3 +313,36 @@ def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSASh
     o_win = attend(q, window(kw, start), window(vw, start), win_mask, scale)
     g = gates(q, params["gate"])
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+
+def nsa_forward(q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, chunk=1024):
+    """nsa_reference for long sequences: the compressed branch and the block scores come from one
+    set of compressed probabilities (its output is p_cmp @ V_cmp), computed per query chunk so
+    [T, N, C] is never whole; the selected branch runs ``select_fn`` (default: the gathered form)
+    and the window ``window_fn`` (default: the banded form). Same result as nsa_reference."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    k_cmp = compress_blocks(k, params["compress_k"], shape)
+    v_cmp = compress_blocks(v, params["compress_v"], shape)
+    num_blocks = -(-s_len // shape.select_block)
+    rows = min(chunk, t)
+
+    def one(args):
+        q_c, off = args
+        p = compressed_probs(q_c, k_cmp, compressed_mask(rows, k_cmp.shape[1], shape, off), scale)  # [B,R,N,C]
+        o = jnp.einsum("brkgc,bckv->brkgv", p.reshape(b, rows, kh, n // kh, -1), v_cmp).reshape(b, rows, n, -1)
+        p_slc = selection_scores(jax.lax.stop_gradient(p), num_blocks, shape)
+        return o, select_blocks(p_slc, kh, shape, off)
+
+    qc = pad_axis(q, 1, rows)
+    qc = jnp.moveaxis(qc.reshape(b, -1, rows, n, h), 1, 0)
+    o_cmp, block_idx = jax.lax.map(one, (qc, jnp.arange(qc.shape[0]) * rows))
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :t]
+    o_cmp, block_idx = unchunk(o_cmp), unchunk(block_idx)
+    select_fn = select_fn or select_attention_gathered
+    o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)
+    window_fn = window_fn or sliding_window_banded
+    o_win = window_fn(q, k, v, window=shape.window, scale=scale)
+    g = gates(q, params["gate"])
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
