@@ -75,6 +75,29 @@ def invert_block_idx(block_idx, num_blocks):
     return jax.vmap(jax.vmap(one))(key)
 
 
+def split_csr(start, end, seg_len, num_segments):
+    """Cut each block's query list into segments of at most seg_len, so no program walks a long
+    list alone (block 0 is in every query's list). start, end [B,K,P] -> per segment [B,K,Z]:
+    its block, first and last+1 list position (empty past the real ones), and per block [B,K,P]
+    its first segment and segment count. num_segments (static) must bound the total."""
+    count = end - start
+    nseg = -(-count // seg_len)
+    upto = jnp.cumsum(nseg, axis=-1)
+    first = upto - nseg
+    seg = jnp.arange(num_segments)
+
+    def one(start, end, first, upto):
+        block = jnp.minimum(jnp.searchsorted(upto, seg, side="right"), start.shape[0] - 1)
+        lo = start[block] + (seg - first[block]) * seg_len
+        real = seg < upto[-1]
+        lo = jnp.where(real, lo, 0)
+        hi = jnp.where(real, jnp.minimum(lo + seg_len, end[block]), 0)
+        return block.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+    block, lo, hi = jax.vmap(jax.vmap(one))(start, end, first, upto)
+    return block, lo, hi, first.astype(jnp.int32), nseg.astype(jnp.int32)
+
+
 def visible_keys(blk, start, t, s_len, block_size, causal):
     """[bs] mask of the keys of block blk (first key at start) that query t may see."""
     pos = start + jnp.arange(block_size)

@@ -2,9 +2,11 @@
 
 GQA-group-centric, as in the paper: one program per (batch, kv head, query position) loads the
 G query heads of that kv group together and loops over the position's selected key blocks with
-an online softmax. Backward: a dQ kernel with the same loop, and a dK/dV kernel per key block
-that walks the inverted (CSR) index -- the queries that selected the block -- so every dK/dV
-block is written by exactly one program: deterministic, no atomics.
+an online softmax. Backward: a dQ kernel with the same loop, and dK/dV from the inverted (CSR)
+index -- for each key block, the queries that selected it. Those lists are cut into segments of
+at most ``BlockSizes.dkdv_queries`` (block 0 is in every list, so one program per block would
+serialise T queries); each segment program writes its own partial dK/dV tile and a second kernel
+adds a block's partials in order: deterministic, no atomics.
 
 Triton wants power-of-two tiles and at least 16 rows per dot: the wrapper zero-pads the group
 to Gp >= 16 heads and the head dims to powers of two (exact: zero rows/columns change nothing).
@@ -28,6 +30,7 @@ from pallas_kernels.nsa._index import (
     clean_block_idx,
     invert_block_idx,
     pad_axis,
+    split_csr,
     visible_keys,
 )
 
@@ -38,6 +41,7 @@ MIN_DOT_ROWS = 16  # Triton's smallest dot tile
 class BlockSizes:
     num_warps: int = 4
     num_stages: int = 2
+    dkdv_queries: int = 128  # most queries one dK/dV program walks (longer lists are split)
 
 
 def _pow2(n, lo=1):
@@ -100,13 +104,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
 
 def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, query_ref, start_ref, end_ref, dk_ref, dv_ref,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, query_ref, block_ref, lo_ref, hi_ref, dk_ref, dv_ref,
     *, block_size, s_len, causal, scale,
 ):
-    c = pl.program_id(2)
+    """One segment of one key block's query list -> that segment's partial dK, dV."""
+    z = pl.program_id(2)
+    c = block_ref[z]
     first = c * block_size
-    k = k_ref[...].astype(jnp.float32)  # [bs,H]
-    v = v_ref[...].astype(jnp.float32)  # [bs,V]
+    k = k_ref[pl.ds(first, block_size), :].astype(jnp.float32)  # [bs,H]
+    v = v_ref[pl.ds(first, block_size), :].astype(jnp.float32)  # [bs,V]
 
     def body(i, carry):
         dk, dv = carry
@@ -119,8 +125,23 @@ def _dkdv_kernel(
         return dk + plgpu.dot(ds.T, q), dv + plgpu.dot(p.T, do)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = jax.lax.fori_loop(start_ref[c], end_ref[c], body, init)
-    dk_ref[...] = dk.astype(dk_ref.dtype)  # q was pre-scaled, so dk already carries the scale
+    dk, dv = jax.lax.fori_loop(lo_ref[z], hi_ref[z], body, init)
+    dk_ref[...] = dk  # q was pre-scaled, so dk already carries the scale
+    dv_ref[...] = dv
+
+
+def _sum_segments_kernel(dk_part_ref, dv_part_ref, first_ref, count_ref, dk_ref, dv_ref, *, block_size):
+    """dK, dV of key block p: its segments' partial sums, added in order (deterministic)."""
+    p = pl.program_id(2)
+
+    def body(z, carry):
+        dk, dv = carry
+        rows = pl.ds(z * block_size, block_size)
+        return dk + dk_part_ref[rows, :], dv + dv_part_ref[rows, :]
+
+    init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    dk, dv = jax.lax.fori_loop(first_ref[p], first_ref[p] + count_ref[p], body, init)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -199,21 +220,44 @@ def _backward(qg, k, v, idx, o, lse, do, g: Geometry, interpret):
     )(qg, k, v, idx, do, lse, delta)
 
     query, start, end = invert_block_idx(idx, g.num_blocks)
+    seg_len = g.block_sizes.dkdv_queries
+    n_seg = -(-t * jp // seg_len) + g.num_blocks  # every block may end in a partial segment
+    seg_block, seg_lo, seg_hi, seg_first, seg_count = split_csr(start, end, seg_len, n_seg)
     bs = g.block_size
-    whole = lambda i, j, c: (i, 0, j, 0, 0)
-    dk, dv = pl.pallas_call(
+    whole = lambda i, j, z: (i, 0, j, 0, 0)
+    per_head = lambda i, j, z: (i, j, 0)
+    dk_part, dv_part = pl.pallas_call(
         functools.partial(_dkdv_kernel, **statics),
-        grid=(b, kh, g.num_blocks),
+        grid=(b, kh, n_seg),
         in_specs=[
             pl.BlockSpec((None, t, None, gp, hp), whole),
-            pl.BlockSpec((None, bs, None, hp), lambda i, j, c: (i, c, j, 0)),
-            pl.BlockSpec((None, bs, None, vp), lambda i, j, c: (i, c, j, 0)),
+            pl.BlockSpec((None, sp, None, hp), lambda i, j, z: (i, 0, j, 0)),
+            pl.BlockSpec((None, sp, None, vp), lambda i, j, z: (i, 0, j, 0)),
             pl.BlockSpec((None, t, None, gp, vp), whole),
-            pl.BlockSpec((None, None, t, gp), lambda i, j, c: (i, j, 0, 0)),
-            pl.BlockSpec((None, None, t, gp), lambda i, j, c: (i, j, 0, 0)),
-            pl.BlockSpec((None, None, t * jp), lambda i, j, c: (i, j, 0)),
-            pl.BlockSpec((None, None, g.num_blocks), lambda i, j, c: (i, j, 0)),
-            pl.BlockSpec((None, None, g.num_blocks), lambda i, j, c: (i, j, 0)),
+            pl.BlockSpec((None, None, t, gp), lambda i, j, z: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, t, gp), lambda i, j, z: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, t * jp), per_head),
+            *[pl.BlockSpec((None, None, n_seg), per_head)] * 3,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bs, None, hp), lambda i, j, z: (i, z, j, 0)),
+            pl.BlockSpec((None, bs, None, vp), lambda i, j, z: (i, z, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n_seg * bs, kh, hp), jnp.float32),
+            jax.ShapeDtypeStruct((b, n_seg * bs, kh, vp), jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_select_dkdv",
+    )(qg, k, v, do, lse, delta, query, seg_block, seg_lo, seg_hi)
+    dk, dv = pl.pallas_call(
+        functools.partial(_sum_segments_kernel, block_size=bs),
+        grid=(b, kh, g.num_blocks),
+        in_specs=[
+            pl.BlockSpec((None, n_seg * bs, None, hp), lambda i, j, c: (i, 0, j, 0)),
+            pl.BlockSpec((None, n_seg * bs, None, vp), lambda i, j, c: (i, 0, j, 0)),
+            *[pl.BlockSpec((None, None, g.num_blocks), per_head)] * 2,
         ],
         out_specs=[
             pl.BlockSpec((None, bs, None, hp), lambda i, j, c: (i, c, j, 0)),
@@ -222,8 +266,8 @@ def _backward(qg, k, v, idx, o, lse, do, g: Geometry, interpret):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params,
         interpret=interpret,
-        name="nsa_select_dkdv",
-    )(qg, k, v, do, lse, delta, query, start, end)
+        name="nsa_select_dkdv_sum",
+    )(dk_part, dv_part, seg_first, seg_count)
     return dq, dk, dv
 
 

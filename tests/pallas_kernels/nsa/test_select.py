@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels.nsa import NSAShape, select_attention, select_attention_reference
 from pallas_kernels.nsa import reference as R
+from pallas_kernels.nsa.select_gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
 from pallas_kernels.nsa.select_tpu import BlockSizes, select_attention_tpu
 
@@ -56,7 +57,8 @@ def _check(kernel, q, k, v, do, idx, block_size, causal=True, scale=None):
         assert _rel(g, w) < GRAD_TOL, (f"d{name}", _rel(g, w))
 
 
-GPU_STYLE = functools.partial(select_attention_gpu, interpret=True)
+# dK/dV lists of more than 5 queries are split, so the segment sums are exercised
+GPU_STYLE = functools.partial(select_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(dkdv_queries=5))
 TPU_STYLE = functools.partial(select_attention_tpu, interpret=True, block_sizes=BlockSizes(max_scalar_prefetch=40))
 
 
