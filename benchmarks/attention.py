@@ -99,20 +99,20 @@ def main():
         if on_gpu:
             from jax.experimental.pallas.ops.gpu import attention as flash
 
-            cases["dense_cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-            cases["dense_pallas_flash"] = lambda q, k, v: flash.mha(
+            cases["dense_cudnn"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            cases["dense_pallas_flash"] = lambda q, k, v, idx: flash.mha(
                 q, jnp.repeat(k, n // kh, 2), jnp.repeat(v, n // kh, 2), None, sm_scale=h**-0.5, causal=True
             )
-            cases["nsa_selected_kernel"] = lambda q, k, v, idx=idx: select_attention(q, k, v, idx, block_size=shape.select_block)
-            cases["nsa_layer"] = lambda q, k, v: R.nsa_forward(
+            cases["nsa_selected_kernel"] = lambda q, k, v, idx: select_attention(q, k, v, idx, block_size=shape.select_block)
+            cases["nsa_layer"] = lambda q, k, v, idx: R.nsa_forward(
                 q, k, v, params, shape, select_fn=select_attention, window_fn=window_cudnn
             )
         else:
-            cases["dense_xla"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-            cases["nsa_selected_gathered"] = lambda q, k, v, idx=idx: R.select_attention_gathered(
+            cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+            cases["nsa_selected_gathered"] = lambda q, k, v, idx: R.select_attention_gathered(
                 q, k, v, idx, block_size=shape.select_block
             )
-            cases["nsa_layer"] = lambda q, k, v: R.nsa_forward(q, k, v, params, shape)
+            cases["nsa_layer"] = lambda q, k, v, idx: R.nsa_forward(q, k, v, params, shape)
 
         dense_f, nsa_f = flops(t, n, h, shape)
         row = {"seq": t, "dense_gflop": dense_f / 1e9, "nsa_gflop": nsa_f / 1e9, "ms": {}}
@@ -120,10 +120,11 @@ def main():
             if name in args.skip:
                 continue
             fwd = jax.jit(fn)
-            fwdbwd = jax.jit(lambda q, k, v, fn=fn, do=do: jax.vjp(fn, q, k, v)[1](do))
+            # idx is an argument, not a constant: the CSR inversion is timed, not constant-folded
+            fwdbwd = jax.jit(lambda q, k, v, idx, fn=fn, do=do: jax.vjp(lambda q, k, v: fn(q, k, v, idx), q, k, v)[1](do))
             for kind, f in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
                 try:
-                    row["ms"][f"{name}/{kind}"] = 1e3 * timed(f, q, k, v, repeats=args.repeats)
+                    row["ms"][f"{name}/{kind}"] = 1e3 * timed(f, q, k, v, idx, repeats=args.repeats)
                 except Exception as e:  # noqa: BLE001  a missing backend (cuDNN, Triton) must not hide the others
                     row["ms"][f"{name}/{kind}"] = f"error: {type(e).__name__}: {str(e)[:200]}"
                 print(t, name, kind, row["ms"][f"{name}/{kind}"], flush=True)
@@ -134,8 +135,8 @@ def main():
         q1 = q[:, -1:]
         pos = jnp.full((b,), t - 1)
         dense_dec = jax.jit(lambda q1, k, v: jax.nn.dot_product_attention(q1, k, v, implementation="xla"))
-        nsa_dec = jax.jit(lambda q1, k, v, kc, vc, pos=pos: R.nsa_decode_step(q1, k, v, kc, vc, pos, params, shape))
-        for name, f, a in (("dense/decode", dense_dec, (q1, k, v)), ("nsa/decode", nsa_dec, (q1, k, v, k_cmp, v_cmp))):
+        nsa_dec = jax.jit(lambda q1, k, v, kc, vc, pos: R.nsa_decode_step(q1, k, v, kc, vc, pos, params, shape))
+        for name, f, a in (("dense/decode", dense_dec, (q1, k, v)), ("nsa/decode", nsa_dec, (q1, k, v, k_cmp, v_cmp, pos))):
             try:
                 row["ms"][name] = 1e3 * timed(f, *a, repeats=max(args.repeats, 5))
             except Exception as e:  # noqa: BLE001
