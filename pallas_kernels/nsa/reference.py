@@ -315,14 +315,22 @@ def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSASh
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
 
 
-def nsa_forward(q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, chunk=1024):
+def nsa_forward(
+    q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, chunk=1024, offset=None
+):
     """nsa_reference for long sequences: the compressed branch and the block scores come from one
     set of compressed probabilities (its output is p_cmp @ V_cmp), computed per query chunk so
     [T, N, C] is never whole; the selected branch runs ``select_fn`` (default: the gathered form)
-    and the window ``window_fn`` (default: the banded form). Same result as nsa_reference."""
+    and the window ``window_fn`` (default: the banded form). Same result as nsa_reference.
+
+    With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
+    positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then the
+    gathered form and the window a masked one.
+    """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
+    base = jnp.zeros((), jnp.int32) if offset is None else jnp.asarray(offset, jnp.int32)
     k_cmp = compress_blocks(k, params["compress_k"], shape)
     v_cmp = compress_blocks(v, params["compress_v"], shape)
     num_blocks = -(-s_len // shape.select_block)
@@ -330,6 +338,7 @@ def nsa_forward(q, k, v, params, shape: NSAShape, scale=None, select_fn=None, wi
 
     def one(args):
         q_c, off = args
+        off = base + off
         p = compressed_probs(q_c, k_cmp, compressed_mask(rows, k_cmp.shape[1], shape, off), scale)  # [B,R,N,C]
         o = jnp.einsum("brkgc,bckv->brkgv", p.reshape(b, rows, kh, n // kh, -1), v_cmp).reshape(b, rows, n, -1)
         p_slc = selection_scores(jax.lax.stop_gradient(p), num_blocks, shape)
@@ -340,9 +349,16 @@ def nsa_forward(q, k, v, params, shape: NSAShape, scale=None, select_fn=None, wi
     o_cmp, block_idx = jax.lax.map(one, (qc, jnp.arange(qc.shape[0]) * rows))
     unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :t]
     o_cmp, block_idx = unchunk(o_cmp), unchunk(block_idx)
-    select_fn = select_fn or select_attention_gathered
-    o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)
-    window_fn = window_fn or sliding_window_banded
-    o_win = window_fn(q, k, v, window=shape.window, scale=scale)
+    if offset is None:
+        select_fn = select_fn or select_attention_gathered
+        o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)
+        o_win = (window_fn or sliding_window_banded)(q, k, v, window=shape.window, scale=scale)
+    else:
+        o_slc = select_attention_gathered(
+            q, k, v, block_idx, block_size=shape.select_block, scale=scale, offset=base
+        )
+        pos = positions_of(t, base)[:, :, None, None]  # [B|1,T,1,1]
+        key = jnp.arange(s_len)
+        o_win = attend(q, k, v, (key <= pos) & (key > pos - shape.window), scale)
     g = gates(q, params["gate"])
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win

@@ -178,3 +178,17 @@ def test_chunked_nsa_forward_matches_reference_values_and_grads():
         want_g = jax.grad(loss(R.nsa_reference), (0, 1, 2, 3))(params, q, k, v)
         for a, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
             np.testing.assert_allclose(a, w, atol=1e-10)
+
+
+def test_nsa_forward_at_an_offset_matches_the_full_sequence():
+    """Queries at positions 12..19 of each row against a 24-key cache (keys past 19 are junk)."""
+    shape = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
+    rng = np.random.default_rng(8)
+    b, t, n, kh, h, vd = 2, 20, 4, 2, 8, 6
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
+        params = R.init_nsa_params(jax.random.key(4), shape, n, h, vd, dtype=jnp.float64)
+        want = R.nsa_reference(q, k, v, params, shape)[:, 12:]
+        junk = lambda x: jnp.concatenate([x, 1e3 * jnp.ones_like(x[:, :4])], axis=1)
+        got = R.nsa_forward(q[:, 12:], junk(k), junk(v), params, shape, chunk=3, offset=jnp.array([12, 12]))
+        np.testing.assert_allclose(got, want, atol=1e-10)
