@@ -38,13 +38,18 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret else False
 
 
+def _slot(idx_ref):
+    """This grid step's query row r, slot j (of nj) and the block it selects (-1: none)."""
+    b, h, r, j = (pl.program_id(a) for a in range(4))
+    nk, nr, nj = pl.num_programs(1), pl.num_programs(2), pl.num_programs(3)
+    return r, j, nj, idx_ref[((b * nk + h) * nr + r) * nj + j]
+
+
 def _fwd_kernel(
     idx_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc,
     *, block_size, s_len, causal, scale,
 ):
-    b, h, r, j = (pl.program_id(a) for a in range(4))
-    nk, nr, nj = pl.num_programs(1), pl.num_programs(2), pl.num_programs(3)
-    blk = idx_ref[((b * nk + h) * nr + r) * nj + j]
+    r, j, nj, blk = _slot(idx_ref)
 
     @pl.when(j == 0)
     def _init():
@@ -80,9 +85,7 @@ def _dq_kernel(
     idx_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc,
     *, block_size, s_len, causal, scale,
 ):
-    b, h, r, j = (pl.program_id(a) for a in range(4))
-    nk, nr, nj = pl.num_programs(1), pl.num_programs(2), pl.num_programs(3)
-    blk = idx_ref[((b * nk + h) * nr + r) * nj + j]
+    r, j, nj, blk = _slot(idx_ref)
 
     @pl.when(j == 0)
     def _init():

@@ -143,13 +143,20 @@ def test_gathered_and_banded_match_masked():
             np.testing.assert_allclose(got, R.sliding_window_reference(q, k, v, window=w), atol=1e-12)
 
 
+SMALL = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
+
+
+def _layer_inputs(seed, b, t, n=4, kh=2, h=8, vd=6):
+    """float64 q, k, v and NSA parameters (call under jax.enable_x64)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
+    return q, k, v, R.init_nsa_params(jax.random.key(seed), SMALL, n, h, vd, dtype=jnp.float64)
+
+
 def test_decode_steps_match_teacher_forced_layer():
-    shape = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
-    rng = np.random.default_rng(6)
-    b, t, n, kh, h, vd = 2, 27, 4, 2, 8, 6
+    shape, b = SMALL, 2
     with jax.enable_x64(True):
-        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
-        params = R.init_nsa_params(jax.random.key(2), shape, n, h, vd, dtype=jnp.float64)
+        q, k, v, params = _layer_inputs(6, b, 27)
         full = R.nsa_reference(q, k, v, params, shape)
         k_cmp = R.compress_blocks(k, params["compress_k"], shape)
         v_cmp = R.compress_blocks(v, params["compress_v"], shape)
@@ -165,12 +172,9 @@ def test_decode_steps_match_teacher_forced_layer():
 
 
 def test_chunked_nsa_forward_matches_reference_values_and_grads():
-    shape = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
-    rng = np.random.default_rng(7)
-    b, t, n, kh, h, vd = 1, 29, 4, 2, 8, 6
+    shape = SMALL
     with jax.enable_x64(True):
-        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
-        params = R.init_nsa_params(jax.random.key(3), shape, n, h, vd, dtype=jnp.float64)
+        q, k, v, params = _layer_inputs(7, 1, 29)
         want = R.nsa_reference(q, k, v, params, shape)
         np.testing.assert_allclose(R.nsa_forward(q, k, v, params, shape, chunk=8), want, atol=1e-12)
         loss = lambda f: lambda p, q, k, v: jnp.sum(jnp.sin(f(q, k, v, p, shape)))
@@ -182,12 +186,9 @@ def test_chunked_nsa_forward_matches_reference_values_and_grads():
 
 def test_nsa_forward_at_an_offset_matches_the_full_sequence():
     """Queries at positions 12..19 of each row against a 24-key cache (keys past 19 are junk)."""
-    shape = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
-    rng = np.random.default_rng(8)
-    b, t, n, kh, h, vd = 2, 20, 4, 2, 8, 6
+    shape = SMALL
     with jax.enable_x64(True):
-        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
-        params = R.init_nsa_params(jax.random.key(4), shape, n, h, vd, dtype=jnp.float64)
+        q, k, v, params = _layer_inputs(8, 2, 20)
         want = R.nsa_reference(q, k, v, params, shape)[:, 12:]
         junk = lambda x: jnp.concatenate([x, 1e3 * jnp.ones_like(x[:, :4])], axis=1)
         got = R.nsa_forward(q[:, 12:], junk(k), junk(v), params, shape, chunk=3, offset=jnp.array([12, 12]))
