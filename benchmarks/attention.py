@@ -67,6 +67,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128 if on_gpu else 64)
     ap.add_argument("--repeats", type=int, default=5 if on_gpu else 1)
     ap.add_argument("--skip", nargs="*", default=[], help="case names to skip")
+    ap.add_argument("--no-backward", action="store_true", help="forward only (CPU: dense fwd+bwd at 16k takes minutes)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     shape = R.NSAShape()  # the paper's l=32, d=16, l'=64, n=16, w=512
@@ -122,7 +123,7 @@ def main():
             fwd = jax.jit(fn)
             # idx is an argument, not a constant: the CSR inversion is timed, not constant-folded
             fwdbwd = jax.jit(lambda q, k, v, idx, fn=fn, do=do: jax.vjp(lambda q, k, v: fn(q, k, v, idx), q, k, v)[1](do))
-            for kind, f in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
+            for kind, f in (("fwd", fwd), ("fwd+bwd", fwdbwd))[: 1 if args.no_backward else 2]:
                 try:
                     row["ms"][f"{name}/{kind}"] = 1e3 * timed(f, q, k, v, idx, repeats=args.repeats)
                 except Exception as e:  # noqa: BLE001  a missing backend (cuDNN, Triton) must not hide the others
