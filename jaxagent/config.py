@@ -36,6 +36,18 @@ class RopeScalingConfig:
 
 
 @dataclass(frozen=True)
+class NSAConfig:
+    """Native Sparse Attention (arXiv 2502.11089) hyper-parameters; defaults are the paper's."""
+
+    compress_block: int = 32  # l: keys summarised by one compressed key
+    compress_stride: int = 16  # d: stride between compressed blocks
+    select_block: int = 64  # l': keys per selection block
+    num_selected: int = 16  # n: selected blocks per query (incl. block 0 and the local ones)
+    num_local_blocks: int = 2  # selection blocks ending at the query, always selected
+    window: int = 512  # w: sliding-window length
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder. Defaults: the tiny byte-level
     model for CPU runs."""
@@ -58,7 +70,9 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of activations
-    attention_backend: str = "xla"  # key of jaxagent.models.attention.BACKENDS
+    attention_backend: str = "xla"  # key of jaxagent.models.attention.BACKENDS (dense attention)
+    attention: Literal["dense", "nsa"] = "dense"  # nsa: Native Sparse Attention, see `nsa`
+    nsa: NSAConfig = field(default_factory=NSAConfig)  # used when attention is "nsa"
     bos_token_id: int | None = 256
     eos_token_id: int | None = 257
     pad_token_id: int | None = 258

@@ -23,6 +23,8 @@ from jaxagent.config import ModelConfig
 from jaxagent.models.attention import get_backend
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import param as _param
+from pallas_kernels.nsa import reference as nsa_ref
+from pallas_kernels.nsa.select import select_attention
 
 _BTD = ("batch", "length", "embed")  # logical names of the residual stream
 
@@ -106,6 +108,65 @@ class RMSNorm(nnx.Module):
         return xf.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
+def nsa_shape(cfg: ModelConfig) -> nsa_ref.NSAShape:
+    try:
+        return nsa_ref.NSAShape(**dataclasses.asdict(cfg.nsa))
+    except ValueError as e:
+        raise ValueError(f"model.nsa: {e}") from None
+
+
+class NSA(nnx.Module):
+    """Native Sparse Attention's parameters and its attention (pallas_kernels.nsa): per layer, a
+    compression MLP with intra-block position encoding for keys and for values (shared by the kv
+    heads), and per-head sigmoid gates over the three branches, computed from the query.
+
+    Positions are document positions: without a cache a row's tokens start at slot 0 (training
+    batches are right-padded); with a cache each row is rolled by (slot - position) so that its
+    blocks line up with the teacher-forced forward (the sampler left-pads prompts).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.shape = nsa_shape(cfg)
+        l, h, n, pd = self.shape.compress_block, cfg.head_dim, cfg.num_heads, cfg.param_dtype
+
+        def mlp():
+            return {
+                "pos": _param(rngs, (l, h), ("nsa_block", "head_dim"), pd),
+                "w1": nnx.Param(
+                    (jax.random.normal(rngs.params(), (l, h, h)) / math.sqrt(l * h)).astype(pd),
+                    logical_axes=("nsa_block", "head_dim", "nsa_hidden"),
+                ),
+                "w2": nnx.Param(
+                    (jax.random.normal(rngs.params(), (h, h)) / math.sqrt(h)).astype(pd),
+                    logical_axes=("nsa_hidden", "head_dim"),
+                ),
+            }
+
+        self.compress_k = nnx.Dict(mlp())
+        self.compress_v = nnx.Dict(mlp())
+        self.gate = _param(rngs, (n, h, 3), ("heads", "head_dim", "nsa_branch"), pd)
+
+    def _params(self, dt):
+        cast = lambda d: {name: d[name][...].astype(dt) for name in ("pos", "w1", "w2")}
+        return {"compress_k": cast(self.compress_k), "compress_v": cast(self.compress_v),
+                "gate": self.gate[...].astype(dt)}
+
+    def __call__(self, q, k, v, positions, slots, cached: bool):
+        """q [B,T,N,H]; k, v [B,K,S,H] (cache layout, slot space) -> [B,T,N,H]."""
+        params = self._params(q.dtype)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,S,K,H], the kernels' layout
+        if not cached:
+            on_accelerator = jax.default_backend() in ("gpu", "tpu")
+            return nsa_ref.nsa_forward(q, k, v, params, self.shape,
+                                       select_fn=select_attention if on_accelerator else None)
+        # The last query is a real token (prompts are left-padded); left-padding queries get
+        # negative positions, see nothing and output zeros.
+        shift = slots[:, -1] - positions[:, -1]  # the slot of the row's position 0
+        roll = jax.vmap(lambda x, s: jnp.roll(x, -s, axis=0))
+        return nsa_ref.nsa_forward(q, roll(k, shift), roll(v, shift), params, self.shape,
+                                   offset=positions[:, -1] - (q.shape[1] - 1))
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, n, k, h, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
@@ -124,6 +185,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", param_dtype=pd, rngs=rngs)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", param_dtype=pd, rngs=rngs)
+        if cfg.attention == "nsa":
+            self.nsa = NSA(cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, slots, cache_kv=None, cache_segment_ids=None,
                  cache_index=None):
@@ -149,9 +212,12 @@ class Attention(nnx.Module):
             new_kv = (k, v)
             kv_segment_ids = cache_segment_ids
             kv_slots = jnp.broadcast_to(jnp.arange(k.shape[2], dtype=jnp.int32), kv_segment_ids.shape)
-        attend = get_backend(cfg.attention_backend)
-        out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
-                     kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots)
+        if cfg.attention == "nsa":
+            out = self.nsa(q, k.astype(dt), v.astype(dt), positions, slots, cached=cache_kv is not None)
+        else:
+            attend = get_backend(cfg.attention_backend)
+            out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
+                         kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots)
         return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt)), new_kv
 
 

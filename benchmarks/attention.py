@@ -1,0 +1,168 @@
+"""NSA vs dense causal attention: forward, forward+backward and one decode step, side by side.
+
+    PYTHONPATH=. python benchmarks/attention.py            # CPU: 16k, compiled plain-JAX NSA vs XLA dense
+    python benchmarks/attention.py --seq 8192 16384 32768 65536 --heads 16 --kv-heads 1 --head-dim 128
+
+On GPU the dense baselines are `jax.nn.dot_product_attention` (cuDNN) and the Pallas Triton
+flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); NSA runs the Pallas
+selected-block kernel (`pallas_kernels.nsa.select_attention`) and cuDNN's sliding window. On
+CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked plain-JAX NSA
+(`nsa_forward`: gathered selected blocks, banded window). Each number is the best of --repeats
+timed runs after a compile run; FLOP counts are analytic (matmuls only, causal halves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.nsa import reference as R
+from pallas_kernels.nsa.select import select_attention
+
+
+def timed(fn, *args, repeats):
+    jax.block_until_ready(fn(*args))  # compile + warm
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def random_selection(key, b, t, kh, shape: R.NSAShape):
+    """Plausible block lists without the O(T * S) scoring: block 0, the local blocks and random
+    past blocks (repeats are dropped by the kernel)."""
+    own = jnp.arange(t)[None, :, None, None] // shape.select_block
+    rand = jax.random.randint(key, (b, t, kh, shape.num_selected - 1 - shape.num_local_blocks), 0, 1 << 30) % (own + 1)
+    local = own - jnp.arange(shape.num_local_blocks)
+    zero = jnp.zeros_like(own)
+    return jnp.concatenate([zero, jnp.broadcast_to(local, (b, t, kh, shape.num_local_blocks)), rand], -1).astype(jnp.int32)
+
+
+def flops(t, n, h, shape: R.NSAShape):
+    """Forward matmul FLOPs: dense causal vs NSA's three branches (+ the compression MLP)."""
+    dense = 2 * 2 * n * h * t * t / 2
+    c = t // shape.compress_stride
+    cmp = 2 * 2 * n * h * t * c / 2
+    slc = 2 * 2 * n * h * t * min(shape.num_selected * shape.select_block, t / 2)
+    win = 2 * 2 * n * h * t * min(shape.window, t / 2)
+    mlp = 2 * 2 * c * shape.compress_block * h * h  # k and v, hidden = h, per kv head (lower bound)
+    return dense, cmp + slc + win + mlp
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    on_gpu = jax.default_backend() == "gpu"
+    ap.add_argument("--seq", type=int, nargs="+", default=[16384])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=16 if on_gpu else 2)
+    ap.add_argument("--kv-heads", type=int, default=1)
+    ap.add_argument("--head-dim", type=int, default=128 if on_gpu else 64)
+    ap.add_argument("--repeats", type=int, default=5 if on_gpu else 1)
+    ap.add_argument("--skip", nargs="*", default=[], help="case names to skip")
+    ap.add_argument("--no-backward", action="store_true", help="forward only (CPU: dense fwd+bwd at 16k takes minutes)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    shape = R.NSAShape()  # the paper's l=32, d=16, l'=64, n=16, w=512
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    b, n, kh, h = args.batch, args.heads, args.kv_heads, args.head_dim
+    results = {
+        "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "shape": {"batch": b, "heads": n, "kv_heads": kh, "head_dim": h, "dtype": jnp.dtype(dtype).name},
+        "rows": [],
+    }
+    params = jax.tree.map(lambda x: x.astype(dtype), R.init_nsa_params(jax.random.key(0), shape, n, h))
+
+    for t in args.seq:
+        ks = jax.random.split(jax.random.key(t), 5)
+        q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+        k = jax.random.normal(ks[1], (b, t, kh, h), dtype)
+        v = jax.random.normal(ks[2], (b, t, kh, h), dtype)
+        do = jax.random.normal(ks[3], (b, t, n, h), dtype)
+        idx = random_selection(ks[4], b, t, kh, shape)
+
+        def window_cudnn(q, k, v, *, window, scale):
+            return jax.nn.dot_product_attention(
+                q, k, v, scale=scale, is_causal=True, local_window_size=(window - 1, 0), implementation="cudnn"
+            )
+
+        cases = {}
+        if on_gpu:
+            from jax.experimental.pallas.ops.gpu import attention as flash
+
+            cases["dense_cudnn"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            cases["dense_pallas_flash"] = lambda q, k, v, idx: flash.mha(
+                q, jnp.repeat(k, n // kh, 2), jnp.repeat(v, n // kh, 2), None, sm_scale=h**-0.5, causal=True
+            )
+            cases["nsa_selected_kernel"] = lambda q, k, v, idx: select_attention(q, k, v, idx, block_size=shape.select_block)
+            cases["nsa_layer"] = lambda q, k, v, idx: R.nsa_forward(
+                q, k, v, params, shape, select_fn=select_attention, window_fn=window_cudnn
+            )
+        else:
+            cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+            cases["nsa_selected_gathered"] = lambda q, k, v, idx: R.select_attention_gathered(
+                q, k, v, idx, block_size=shape.select_block
+            )
+            cases["nsa_layer"] = lambda q, k, v, idx: R.nsa_forward(q, k, v, params, shape)
+
+        dense_f, nsa_f = flops(t, n, h, shape)
+        row = {"seq": t, "dense_gflop": dense_f / 1e9, "nsa_gflop": nsa_f / 1e9, "ms": {}}
+        for name, fn in cases.items():
+            if name in args.skip:
+                continue
+            fwd = jax.jit(fn)
+            # idx is an argument, not a constant: the CSR inversion is timed, not constant-folded
+            fwdbwd = jax.jit(lambda q, k, v, idx, fn=fn, do=do: jax.vjp(lambda q, k, v: fn(q, k, v, idx), q, k, v)[1](do))
+            for kind, f in (("fwd", fwd), ("fwd+bwd", fwdbwd))[: 1 if args.no_backward else 2]:
+                try:
+                    row["ms"][f"{name}/{kind}"] = 1e3 * timed(f, q, k, v, idx, repeats=args.repeats)
+                except Exception as e:  # noqa: BLE001  a missing backend (cuDNN, Triton) must not hide the others
+                    row["ms"][f"{name}/{kind}"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+                print(t, name, kind, row["ms"][f"{name}/{kind}"], flush=True)
+
+        # one decode step at position t-1 with a full cache
+        k_cmp = R.compress_blocks(k, params["compress_k"], shape)
+        v_cmp = R.compress_blocks(v, params["compress_v"], shape)
+        q1 = q[:, -1:]
+        pos = jnp.full((b,), t - 1)
+        dense_dec = jax.jit(lambda q1, k, v: jax.nn.dot_product_attention(q1, k, v, implementation="xla"))
+        nsa_dec = jax.jit(lambda q1, k, v, kc, vc, pos: R.nsa_decode_step(q1, k, v, kc, vc, pos, params, shape))
+        for name, f, a in (("dense/decode", dense_dec, (q1, k, v)), ("nsa/decode", nsa_dec, (q1, k, v, k_cmp, v_cmp, pos))):
+            try:
+                row["ms"][name] = 1e3 * timed(f, *a, repeats=max(args.repeats, 5))
+            except Exception as e:  # noqa: BLE001
+                row["ms"][name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            print(t, name, row["ms"][name], flush=True)
+        results["rows"].append(row)
+
+    print(json.dumps(results, indent=1))
+    for row in results["rows"]:
+        ms = row["ms"]
+        dense = "dense_cudnn" if on_gpu else "dense_xla"
+        print(f"T={row['seq']}: FLOP ratio dense/NSA = {row['dense_gflop'] / row['nsa_gflop']:.2f}")
+        for kind in ("fwd", "fwd+bwd"):
+            for nsa in ("nsa_selected_kernel", "nsa_selected_gathered", "nsa_layer"):
+                a, c = ms.get(f"{dense}/{kind}"), ms.get(f"{nsa}/{kind}")
+                if isinstance(a, float) and isinstance(c, float):
+                    print(f"  {kind:8s} {dense} / {nsa} = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
+        a, c = ms.get("dense/decode"), ms.get("nsa/decode")
+        if isinstance(a, float) and isinstance(c, float):
+            print(f"  decode   dense / nsa = {a / c:.2f}x ({a:.3f} ms vs {c:.3f} ms)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()

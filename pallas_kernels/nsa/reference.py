@@ -1,0 +1,364 @@
+"""Native Sparse Attention (DeepSeek, arXiv 2502.11089) in plain JAX, read off the paper.
+
+Three branches per query t, combined by sigmoid gates (eq. 5):
+  o_t = g_cmp * Attn(q_t, K_cmp, V_cmp) + g_slc * Attn(q_t, K_slc, V_slc) + g_win * Attn(q_t, K_win, V_win)
+- compressed (eq. 7): blocks of l keys with stride d summarised by an MLP phi with intra-block
+  position encoding; query t sees compressed block i once all its keys are in the past.
+- selected (eqs. 8-12): block importance from the compressed attention probabilities, mapped
+  onto selection blocks of size l' (eq. 9), summed over the heads of a GQA group (eq. 10); the
+  top-n blocks, always including the first block and the local blocks, are attended in full.
+- sliding window: the last w keys.
+Everything here is dtype-generic (float64 under ``jax.enable_x64``), so kernel tests compare
+against it.
+
+Letters: B batch, T query time, S key time, N query heads, K kv heads, G heads per kv head,
+H key head dim, V value head dim, C compressed blocks, L compression block length,
+F compression MLP hidden, J selected-block slots, P selection blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.nsa._index import clean_block_idx, pad_axis
+
+NEG_INF = -jnp.inf
+
+
+@dataclass(frozen=True)
+class NSAShape:
+    """NSA hyper-parameters; defaults are the paper's (section 4.1)."""
+
+    compress_block: int = 32  # l: keys per compressed block
+    compress_stride: int = 16  # d: stride between compressed blocks
+    select_block: int = 64  # l': keys per selection block
+    num_selected: int = 16  # n: selected blocks per query (incl. the forced ones)
+    num_local_blocks: int = 2  # selection blocks ending at t that are always selected
+    window: int = 512  # w: sliding-window length
+
+    def __post_init__(self):
+        if self.compress_block % self.compress_stride:
+            raise ValueError(
+                f"compress_block={self.compress_block} must be a multiple of "
+                f"compress_stride={self.compress_stride}"
+            )
+        if self.select_block % self.compress_stride:
+            raise ValueError(
+                f"select_block={self.select_block} must be a multiple of "
+                f"compress_stride={self.compress_stride}"
+            )
+
+
+def attend(q, k, v, mask, scale):
+    """Softmax attention with GQA: q[B,T,N,H], k[B,S,K,H], v[B,S,K,V], mask[B|1,T,K|1,S] -> [B,T,N,V].
+
+    A query with no visible key outputs zeros.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    s = jnp.einsum("btkgh,bskh->btkgs", qg, k) * scale
+    s = jnp.where(mask[:, :, :, None, :], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum("btkgs,bskv->btkgv", p, v).reshape(b, t, n, v.shape[-1])
+
+
+def selected_mask(block_idx, block_size, s_len, causal):
+    """[B,T,K,J] block indices -> [B,T,K,S] key mask; -1 (or out of range) marks an unused slot."""
+    t_len = block_idx.shape[1]
+    key_block = jnp.arange(s_len) // block_size
+    hit = block_idx[..., None] == key_block  # [B,T,K,J,S]; -1 never matches
+    mask = jnp.any(hit, axis=3)
+    if causal:
+        mask &= (jnp.arange(s_len)[None, :] <= jnp.arange(t_len)[:, None])[None, :, None, :]
+    return mask
+
+
+def select_attention_reference(q, k, v, block_idx, *, block_size, causal=True, scale=None):
+    """Exact semantics of ``select_attention``: query t of head n attends to the keys of the
+    blocks listed in block_idx[b, t, n // G] (each listed block once; -1 slots unused), keys
+    s <= t when causal. Returns [B,T,N,V]; rows with no visible key are zero."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = selected_mask(block_idx, block_size, k.shape[1], causal)
+    return attend(q, k, v, mask, scale)
+
+
+def sliding_window_mask(t_len, s_len, window):
+    """[1,T,1,S]: key s visible to query t iff t - window < s <= t."""
+    t = jnp.arange(t_len)[:, None]
+    s = jnp.arange(s_len)[None, :]
+    return ((s <= t) & (s > t - window))[None, :, None, :]
+
+
+def sliding_window_reference(q, k, v, *, window, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return attend(q, k, v, sliding_window_mask(q.shape[1], k.shape[1], window), scale)
+
+
+# --- compression (eq. 7) ------------------------------------------------------------------
+
+
+def init_compress_params(key, shape: NSAShape, head_dim, hidden=None, dtype=jnp.float32):
+    """phi: intra-block position encoding pos[L,H], then MLP  [L*H] -> F -> H  (GELU)."""
+    l = shape.compress_block
+    f = hidden or head_dim
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "pos": 0.02 * jax.random.normal(k1, (l, head_dim), dtype),
+        "w1": jax.random.normal(k2, (l, head_dim, f), dtype) / math.sqrt(l * head_dim),
+        "w2": jax.random.normal(k3, (f, head_dim), dtype) / math.sqrt(f),
+    }
+
+
+def compress_blocks(x, params, shape: NSAShape):
+    """x[B,S,K,H] -> [B,C,K,H]: phi over blocks x[i*d : i*d+l] for i = 0..floor((S-l)/d)."""
+    l, d = shape.compress_block, shape.compress_stride
+    c = max((x.shape[1] - l) // d + 1, 0)
+    starts = jnp.arange(c) * d
+    blocks = x[:, starts[:, None] + jnp.arange(l)[None, :]]  # [B,C,L,K,H]
+    blocks = blocks + params["pos"][None, None, :, None, :]
+    hidden = jax.nn.gelu(jnp.einsum("bclkh,lhf->bckf", blocks, params["w1"]))
+    return jnp.einsum("bckf,fh->bckh", hidden, params["w2"])
+
+
+def positions_of(t_len, offset=0):
+    """Query positions [B|1,T]: offset (a scalar or [B]) + 0..T-1."""
+    return jnp.reshape(jnp.asarray(offset), (-1, 1)) + jnp.arange(t_len)[None, :]
+
+
+def compressed_mask(t_len, c_len, shape: NSAShape, offset=0):
+    """[B|1,T,1,C]: compressed block i (keys i*d .. i*d+l-1) visible to query t iff i*d+l-1 <= t."""
+    t = positions_of(t_len, offset)[:, :, None]
+    last_key = jnp.arange(c_len) * shape.compress_stride + shape.compress_block - 1
+    return (last_key <= t)[:, :, None, :]
+
+
+def compressed_probs(q, k_cmp, mask, scale):
+    """Per-head compressed attention probabilities p_cmp [B,T,N,C] (eq. 8); zero when masked."""
+    b, t, n, h = q.shape
+    kh = k_cmp.shape[2]
+    s = jnp.einsum("btkgh,bckh->btkgc", q.reshape(b, t, kh, n // kh, h), k_cmp) * scale
+    s = jnp.where(mask[:, :, :, None, :], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return (p / jnp.where(denom > 0, denom, 1.0)).reshape(b, t, n, -1)
+
+
+def selection_scores(p_cmp, num_select_blocks, shape: NSAShape):
+    """Eq. 9: p_slc[j] = sum_{m < l'/d} sum_{n < l/d} p_cmp[(l'/d) j + m - n]  (zero out of range):
+    selection block j (keys j*l' .. (j+1)*l'-1) collects every compressed block overlapping it,
+    weighted by the overlap in units of d. With l = l' = d it is the identity."""
+    d = shape.compress_stride
+    ratio, span = shape.select_block // d, shape.compress_block // d
+    c = p_cmp.shape[-1]
+    src = ratio * jnp.arange(num_select_blocks)[:, None, None]
+    src = src + jnp.arange(ratio)[None, :, None] - jnp.arange(span)[None, None, :]
+    src = src.reshape(num_select_blocks, -1)  # [P, ratio*span]
+    valid = (src >= 0) & (src < c)
+    gathered = jnp.take(p_cmp, jnp.clip(src, 0, max(c - 1, 0)), axis=-1)  # [...,P,ratio*span]
+    return jnp.sum(jnp.where(valid, gathered, 0.0), axis=-1)
+
+
+def select_blocks(p_slc, num_kv_heads, shape: NSAShape, offset=0):
+    """p_slc[B,T,N,P] -> block_idx [B,T,K,J] (eqs. 10-12): importance summed over each GQA
+    group, future blocks excluded, block 0 and the local blocks forced in, top-n; -1 pads
+    the slots of queries with fewer than n past blocks. Ties go to the lower block index."""
+    b, t, n, p = p_slc.shape
+    score = p_slc.reshape(b, t, num_kv_heads, n // num_kv_heads, p).sum(axis=3)
+    own = (positions_of(t, offset) // shape.select_block)[:, :, None, None]  # query t's block
+    blk = jnp.arange(p)
+    forced = (blk == 0) | ((blk <= own) & (blk > own - shape.num_local_blocks))
+    score = jnp.where(forced, jnp.inf, score)
+    score = jnp.where(blk <= own, score, NEG_INF)
+    j = min(shape.num_selected, p)
+    top, idx = jax.lax.top_k(score, j)
+    idx = jnp.where(top > NEG_INF, idx, -1).astype(jnp.int32)
+    if j < shape.num_selected:
+        pad = jnp.full((*idx.shape[:-1], shape.num_selected - j), -1, jnp.int32)
+        idx = jnp.concatenate([idx, pad], axis=-1)
+    return idx
+
+
+def gates(q, w_gate):
+    """Sigmoid gates per head and branch from the query: q[B,T,N,H], w[N,H,3] -> [B,T,N,3]."""
+    return jax.nn.sigmoid(jnp.einsum("btnh,nhc->btnc", q, w_gate))
+
+
+def init_nsa_params(key, shape: NSAShape, num_heads, head_dim, value_dim=None, dtype=jnp.float32):
+    kk, kv, kg = jax.random.split(key, 3)
+    return {
+        "compress_k": init_compress_params(kk, shape, head_dim, dtype=dtype),
+        "compress_v": init_compress_params(kv, shape, value_dim or head_dim, dtype=dtype),
+        "gate": 0.02 * jax.random.normal(kg, (num_heads, head_dim, 3), dtype),
+    }
+
+
+def nsa_block_idx(q, k_cmp, shape: NSAShape, s_len, scale, offset=0):
+    """The selection of each query: compressed probabilities -> eq. 9 -> group sum -> top-n."""
+    mask = compressed_mask(q.shape[1], k_cmp.shape[1], shape, offset)
+    p_cmp = compressed_probs(q, k_cmp, mask, scale)
+    p_slc = selection_scores(p_cmp, -(-s_len // shape.select_block), shape)
+    return select_blocks(p_slc, k_cmp.shape[2], shape, offset)
+
+
+def nsa_reference(q, k, v, params, shape: NSAShape, scale=None, select_fn=None):
+    """The full NSA layer on a causal sequence: q[B,T,N,H], k[B,T,K,H], v[B,T,K,V] -> [B,T,N,V].
+
+    ``select_fn`` replaces the selected-branch attention (same signature as
+    select_attention_reference), so the kernels plug into the same layer.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s_len = k.shape[1]
+    k_cmp = compress_blocks(k, params["compress_k"], shape)
+    v_cmp = compress_blocks(v, params["compress_v"], shape)
+    cmp_mask = compressed_mask(q.shape[1], k_cmp.shape[1], shape)
+    o_cmp = attend(q, k_cmp, v_cmp, cmp_mask, scale)
+    block_idx = nsa_block_idx(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp), shape, s_len, scale)
+    select_fn = select_fn or select_attention_reference
+    o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)
+    o_win = sliding_window_reference(q, k, v, window=shape.window, scale=scale)
+    g = gates(q, params["gate"])
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+
+# --- fast plain-JAX formulations (gathered blocks, banded window, one decode step) ------------
+
+
+def select_attention_gathered(
+    q, k, v, block_idx, *, block_size, causal=True, scale=None, offset=0, chunk=256
+):
+    """select_attention_reference computed from the gathered blocks, O(T * n * block) instead of
+    O(T * S); queries sit at positions offset + t. Queries go in chunks to bound the gather."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    pos = jnp.broadcast_to(positions_of(t, offset), (b, t))
+    idx = clean_block_idx(block_idx, block_size=block_size, s_len=s_len, causal=False)
+    as_blocks = lambda x: jnp.moveaxis(pad_axis(x, 1, block_size).reshape(b, -1, block_size, kh, x.shape[-1]), 3, 1)
+    kb, vb = as_blocks(k), as_blocks(v)  # [B,K,P,bs,*]
+    rows = min(chunk, t)
+    qc, idc, pc = (pad_axis(x, 1, rows) for x in (q, idx, pos))
+    split = lambda x: jnp.moveaxis(x.reshape(b, -1, rows, *x.shape[2:]), 1, 0)
+
+    def one(args):
+        q_c, idx_c, pos_c = args  # [B,R,N,H], [B,R,K,J], [B,R]
+        take = jax.vmap(jax.vmap(lambda blocks, i: blocks[jnp.maximum(i, 0)], (0, 1), 1))  # over B, K
+        ks, vs = take(kb, idx_c), take(vb, idx_c)  # [B,R,K,J,bs,*]
+        key_pos = jnp.maximum(idx_c, 0)[..., None] * block_size + jnp.arange(block_size)  # [B,R,K,J,bs]
+        ok = (idx_c[..., None] >= 0) & (key_pos < s_len)
+        if causal:
+            ok &= key_pos <= pos_c[:, :, None, None, None]
+        qg = q_c.reshape(b, rows, kh, n // kh, h)
+        sc = jnp.einsum("brkgh,brkjsh->brkgjs", qg, ks) * scale
+        sc = jnp.where(ok[:, :, :, None], sc, NEG_INF)
+        m = jnp.max(sc, axis=(-2, -1), keepdims=True)
+        p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
+        den = jnp.sum(p, axis=(-2, -1), keepdims=True)
+        p = p / jnp.where(den > 0, den, 1.0)
+        return jnp.einsum("brkgjs,brkjsv->brkgv", p, vs).reshape(b, rows, n, -1)
+
+    out = jax.lax.map(one, (split(qc), split(idc), split(pc)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, -1, n, v.shape[-1])[:, :t]
+
+
+def sliding_window_banded(q, k, v, *, window, scale=None):
+    """sliding_window_reference in O(T * 2w): query chunk c of w rows sees key chunks c-1, c."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b, t, n, h = q.shape
+    kh, w = k.shape[2], window
+    qp, kp, vp = (pad_axis(x, 1, w) for x in (q, k, v))
+    c = qp.shape[1] // w
+    front = lambda x: jnp.pad(x, ((0, 0), (w, 0), (0, 0), (0, 0))).reshape(b, c + 1, w, kh, -1)
+    kc, vc = front(kp), front(vp)
+    keys = jnp.concatenate([kc[:, :-1], kc[:, 1:]], axis=2)  # [B,C,2w,K,H]
+    vals = jnp.concatenate([vc[:, :-1], vc[:, 1:]], axis=2)
+    qpos = jnp.arange(c * w).reshape(c, w)
+    kpos = (jnp.arange(c)[:, None] - 1) * w + jnp.arange(2 * w)[None, :]  # [C,2w]
+    ok = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] > qpos[:, :, None] - w) & (kpos[:, None, :] >= 0)
+    qg = qp.reshape(b, c, w, kh, n // kh, h)
+    sc = jnp.einsum("bcwkgh,bcskh->bcwkgs", qg, keys) * scale
+    sc = jnp.where(ok[None, :, :, None, None, :], sc, NEG_INF)
+    p = jax.nn.softmax(sc, axis=-1)  # every query sees itself
+    out = jnp.einsum("bcwkgs,bcskv->bcwkgv", p, vals)
+    return out.reshape(b, c * w, n, -1)[:, :t]
+
+
+def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSAShape, scale=None):
+    """One decode step of the NSA layer: q[B,1,N,H] at position pos[B]; the caches hold keys
+    0..pos (raw: [B,S,K,*], compressed: [B,C,K,*], block i valid once i*d+l-1 <= pos).
+    Reads O(C + n*l' + w) keys per head instead of O(pos)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s_len = k_cache.shape[1]
+    cmp_mask = compressed_mask(1, k_cmp.shape[1], shape, pos)
+    o_cmp = attend(q, k_cmp, v_cmp, cmp_mask, scale)
+    p_cmp = compressed_probs(q, k_cmp, cmp_mask, scale)
+    p_slc = selection_scores(p_cmp, -(-s_len // shape.select_block), shape)
+    idx = select_blocks(p_slc, k_cache.shape[2], shape, pos)
+    o_slc = select_attention_gathered(q, k_cache, v_cache, idx, block_size=shape.select_block, scale=scale, offset=pos)
+    w = shape.window
+    start = jnp.maximum(pos - w + 1, 0)
+    kw, vw = (pad_axis(x, 1, w) if x.shape[1] < w else x for x in (k_cache, v_cache))
+    start = jnp.minimum(start, kw.shape[1] - w)
+    window = jax.vmap(lambda x, s0: jax.lax.dynamic_slice_in_dim(x, s0, w, axis=0))
+    key_pos = start[:, None] + jnp.arange(w)  # [B,w]
+    win_mask = ((key_pos <= pos[:, None]) & (key_pos > pos[:, None] - w))[:, None, None, :]
+    o_win = attend(q, window(kw, start), window(vw, start), win_mask, scale)
+    g = gates(q, params["gate"])
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+
+def nsa_forward(
+    q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, chunk=1024, offset=None
+):
+    """nsa_reference for long sequences: the compressed branch and the block scores come from one
+    set of compressed probabilities (its output is p_cmp @ V_cmp), computed per query chunk so
+    [T, N, C] is never whole; the selected branch runs ``select_fn`` (default: the gathered form)
+    and the window ``window_fn`` (default: the banded form). Same result as nsa_reference.
+
+    With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
+    positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then the
+    gathered form and the window a masked one.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    base = jnp.zeros((), jnp.int32) if offset is None else jnp.asarray(offset, jnp.int32)
+    k_cmp = compress_blocks(k, params["compress_k"], shape)
+    v_cmp = compress_blocks(v, params["compress_v"], shape)
+    num_blocks = -(-s_len // shape.select_block)
+    rows = min(chunk, t)
+
+    def one(args):
+        q_c, off = args
+        off = base + off
+        p = compressed_probs(q_c, k_cmp, compressed_mask(rows, k_cmp.shape[1], shape, off), scale)  # [B,R,N,C]
+        o = jnp.einsum("brkgc,bckv->brkgv", p.reshape(b, rows, kh, n // kh, -1), v_cmp).reshape(b, rows, n, -1)
+        p_slc = selection_scores(jax.lax.stop_gradient(p), num_blocks, shape)
+        return o, select_blocks(p_slc, kh, shape, off)
+
+    qc = pad_axis(q, 1, rows)
+    qc = jnp.moveaxis(qc.reshape(b, -1, rows, n, h), 1, 0)
+    o_cmp, block_idx = jax.lax.map(one, (qc, jnp.arange(qc.shape[0]) * rows))
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :t]
+    o_cmp, block_idx = unchunk(o_cmp), unchunk(block_idx)
+    if offset is None:
+        select_fn = select_fn or select_attention_gathered
+        o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)
+        o_win = (window_fn or sliding_window_banded)(q, k, v, window=shape.window, scale=scale)
+    else:
+        o_slc = select_attention_gathered(
+            q, k, v, block_idx, block_size=shape.select_block, scale=scale, offset=base
+        )
+        pos = positions_of(t, base)[:, :, None, None]  # [B|1,T,1,1]
+        key = jnp.arange(s_len)
+        o_win = attend(q, k, v, (key <= pos) & (key > pos - shape.window), scale)
+    g = gates(q, params["gate"])
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win

@@ -1,0 +1,195 @@
+"""The plain-JAX NSA reference against direct NumPy transcriptions of the paper's formulas."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.nsa import reference as R
+
+
+def _softmax_attention_np(q, k, v, mask, scale):
+    b, t, n, _ = q.shape
+    kh = k.shape[2]
+    out = np.zeros((b, t, n, v.shape[-1]))
+    for bi in range(b):
+        for ti in range(t):
+            for h in range(n):
+                kv = h // (n // kh)
+                keys = [s for s in range(k.shape[1]) if mask[bi, ti, kv, s]]
+                if not keys:
+                    continue
+                s = np.array([q[bi, ti, h] @ k[bi, si, kv] * scale for si in keys])
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[bi, ti, h] = p @ v[bi, keys, kv]
+    return out
+
+
+def test_select_attention_reference_matches_loop():
+    rng = np.random.default_rng(0)
+    b, t, n, kh, h, vd, bs = 2, 11, 6, 2, 5, 7, 3
+    q, k, v = rng.normal(size=(b, t, n, h)), rng.normal(size=(b, t, kh, h)), rng.normal(size=(b, t, kh, vd))
+    idx = rng.integers(-1, 4, size=(b, t, kh, 2)).astype(np.int32)
+    with jax.enable_x64(True):
+        got = np.asarray(R.select_attention_reference(q, k, v, jnp.asarray(idx), block_size=bs, scale=0.3))
+    mask = np.zeros((b, t, kh, t), bool)
+    for bi, ti, ki, j in np.ndindex(*idx.shape):
+        blk = idx[bi, ti, ki, j]
+        if blk >= 0:
+            for s in range(blk * bs, min((blk + 1) * bs, t)):
+                mask[bi, ti, ki, s] = s <= ti
+    np.testing.assert_allclose(got, _softmax_attention_np(q, k, v, mask, 0.3), atol=1e-12)
+
+
+def test_compress_blocks_matches_loop():
+    rng = np.random.default_rng(1)
+    shape = R.NSAShape(compress_block=4, compress_stride=2, select_block=4)
+    x = rng.normal(size=(2, 13, 3, 5))
+    with jax.enable_x64(True):
+        params = jax.tree.map(np.asarray, R.init_compress_params(jax.random.key(0), shape, 5, hidden=7, dtype=jnp.float64))
+        got = np.asarray(R.compress_blocks(x, params, shape))
+        c = (13 - 4) // 2 + 1
+        assert got.shape == (2, c, 3, 5)
+        for i in range(c):
+            blk = x[:, 2 * i : 2 * i + 4] + params["pos"][None, :, None, :]  # [B,L,K,H]
+            hid = np.einsum("blkh,lhf->bkf", blk, params["w1"])
+            gelu = np.asarray(jax.nn.gelu(jnp.asarray(hid)))
+            np.testing.assert_allclose(got[:, i], gelu @ params["w2"], atol=1e-12)
+
+
+@pytest.mark.parametrize(("l", "d", "lp"), [(4, 4, 4), (4, 2, 4), (4, 2, 8), (8, 2, 4)])
+def test_selection_scores_are_overlaps(l, d, lp):
+    """Eq. 9: selection block j collects each compressed block's probability weighted by how many
+    stride-d pieces of it fall inside block j."""
+    shape = R.NSAShape(compress_block=l, compress_stride=d, select_block=lp)
+    rng = np.random.default_rng(l * 100 + d * 10 + lp)
+    c, p = 9, 5
+    p_cmp = rng.random(size=(1, 1, 1, c))
+    got = np.asarray(R.selection_scores(jnp.asarray(p_cmp, jnp.float32), p, shape))[0, 0, 0]
+    want = np.zeros(p)
+    for j in range(p):
+        for i in range(c):
+            overlap = len(set(range(i * d, i * d + l)) & set(range(j * lp, (j + 1) * lp)))
+            want[j] += p_cmp[0, 0, 0, i] * overlap / d
+    if l == d == lp:
+        np.testing.assert_allclose(got, p_cmp[0, 0, 0, :p], rtol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_select_blocks_forced_causal_group_summed_ties_low():
+    shape = R.NSAShape(compress_block=4, compress_stride=4, select_block=4, num_selected=4, num_local_blocks=2)
+    t, p = 30, 8
+    score = np.zeros((1, t, 4, p), np.float32)
+    score[0, :, 0, 3] = 1.0  # head 0 (group 0) likes block 3 ...
+    score[0, :, 1, 5] = 2.0  # ... head 1 (group 0) likes block 5 more; heads 2, 3 tie everywhere
+    idx = np.asarray(R.select_blocks(jnp.asarray(score), 2, shape))
+    for ti in range(t):
+        own = ti // 4
+        for g in range(2):
+            sel = [int(x) for x in idx[0, ti, g] if x >= 0]
+            assert len(sel) == len(set(sel)) == min(4, own + 1)
+            assert all(x <= own for x in sel)  # no future block
+            assert 0 in sel and own in sel and (own < 1 or own - 1 in sel)
+            forced = {0, own, max(own - 1, 0)}
+            group_score = score[0, ti, 2 * g] + score[0, ti, 2 * g + 1]
+            free = sorted((x for x in range(own + 1) if x not in forced), key=lambda x: (-group_score[x], x))
+            assert sorted(sel) == sorted(forced | set(free[: 4 - len(forced)]))
+
+
+def test_nsa_reference_float64_and_gradients():
+    shape = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
+    rng = np.random.default_rng(3)
+    b, t, n, kh, h, vd = 1, 29, 6, 2, 8, 5
+    with jax.enable_x64(True):
+        q = jnp.asarray(rng.normal(size=(b, t, n, h)))
+        k = jnp.asarray(rng.normal(size=(b, t, kh, h)))
+        v = jnp.asarray(rng.normal(size=(b, t, kh, vd)))
+        params = R.init_nsa_params(jax.random.key(1), shape, n, h, vd, dtype=jnp.float64)
+        out = R.nsa_reference(q, k, v, params, shape)
+        assert out.dtype == jnp.float64 and out.shape == (b, t, n, vd)
+        # The gated sum of the three branches, each recomputed from its own mask.
+        g = jax.nn.sigmoid(jnp.einsum("btnh,nhc->btnc", q, params["gate"]))
+        win = R.attend(q, k, v, R.sliding_window_mask(t, t, 6), 1 / math.sqrt(h))
+        k_cmp = R.compress_blocks(k, params["compress_k"], shape)
+        v_cmp = R.compress_blocks(v, params["compress_v"], shape)
+        cmp = R.attend(q, k_cmp, v_cmp, R.compressed_mask(t, k_cmp.shape[1], shape), 1 / math.sqrt(h))
+        idx = R.nsa_block_idx(q, k_cmp, shape, t, 1 / math.sqrt(h))
+        slc = R.select_attention_reference(q, k, v, idx, block_size=8)
+        np.testing.assert_allclose(out, g[..., :1] * cmp + g[..., 1:2] * slc + g[..., 2:] * win, atol=1e-12)
+        grads = jax.grad(lambda p, q: jnp.sum(R.nsa_reference(q, k, v, p, shape) ** 2), (0, 1))(params, q)
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(grads))
+        assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(grads))
+
+
+def test_gathered_and_banded_match_masked():
+    rng = np.random.default_rng(5)
+    b, t, n, kh, h, vd = 2, 23, 6, 3, 4, 5
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
+        idx = jnp.asarray(rng.integers(-1, 6, size=(b, t, kh, 4)), jnp.int32)
+        for causal in (True, False):
+            want = R.select_attention_reference(q, k, v, idx, block_size=4, causal=causal)
+            got = R.select_attention_gathered(q, k, v, idx, block_size=4, causal=causal, chunk=7)
+            np.testing.assert_allclose(got, want, atol=1e-12)
+        # one query at position 17 of each row, as in decoding
+        last = R.select_attention_gathered(q[:, 17:18], k, v, idx[:, 17:18], block_size=4, offset=jnp.array([17, 17]))
+        np.testing.assert_allclose(last, R.select_attention_reference(q, k, v, idx, block_size=4)[:, 17:18], atol=1e-12)
+        for w in (1, 5, 30):
+            got = R.sliding_window_banded(q, k, v, window=w)
+            np.testing.assert_allclose(got, R.sliding_window_reference(q, k, v, window=w), atol=1e-12)
+
+
+SMALL = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
+
+
+def _layer_inputs(seed, b, t, n=4, kh=2, h=8, vd=6):
+    """float64 q, k, v and NSA parameters (call under jax.enable_x64)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
+    return q, k, v, R.init_nsa_params(jax.random.key(seed), SMALL, n, h, vd, dtype=jnp.float64)
+
+
+def test_decode_steps_match_teacher_forced_layer():
+    shape, b = SMALL, 2
+    with jax.enable_x64(True):
+        q, k, v, params = _layer_inputs(6, b, 27)
+        full = R.nsa_reference(q, k, v, params, shape)
+        k_cmp = R.compress_blocks(k, params["compress_k"], shape)
+        v_cmp = R.compress_blocks(v, params["compress_v"], shape)
+        for pos in (0, 5, 11, 26):
+            # the caches beyond pos hold garbage: decoding must not read it
+            junk = lambda x, valid: jnp.where(jnp.arange(x.shape[1])[None, :, None, None] < valid, x, 1e3)
+            n_cmp = max((pos + 1 - 8) // 4 + 1, 0)
+            step = R.nsa_decode_step(
+                q[:, pos : pos + 1], junk(k, pos + 1), junk(v, pos + 1), junk(k_cmp, n_cmp), junk(v_cmp, n_cmp),
+                jnp.full((b,), pos), params, shape,
+            )
+            np.testing.assert_allclose(step, full[:, pos : pos + 1], atol=1e-10)
+
+
+def test_chunked_nsa_forward_matches_reference_values_and_grads():
+    shape = SMALL
+    with jax.enable_x64(True):
+        q, k, v, params = _layer_inputs(7, 1, 29)
+        want = R.nsa_reference(q, k, v, params, shape)
+        np.testing.assert_allclose(R.nsa_forward(q, k, v, params, shape, chunk=8), want, atol=1e-12)
+        loss = lambda f: lambda p, q, k, v: jnp.sum(jnp.sin(f(q, k, v, p, shape)))
+        got_g = jax.grad(loss(functools.partial(R.nsa_forward, chunk=8)), (0, 1, 2, 3))(params, q, k, v)
+        want_g = jax.grad(loss(R.nsa_reference), (0, 1, 2, 3))(params, q, k, v)
+        for a, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+            np.testing.assert_allclose(a, w, atol=1e-10)
+
+
+def test_nsa_forward_at_an_offset_matches_the_full_sequence():
+    """Queries at positions 12..19 of each row against a 24-key cache (keys past 19 are junk)."""
+    shape = SMALL
+    with jax.enable_x64(True):
+        q, k, v, params = _layer_inputs(8, 2, 20)
+        want = R.nsa_reference(q, k, v, params, shape)[:, 12:]
+        junk = lambda x: jnp.concatenate([x, 1e3 * jnp.ones_like(x[:, :4])], axis=1)
+        got = R.nsa_forward(q[:, 12:], junk(k), junk(v), params, shape, chunk=3, offset=jnp.array([12, 12]))
+        np.testing.assert_allclose(got, want, atol=1e-10)
