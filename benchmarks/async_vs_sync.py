@@ -13,8 +13,10 @@ Scenarios:
               test suites, the `process` sandbox backend (no bwrap there) and a plain task
               iterator (no grain). Random init, no SFT: the point is the schedule, not learning.
 
-Timing: a 2-step warm-up run first compiles every program (same shapes), then each mode runs
-`--steps` steps from the same initial weights; a mode's wall clock is the sum of its
+Timing: the train step's shapes follow the batch's longest prompt + completion, so an untimed
+synchronous run of the same `--steps` first compiles every program the timed runs need (the
+async run may still meet a shape of its own: any compile counts against async). Then each mode
+runs `--steps` steps from the same initial weights; a mode's wall clock is the sum of its
 `time/step_s` (the RL loop from the first batch request to the last update; SFT, evaluation and
 checkpoints are off the clock). The table shows per-step means of the split.
 
@@ -126,9 +128,7 @@ def main() -> None:
     root = args.workdir or Path(tempfile.mkdtemp(prefix="async_vs_sync_"))
     print(f"{args.scenario}: {args.steps} steps; jax {jax.__version__}, "
           f"{jax.devices()[0].device_kind}, {platform.node()}, workdir {root}", flush=True)
-    # Compile everything once (sampler, SFT, train step, sandbox start-up): same shapes below.
-    run([*overrides, "sft.steps=1"] if args.scenario != "gpu" else overrides, 2, 1,
-        root / "warmup", slow)
+    run(overrides, args.steps, 0, root / "warmup", slow)  # compiles (see the docstring)
     results = {}
     for name, k in (("sync", 0), ("async", args.staleness)):
         results[name] = run(overrides, args.steps, k, root / name, slow)
