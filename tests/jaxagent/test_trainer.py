@@ -1,6 +1,7 @@
 """End to end: `jaxagent train` on a tiny model, killed with SIGKILL after a checkpoint and
 re-run, trains each step exactly once and matches an uninterrupted run."""
 
+import json
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxagent.config import ConfigError, load_config
@@ -160,7 +162,7 @@ def test_max_staleness_1_trains_on_one_step_old_batches(tmp_path):
     from jaxagent.trainer import train
 
     small = [o for o in TINY if not o.startswith(("sft.steps", "tasks.num_eval"))]
-    cfg = load_config(None, [*small, "sft.steps=0", "tasks.num_eval=0", "checkpoint.every=0",
+    cfg = load_config(None, [*small, "sft.steps=0", "tasks.num_eval=0", "checkpoint.every=1",
                              "rollout.max_staleness=1", f"workdir={tmp_path}"])
     train(cfg)
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
@@ -168,3 +170,13 @@ def test_max_staleness_1_trains_on_one_step_old_batches(tmp_path):
     for r in rows:
         assert 0 <= r["rollout/overlap"] <= 1 and r["time/weight_sync_s"] >= 0
         assert r["train/behaviour_ratio_max"] >= r["train/behaviour_ratio_mean"] > 0
+    # The checkpoint after 3 steps holds the batch step 4 trained (sampled with version 2, so
+    # a resume from version 3 could not recreate it) and the task state after it.
+    manager = ocp.CheckpointManager(tmp_path / "checkpoints", item_names=("state", "extra"))
+    extra = manager.restore(3, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
+    (queued,) = extra["queued"]
+    logged = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert queued["version"] == 2
+    assert [r["completion"] for r in queued["rollouts"][:cfg.train.log_rollouts]] == [
+        r["completion"] for r in logged if r["step"] == 4]
+    assert extra["data"] == {"next_index": 4 * cfg.train.prompts_per_step}
