@@ -180,3 +180,30 @@ def test_max_staleness_1_trains_on_one_step_old_batches(tmp_path):
     assert [r["completion"] for r in queued["rollouts"][:cfg.train.log_rollouts]] == [
         r["completion"] for r in logged if r["step"] == 4]
     assert extra["data"] == {"next_index": 4 * cfg.train.prompts_per_step}
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
+    from jaxagent.config import RLConfig
+    from jaxagent.trainer import compute_advantages
+    from rollouts.producer import INFRA_ERROR, Rollout, RolloutBatch
+
+    rewards = [[1.0, 0.0, 0.5, 0.0], [0.25, 1.0, 0.0, 0.75]]
+    failed = {(0, 1), (1, 0), (1, 2)}
+    batch = RolloutBatch(0, 4, [
+        Rollout("t", [1], [2, 3], [True, True], [-1.0, -1.0], "", r,
+                INFRA_ERROR if (g, i) in failed else "passed", "stop", 0)
+        for g, row in enumerate(rewards) for i, r in enumerate(row)], {})
+    adv, keep = compute_advantages(RLConfig(algorithm=algorithm, group_size=4), batch, 8)
+
+    def reference(r):  # over the group's scored members only, in float64
+        r = np.asarray(r)
+        if algorithm == "rloo":
+            return r - (r.sum() - r) / (len(r) - 1)
+        return (r - r.mean()) / (r.std() + 1e-6)
+
+    want = np.zeros((2, 4))
+    want[0, [0, 2, 3]] = reference([1.0, 0.5, 0.0])
+    want[1, [1, 3]] = reference([1.0, 0.75])
+    np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-5, atol=1e-6)
+    assert keep.tolist() == [(g, i) not in failed for g in range(2) for i in range(4)]
