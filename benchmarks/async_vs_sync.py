@@ -13,9 +13,11 @@ Scenarios:
               test suites, the `process` sandbox backend (no bwrap there) and a plain task
               iterator (no grain). Random init, no SFT: the point is the schedule, not learning.
 
-Timing: the train step's shapes follow the batch's longest prompt + completion, so an untimed
-synchronous run of the same `--steps` first compiles every program the timed runs need (the
-async run may still meet a shape of its own: any compile counts against async). Then each mode
+Timing: the train step's shapes follow the batch's longest prompt + completion, and each
+`train()` call builds its own optimizer (a new jit cache key), so compiled programs are shared
+through JAX's persistent compilation cache: an untimed synchronous run of the same `--steps`
+first fills it with every program the timed runs need (the async run may still meet a shape of
+its own: any compile counts against async). Then each mode
 runs `--steps` steps from the same initial weights; a mode's wall clock is the sum of its
 `time/step_s` (the RL loop from the first batch request to the last update; SFT, evaluation and
 checkpoints are off the clock). The table shows per-step means of the split.
@@ -121,11 +123,14 @@ def main() -> None:
 
     import jax
 
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="async_vs_sync_"))
+    jax.config.update("jax_compilation_cache_dir", str(root / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     overrides = SCENARIOS[args.scenario]
     if args.scenario == "gpu" and jax.default_backend() == "cpu":
         sys.exit("--scenario gpu needs a GPU (jax.default_backend() is 'cpu')")
     slow = args.scenario in ("slow-tests", "gpu")
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="async_vs_sync_"))
     print(f"{args.scenario}: {args.steps} steps; jax {jax.__version__}, "
           f"{jax.devices()[0].device_kind}, {platform.node()}, workdir {root}", flush=True)
     run(overrides, args.steps, 0, root / "warmup", slow)  # compiles (see the docstring)
