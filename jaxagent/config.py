@@ -173,6 +173,9 @@ class RLConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     importance_cap: float = 2.0  # truncation of sampler -> trainer importance weights
+    # decoupled: PPO ratio against the weights at the start of the update, times truncated
+    # IS weights proximal/behaviour (AReaL); behaviour: PPO ratio against the sampler's logprobs.
+    off_policy: Literal["decoupled", "behaviour"] = "decoupled"
     drop_zero_variance_groups: bool = False  # DAPO dynamic sampling (on for dapo)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
     overlong_penalty: float = 1.0
@@ -207,6 +210,11 @@ class TrainConfig:
     # Pack each group as one row [prompt, completion_1..G] so the prompt is computed once
     # per group (same loss and gradients); ignored if the attention backend lacks it.
     share_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    max_staleness: int = 1  # policy versions the sampler may run ahead; 0 = synchronous
 
 
 @dataclass(frozen=True)
@@ -263,6 +271,7 @@ class Config:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -188,8 +188,10 @@ def _accumulate(loss_fn, params, batch: TrainBatch, micro_batch: int):
     def body(carry, mb):
         loss, grads, metrics = carry
         (l, m), g = grad_fn(params, mb)
-        return (loss + l, jax.tree.map(jnp.add, grads, g),
-                jax.tree.map(jnp.add, metrics, m)), None
+        # "*_max" metrics are maxima over the batch; the rest are shares of a sum.
+        metrics = {k: jnp.maximum(v, m[k]) if k.endswith("_max") else v + m[k]
+                   for k, v in metrics.items()}
+        return (loss + l, jax.tree.map(jnp.add, grads, g), metrics), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (_, metrics0), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
@@ -241,6 +243,10 @@ class LossOptions:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     importance_cap: float | None = 2.0  # None: no sampler -> trainer correction
+    # True: PPO ratio against the proximal policy (the weights at the start of the update)
+    # times truncated IS weights proximal/behaviour; False: PPO ratio against the behaviour
+    # (sampler) log-probs, no IS weights.
+    decoupled: bool = True
 
 
 def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Array:
@@ -258,7 +264,8 @@ def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Arr
 def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None, *,
             options: LossOptions, micro_batch: int = 0):
     """One update on a batch of scored rollouts (one policy epoch: the proximal policy is the
-    current one, so the clipped ratio starts at 1 and only the sampler correction is off 1)."""
+    current one, so the decoupled clipped ratio starts at 1 and only the sampler correction,
+    behaviour -> proximal, is off 1; with stale rollouts that correction grows)."""
     o = options
     full_mask = batch.loss_mask
     num_micro = _num_micro(batch, micro_batch)
@@ -268,10 +275,11 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         logp, logits, aux = target_logprobs(model, mb)
         proximal = jax.lax.stop_gradient(logp)
         weights = None
-        if o.importance_cap is not None:
+        if o.decoupled and o.importance_cap is not None:
             weights = rl.truncated_importance_weights(proximal, mb.sampler_logprobs,
                                                       cap=o.importance_cap) * mb.loss_mask
-        loss, m = rl.policy_loss(logp, proximal, mb.advantages, mb.loss_mask,
+        old = proximal if o.decoupled else mb.sampler_logprobs
+        loss, m = rl.policy_loss(logp, old, mb.advantages, mb.loss_mask,
                                  clip_low=o.clip_low, clip_high=o.clip_high,
                                  aggregation=o.aggregation, norm_length=o.norm_length,
                                  importance_weights=weights)
@@ -280,6 +288,9 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
                    "train/clip_fraction": m["clip_fraction"]}
         if weights is not None:
             metrics["train/importance_weight"] = (weights.sum() / jnp.maximum(mb.loss_mask.sum(), 1))
+        stats = rl.importance_ratio_stats(proximal, mb.sampler_logprobs, mb.loss_mask,
+                                          cap=o.importance_cap)
+        metrics.update({f"train/behaviour_{k}": v for k, v in stats.items()})
         if o.kl_coef:
             ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb)
             kl = rl.aggregate(rl.kl_penalty(logp, jax.lax.stop_gradient(ref_logp),
@@ -290,8 +301,8 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         if o.entropy_coef:
             loss = loss - o.entropy_coef * entropy
         share = _share(mb.loss_mask, full_mask, o.aggregation)
-        return _add_aux_loss(loss * share, jax.tree.map(lambda v: v * share, metrics), model, aux,
-                             num_micro, "train")
+        metrics = {k: v if k.endswith("_max") else v * share for k, v in metrics.items()}
+        return _add_aux_loss(loss * share, metrics, model, aux, num_micro, "train")
 
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
     params, opt_state, grad_norm = _apply(tx, params, opt_state, grads)

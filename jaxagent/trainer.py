@@ -4,13 +4,17 @@
       -> consumer (advantages -> clipped policy-gradient update -> publish weights)
       -> metrics, evaluation, checkpoints
 
-The producer and the consumer exchange versioned `RolloutBatch`es; this synchronous schedule
-trains each batch right after sampling it (policy lag 0).
+The producer runs in its own thread (rollouts/orchestrator.py) and hands the consumer
+versioned `RolloutBatch`es: batch s is sampled with the weights of step s - k
+(k = `rollout.max_staleness`), so with k = 1 batch s + 1 is sampled and scored while step s
+trains; k = 0 is the synchronous schedule (sample, score, train, repeat). After each update the
+trainer publishes a copy of the weights to the sampler, which switches between batches.
 
 Resuming: running the same command again restores the newest checkpoint in
-`workdir/checkpoints/` (params, optimizer, data-iterator state, step) and trains each remaining
-step exactly once. Sampling seeds derive from (seed, step), so a resumed run reproduces an
-uninterrupted one.
+`workdir/checkpoints/` (params, optimizer, data-iterator state, step, and the scored batches
+the next k steps will train) and trains each remaining step exactly once. Sampling seeds derive
+from (seed, step) and each batch's weights version from its step, so a resumed run reproduces
+an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from jaxagent.metrics import MetricsWriter, plot_curves
 from jaxagent.models.attention import supports_sees_all
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import LossOptions, TrainBatch, pack, pack_shared, rl_step, sft_step
+from rollouts.orchestrator import Orchestrator, WeightStore
 from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
 from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
@@ -113,26 +118,42 @@ def loss_options(cfg: Config) -> LossOptions:
         norm_length=cfg.train.max_new_tokens if aggregation == "seq-mean-token-sum-norm" else None,
         kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy_coef=r.entropy_coef,
         importance_cap=r.importance_cap if r.importance_cap > 0 else None,
+        decoupled=r.off_policy == "decoupled",
     )
 
 
+def _group_advantages(r: RLConfig, rewards: np.ndarray) -> np.ndarray:
+    """[N, G] -> [N, G]"""
+    if r.algorithm == "rloo":
+        return np.array(rl.rloo_advantages(rewards))
+    return np.array(rl.grpo_advantages(rewards, normalize_std=r.algorithm != "dr_grpo"))
+
+
 def compute_advantages(r: RLConfig, batch: RolloutBatch, max_new_tokens: int):
-    """Per-rollout advantages [B] and a keep mask [B] (DAPO drops zero-variance groups)."""
+    """Per-rollout advantages [B] and a keep mask [B] (DAPO drops zero-variance groups).
+
+    A rollout whose environment failed (infrastructure, not the policy) has no reward: it is
+    masked out, and its group's advantages are computed over the group's other members.
+    """
     rewards = batch.rewards()
     if r.algorithm == "dapo" and r.overlong_buffer:
         lengths = np.asarray([len(x.completion) for x in batch.rollouts]).reshape(rewards.shape)
         rewards = rewards + np.asarray(rl.overlong_penalty(
             lengths, max_len=max_new_tokens, buffer_len=r.overlong_buffer,
             penalty=r.overlong_penalty))
-    if r.algorithm == "rloo":
-        adv = rl.rloo_advantages(rewards)
-    else:
-        adv = rl.grpo_advantages(rewards, normalize_std=r.algorithm != "dr_grpo")
-    keep = np.ones(rewards.shape[0], bool)
-    if r.drop_zero_variance_groups or r.algorithm == "dapo":
-        keep = np.asarray(rl.group_has_signal(rewards))
-    keep_rows = np.repeat(keep, rewards.shape[1])
-    return np.asarray(adv).reshape(-1), keep_rows
+    adv = _group_advantages(r, rewards)
+    dynamic = r.drop_zero_variance_groups or r.algorithm == "dapo"
+    keep = np.array(rl.group_has_signal(rewards)) if dynamic else np.ones(len(rewards), bool)
+    valid = batch.valid()
+    for g in np.flatnonzero(~valid.all(axis=1)):
+        ok = valid[g]
+        adv[g] = 0.0
+        if ok.sum() >= 2:
+            adv[g, ok] = _group_advantages(r, rewards[g, ok][None])[0]
+        if dynamic:
+            keep[g] = ok.sum() >= 2 and np.ptp(rewards[g, ok]) > 0
+    keep_rows = np.repeat(keep, rewards.shape[1]) & valid.reshape(-1)
+    return adv.reshape(-1), keep_rows
 
 
 def evaluate(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *, samples: int,
@@ -201,13 +222,16 @@ def validate(cfg: Config) -> None:
         (cfg.tasks.source != "jsonl" or cfg.tasks.path, "tasks.path", "required for jsonl"),
         (r.overlong_buffer <= t.max_new_tokens, "rl.overlong_buffer",
          "must be <= train.max_new_tokens"),
+        (cfg.rollout.max_staleness >= 0, "rollout.max_staleness", "must be >= 0"),
     ]
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key}: {message}")
 
 
-def train(cfg: Config, console: Console | None = None) -> dict:
+def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dict:
+    """RL (after the SFT warm-up) as configured. `task_iter`: the training tasks, an iterator
+    with get_state/set_state (default: grain over the config's training split)."""
     validate(cfg)
     initialize(cfg.distributed)
     layout = Layout(cfg)
@@ -231,9 +255,10 @@ def train(cfg: Config, console: Console | None = None) -> dict:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     opt_state = layout.place(tx.init(params))
     train_tasks, eval_tasks = load_task_splits(cfg)
-    task_iter = iter(task_dataset(train_tasks, seed=cfg.seed,
-                                  shard_index=jax.process_index(),
-                                  shard_count=jax.process_count()))
+    if task_iter is None:
+        task_iter = iter(task_dataset(train_tasks, seed=cfg.seed,
+                                      shard_index=jax.process_index(),
+                                      shard_count=jax.process_count()))
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep)
     start = ckpt.latest_step()
     metrics_writer = MetricsWriter(workdir, resume_step=start,
@@ -251,9 +276,10 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                 state, extra = ckpt.restore(start, {"params": params, "opt_state": opt_state})
                 params, opt_state = state["params"], state["opt_state"]
                 task_iter.set_state(extra["data"])
+                queued = [RolloutBatch.from_json(b) for b in extra.get("queued", [])]
                 console.print(f"Resuming from checkpoint step {start} in {ckpt.directory}")
             else:
-                start = 0
+                start, queued = 0, []
                 if cfg.sft.steps:
                     params, sft_metrics = sft(cfg, graphdef, params, tokenizer, train_tasks,
                                               layout, progress)
@@ -261,13 +287,16 @@ def train(cfg: Config, console: Console | None = None) -> dict:
                     metrics_writer.write(0, sft_metrics)
                 ckpt.save(0, {"params": params, "opt_state": opt_state},
                           {"step": 0, "data": task_iter.get_state()})
-            sampler = Sampler(layout.sampler_model(graphdef, params), tokenizer,
-                              prompt_bucket=cfg.sampler.prompt_bucket,
-                              cache_bucket=cfg.sampler.cache_bucket,
-                              batch_bucket=cfg.sampler.batch_bucket)
+            # The producer thread's sampler, and one for evaluation in this thread.
+            sampler, eval_sampler = (
+                Sampler(layout.sampler_model(graphdef, params), tokenizer,
+                        prompt_bucket=cfg.sampler.prompt_bucket,
+                        cache_bucket=cfg.sampler.cache_bucket,
+                        batch_bucket=cfg.sampler.batch_bucket) for _ in range(2))
 
             def log_eval(step):
-                m, _ = evaluate(sampler, tokenizer, scorer, eval_tasks,
+                eval_sampler.update_weights(layout.sampler_params(params))
+                m, _ = evaluate(eval_sampler, tokenizer, scorer, eval_tasks,
                                 samples=cfg.eval.samples, ks=cfg.eval.k,
                                 temperature=cfg.eval.temperature,
                                 max_new_tokens=t.max_new_tokens, seed=cfg.seed + 7)
@@ -280,38 +309,53 @@ def train(cfg: Config, console: Console | None = None) -> dict:
             producer = RolloutProducer(
                 sampler, tokenizer, scorer, task_iter, prompts_per_step=t.prompts_per_step,
                 group_size=cfg.rl.group_size, max_new_tokens=t.max_new_tokens,
-                temperature=t.temperature, seed=cfg.seed)
+                temperature=t.temperature, seed=cfg.seed,
+                in_flight=cfg.rollout.max_staleness + 1)
             share = t.share_prompt and supports_sees_all(cfg.model.attention_backend)
+            weights = WeightStore.like(sampler.params)
+            weights.publish(start, layout.sampler_params(params))
+            orchestrator = Orchestrator(producer, weights, max_staleness=cfg.rollout.max_staleness,
+                                        start=start, stop=t.steps, queued=queued)
             bar = progress.add_task("rl", total=t.steps, completed=start, info="")
             rollout_log = (workdir / "rollouts.jsonl").open("a")
-            for step in range(start, t.steps):
-                t0 = time.perf_counter()
-                batch = producer.produce(version=step)
-                advantages, keep = compute_advantages(cfg.rl, batch, t.max_new_tokens)
-                train_batch = to_train_batch(batch, advantages, keep, share_prompt=share)
-                t1 = time.perf_counter()
-                params, opt_state, step_metrics = rl_step(
-                    graphdef, tx, params, opt_state, layout.batch(train_batch), ref_params,
-                    options=options, micro_batch=t.micro_batch)
-                sampler.update_weights(layout.sampler_params(params))
-                step_metrics = {k: float(v) for k, v in step_metrics.items()}
-                t2 = time.perf_counter()
-                row = {**batch.stats, **step_metrics, "rollout/kept_fraction": float(keep.mean()),
-                       "time/train_s": t2 - t1, "time/step_s": t2 - t0}
-                metrics_writer.write(step + 1, row)
-                for r in batch.rollouts[:t.log_rollouts]:
-                    rollout_log.write(json.dumps({"step": step + 1, **r.to_json()}) + "\n")
-                rollout_log.flush()
-                progress.update(bar, advance=1, info=(
-                    f"reward {row['rollout/reward_mean']:.3f}  "
-                    f"pass {row['rollout/pass_rate']:.2f}  loss {row['train/loss']:+.4f}"))
-                done = step + 1
-                if cfg.eval.every and done % cfg.eval.every == 0 and done < t.steps:
-                    log_eval(done)
-                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == t.steps:
-                    ckpt.save(done, {"params": params, "opt_state": opt_state},
-                              {"step": done, "data": task_iter.get_state()})
-                summary["last"] = row
+            with orchestrator:
+                for step in range(start, t.steps):
+                    t0 = time.perf_counter()
+                    batch, timing = orchestrator.get(step)
+                    advantages, keep = compute_advantages(cfg.rl, batch, t.max_new_tokens)
+                    train_batch = to_train_batch(batch, advantages, keep, share_prompt=share)
+                    t1 = time.perf_counter()
+                    params, opt_state, step_metrics = rl_step(
+                        graphdef, tx, params, opt_state, layout.batch(train_batch), ref_params,
+                        options=options, micro_batch=t.micro_batch)
+                    step_metrics = {k: float(v) for k, v in step_metrics.items()}
+                    t2 = time.perf_counter()
+                    done = step + 1
+                    # The sampler switches to these weights before its next batch.
+                    sync_s = (weights.publish(done, layout.sampler_params(params))
+                              if done < t.steps else 0.0)
+                    row = {**batch.stats, **step_metrics, **timing,
+                           "rollout/kept_fraction": float(keep.mean()),
+                           "rollout/staleness": step - batch.version,
+                           # Share of this batch's sampling and scoring the trainer did not wait for.
+                           "rollout/overlap": 1 - min(1.0, timing["time/wait_s"] / max(
+                               batch.stats["time/generate_s"] + batch.stats["time/reward_s"],
+                               1e-9)),
+                           "time/train_s": t2 - t1, "time/weight_sync_s": sync_s,
+                           "time/step_s": time.perf_counter() - t0}
+                    metrics_writer.write(done, row)
+                    for r in batch.rollouts[:t.log_rollouts]:
+                        rollout_log.write(json.dumps({"step": done, **r.to_json()}) + "\n")
+                    rollout_log.flush()
+                    progress.update(bar, advance=1, info=(
+                        f"reward {row['rollout/reward_mean']:.3f}  "
+                        f"pass {row['rollout/pass_rate']:.2f}  loss {row['train/loss']:+.4f}"))
+                    if cfg.eval.every and done % cfg.eval.every == 0 and done < t.steps:
+                        log_eval(done)
+                    if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == t.steps:
+                        ckpt.save(done, {"params": params, "opt_state": opt_state},
+                                  {"step": done, **orchestrator.snapshot(done)})
+                    summary["last"] = row
             rollout_log.close()
             if eval_tasks and start < t.steps:
                 log_eval(t.steps)
@@ -329,7 +373,7 @@ def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray
     """Pack a rollout batch; dropped groups stay in the batch (fixed shapes) with no loss.
     With `share_prompt`, each group's prompt is one row's prefix (see `pack_shared`)."""
     rows = batch.rollouts
-    masks = [[float(k)] * len(r.completion) for r, k in zip(rows, keep)]
+    masks = [[float(k and m) for m in r.policy_mask] for r, k in zip(rows, keep)]
     args = ([r.prompt for r in rows], [r.completion for r in rows], [r.logprobs for r in rows],
             advantages)
     if share_prompt:

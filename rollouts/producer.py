@@ -1,21 +1,32 @@
-"""The rollout producer: tasks -> prompts -> sampler -> completions -> sandbox rewards.
+"""The rollout producer: tasks -> environments -> sampler -> completions -> sandbox rewards.
 
-It hands the trainer versioned batches of scored rollouts (G consecutive rows per task). The
-synchronous loop calls `produce(version)` then trains; the async schedule runs the same call
-in a thread.
+Every rollout is an episode of an `Environment`; a single-turn code task (`CodeTaskEnv`) is a
+one-step episode: `reset` encodes the prompt, `step(completion tokens)` runs the tests in the
+sandbox and ends the episode. The tokens the trainer trains on are the ids the sampler produced.
+
+`RolloutProducer.start(index, version)` samples one batch in the calling thread, then hands
+every completion's `env.step` to a thread pool and returns at once with a future of the scored
+batch, so the next batch can be sampled while slow test suites still run. An exception raised
+by `env.step` (a sandbox crash, not the solution's fault) marks the rollout `infra_error`: it
+is counted and kept out of the advantages, never scored 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
-from typing import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from rollouts.environment import Environment, StepResult, Trajectory
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task
+
+INFRA_ERROR = "infra_error"  # status of a rollout whose environment step raised
 
 
 @dataclasses.dataclass
@@ -23,15 +34,23 @@ class Rollout:
     task_id: str
     prompt: list[int]
     completion: list[int]  # token-exact, as sampled (stop token included)
+    policy_mask: list[bool]  # per completion token: True where the policy sampled it
     logprobs: list[float]  # the sampler's log-prob of each completion token
     text: str  # decoded completion, stop tokens removed: what the sandbox ran
     reward: float
-    status: str  # sandbox verdict: passed, failed, error, timeout, oom, hack
+    status: str  # sandbox verdict (passed, failed, error, timeout, oom, hack) or infra_error
     finish_reason: str  # stop | length
     version: int  # policy version (train step) that sampled it
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_trajectory(cls, traj: Trajectory, finish_reason: str) -> Rollout:
+        n = traj.prompt_len
+        return cls(traj.task_id, traj.tokens[:n], traj.tokens[n:], traj.policy_mask[n:],
+                   traj.logprobs[n:], traj.info.get("text", ""), traj.reward,
+                   traj.info.get("status", ""), finish_reason, traj.version)
 
 
 @dataclasses.dataclass
@@ -46,48 +65,130 @@ class RolloutBatch:
         return np.asarray([r.reward for r in self.rollouts], np.float64).reshape(
             -1, self.group_size)
 
+    def valid(self) -> np.ndarray:
+        """[num_groups, G] bool: False where the environment failed (no reward to learn from)."""
+        return np.asarray([r.status != INFRA_ERROR for r in self.rollouts]).reshape(
+            -1, self.group_size)
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "group_size": self.group_size, "stats": self.stats,
+                "rollouts": [r.to_json() for r in self.rollouts]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> RolloutBatch:
+        return cls(data["version"], data["group_size"],
+                   [Rollout(**r) for r in data["rollouts"]], data["stats"])
+
+
+class CodeTaskEnv(Environment):
+    """A single-turn code task: the prompt, one completion, the sandbox's verdict, done."""
+
+    def __init__(self, tokenizer, scorer: Scorer):
+        self.tokenizer, self.scorer = tokenizer, scorer
+        self.task: Task | None = None
+
+    def reset(self, task: Task) -> list[int]:
+        self.task = task
+        return self.tokenizer.encode(task.prompt, add_bos=getattr(self.tokenizer, "add_bos", False))
+
+    def step(self, action: Sequence[int]) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("CodeTaskEnv.step before reset")
+        text = self.tokenizer.decode(action)
+        reward = self.scorer.submit(self.task, text).result()
+        return StepResult([], reward.reward, True, {"status": reward.status, "text": text})
+
+
+def _run_step(env: Environment, traj: Trajectory, action: Sequence[int]) -> Trajectory:
+    try:
+        traj.record(env.step(action))
+    except Exception as e:  # noqa: BLE001 - the environment's infrastructure failed, not the policy
+        traj.done = True
+        traj.info.update(status=INFRA_ERROR, error=repr(e))
+    return traj
+
+
+def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequence[Task],
+                    pool: ThreadPoolExecutor, *, num_samples: int, max_new_tokens: int,
+                    temperature: float, seed: int, stop_token_ids: Sequence[int] = (),
+                    version: int = 0) -> Future:
+    """Sample `num_samples` completions per task (rows task-major, one environment per row)
+    and submit every environment step; returns a future of (rollouts, stats) that resolves
+    when the last reward is in."""
+    if len(envs) != len(tasks) * num_samples:
+        raise ValueError(f"{len(envs)} environments for {len(tasks)} tasks x {num_samples}")
+    t0 = time.perf_counter()
+    row_tasks = [t for t in tasks for _ in range(num_samples)]
+    row_prompts = [env.reset(task) for env, task in zip(envs, row_tasks)]
+    prompts = row_prompts[::num_samples]  # a group shares its prompt: prefilled once
+    out = sampler.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                           temperature=temperature, stop_token_ids=stop_token_ids, seed=seed)
+    t1 = time.perf_counter()
+    steps = []
+    for env, task, prompt, tokens, lps in zip(envs, row_tasks, row_prompts, out.tokens,
+                                              out.logprobs):
+        traj = Trajectory.start(task.id, prompt, version)
+        traj.add_action(tokens, lps)
+        steps.append(pool.submit(_run_step, env, traj, tokens))
+
+    result: Future = Future()
+    remaining = [len(steps)]
+    lock = threading.Lock()
+
+    def finish(_):
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        try:
+            rollouts = [Rollout.from_trajectory(s.result(), reason)
+                        for s, reason in zip(steps, out.finish_reasons)]
+            result.set_result((rollouts, _stats(rollouts, t1 - t0, time.perf_counter() - t1)))
+        except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the batch
+            result.set_exception(e)
+
+    for s in steps:
+        s.add_done_callback(finish)
+    return result
+
+
+def _stats(rollouts: list[Rollout], generate_s: float, reward_s: float) -> dict:
+    generated = sum(len(r.completion) for r in rollouts)
+    statuses = [r.status for r in rollouts]
+    scored = [r.reward for r in rollouts if r.status != INFRA_ERROR]
+    return {
+        "rollout/reward_mean": float(np.mean(scored)) if scored else float("nan"),
+        "rollout/pass_rate": statuses.count("passed") / len(statuses),
+        "rollout/hack_rate": statuses.count("hack") / len(statuses),
+        "rollout/infra_failures": statuses.count(INFRA_ERROR),
+        "rollout/completion_len": generated / len(rollouts),
+        "rollout/tokens_per_s": generated / max(generate_s, 1e-9),
+        "time/generate_s": generate_s,
+        "time/reward_s": reward_s,  # from the end of sampling to the last verdict
+    }
+
 
 def sample_and_score(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *,
                      num_samples: int, max_new_tokens: int, temperature: float, seed: int,
                      version: int = 0) -> tuple[list[Rollout], dict]:
-    """G completions per task, scored in the sandbox; rows are task-major."""
-    t0 = time.perf_counter()
-    prompts = [tokenizer.encode(t.prompt, add_bos=getattr(tokenizer, "add_bos", False))
-               for t in tasks]
-    out = sampler.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                           temperature=temperature, stop_token_ids=tokenizer.stop_ids,
-                           seed=seed)
-    t1 = time.perf_counter()
-    texts = [tokenizer.decode(tokens) for tokens in out.tokens]
-    row_tasks = [t for t in tasks for _ in range(num_samples)]
-    rewards = scorer.score_batch(row_tasks, texts)
-    t2 = time.perf_counter()
-    rollouts = [
-        Rollout(task.id, prompts[i // num_samples], tokens, [float(x) for x in lps], text,
-                float(r.reward), r.status, reason, version)
-        for i, (task, tokens, lps, text, r, reason) in enumerate(
-            zip(row_tasks, out.tokens, out.logprobs, texts, rewards, out.finish_reasons))
-    ]
-    generated = sum(len(r.completion) for r in rollouts)
-    statuses = [r.status for r in rollouts]
-    stats = {
-        "rollout/reward_mean": float(np.mean([r.reward for r in rollouts])),
-        "rollout/pass_rate": statuses.count("passed") / len(statuses),
-        "rollout/hack_rate": statuses.count("hack") / len(statuses),
-        "rollout/completion_len": generated / len(rollouts),
-        "rollout/tokens_per_s": generated / max(t1 - t0, 1e-9),
-        "time/generate_s": t1 - t0,
-        "time/reward_s": t2 - t1,
-    }
-    return rollouts, stats
+    """G completions per task, scored in the sandbox; rows are task-major. Blocking."""
+    envs = [CodeTaskEnv(tokenizer, scorer) for _ in range(len(tasks) * num_samples)]
+    # Steps mostly wait on the sandbox; enough threads to keep its workers busy.
+    with ThreadPoolExecutor(min(len(envs), 64)) as pool:
+        return sample_episodes(sampler, envs, tasks, pool, num_samples=num_samples,
+                               max_new_tokens=max_new_tokens, temperature=temperature,
+                               seed=seed, stop_token_ids=tokenizer.stop_ids,
+                               version=version).result()
 
 
 class RolloutProducer:
-    """Draws `prompts_per_step` tasks per batch from an iterator (whose state checkpoints)."""
+    """Draws `prompts_per_step` tasks per batch from an iterator (whose state checkpoints) and
+    runs them as episodes of `make_env()` environments (default: `CodeTaskEnv`)."""
 
     def __init__(self, sampler: Sampler, tokenizer, scorer: Scorer, tasks: Iterator[Task], *,
                  prompts_per_step: int, group_size: int, max_new_tokens: int,
-                 temperature: float, seed: int):
+                 temperature: float, seed: int,
+                 make_env: Callable[[], Environment] | None = None, in_flight: int = 2):
         self.sampler, self.tokenizer, self.scorer = sampler, tokenizer, scorer
         self.tasks = tasks
         self.prompts_per_step = prompts_per_step
@@ -95,13 +196,38 @@ class RolloutProducer:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed
+        self.make_env = make_env or (lambda: CodeTaskEnv(tokenizer, scorer))
+        rows = prompts_per_step * group_size
+        # Environment steps mostly wait on the sandbox: one thread per row of every batch
+        # that may be scoring at once.
+        self.pool = ThreadPoolExecutor(rows * in_flight, thread_name_prefix="env-step")
 
-    def produce(self, version: int) -> RolloutBatch:
+    def start(self, index: int, version: int) -> Future:
+        """Sample batch `index` with the sampler's current weights (policy `version`); returns
+        a future of the scored `RolloutBatch`."""
         tasks = [next(self.tasks) for _ in range(self.prompts_per_step)]
-        # The sampling seed depends only on the run seed and the version, so a resumed run
+        envs = [self.make_env() for _ in range(len(tasks) * self.group_size)]
+        # The sampling seed depends only on the run seed and the batch index, so a resumed run
         # draws the same completions as an uninterrupted one.
-        rollouts, stats = sample_and_score(
-            self.sampler, self.tokenizer, self.scorer, tasks, num_samples=self.group_size,
+        episodes = sample_episodes(
+            self.sampler, envs, tasks, self.pool, num_samples=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            seed=self.seed * 1_000_003 + version, version=version)
-        return RolloutBatch(version, self.group_size, rollouts, stats)
+            seed=self.seed * 1_000_003 + index, stop_token_ids=self.tokenizer.stop_ids,
+            version=version)
+        batch: Future = Future()
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                batch.set_exception(f.exception())
+            else:
+                rollouts, stats = f.result()
+                batch.set_result(RolloutBatch(version, self.group_size, rollouts, stats))
+
+        episodes.add_done_callback(done)
+        return batch
+
+    def produce(self, index: int, version: int) -> RolloutBatch:
+        return self.start(index, version).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)

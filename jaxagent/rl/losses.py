@@ -179,3 +179,21 @@ def truncated_importance_weights(proximal_logprobs, behaviour_logprobs, *, cap=2
     """
     log_w = jnp.minimum(proximal_logprobs - behaviour_logprobs, jnp.log(cap))
     return jax.lax.stop_gradient(jnp.exp(log_w))
+
+
+def importance_ratio_stats(proximal_logprobs, behaviour_logprobs, mask, *, cap=None):
+    """Statistics of rho_bt = exp(proximal_bt - behaviour_bt) over the masked tokens:
+
+        ratio_mean          sum m rho / sum m
+        ratio_max           max over masked tokens of rho (0 if nothing is masked in)
+        clipped_fraction    share of masked tokens with rho > cap (0 without a cap)
+
+    They show how far the sampler's policy is from the trainer's. No gradient.
+    """
+    mask = _as_bool(mask)
+    log_rho = jax.lax.stop_gradient(jnp.where(mask, proximal_logprobs - behaviour_logprobs, 0.0))
+    rho = jnp.where(mask, jnp.exp(log_rho), 0.0)
+    count = jnp.maximum(jnp.sum(mask), 1)
+    clipped = mask & (log_rho > jnp.log(cap)) if cap is not None else jnp.zeros_like(mask)
+    return {"ratio_mean": jnp.sum(rho) / count, "ratio_max": jnp.max(rho),
+            "clipped_fraction": jnp.sum(clipped) / count}

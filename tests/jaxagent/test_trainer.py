@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxagent.config import ConfigError, load_config
@@ -103,3 +105,115 @@ def test_sft_then_eval_cli(tmp_path, capsys, moe):
     assert "pass@1:" in printed and "pass@2:" in printed
     rows = [line for line in out.read_text().splitlines() if line]
     assert len(rows) == 6  # 3 tasks x 2 samples
+
+
+def test_max_staleness_0_reproduces_the_synchronous_loop_exactly(tmp_path):
+    """The async code path with k = 0 against the synchronous schedule spelled out by hand:
+    sample (sampler.generate), score (score_batch), train, hand the weights over, repeat."""
+    from flax import nnx
+
+    from jaxagent.optim import make_optimizer
+    from jaxagent.steps import rl_step
+    from jaxagent.trainer import (
+        compute_advantages,
+        load_model_and_tokenizer,
+        load_task_splits,
+        loss_options,
+        make_scorer,
+        to_train_batch,
+        train,
+    )
+    from rollouts.producer import Rollout, RolloutBatch
+    from rollouts.sampler import Sampler
+    from rollouts.tasks import task_dataset
+
+    small = [o for o in TINY if not o.startswith(("sft.steps", "tasks.num_eval", "train.steps"))]
+    overrides = [*small, "sft.steps=0", "tasks.num_eval=0", "train.steps=3"]
+    cfg = load_config(None, [*overrides, "rollout.max_staleness=0", f"workdir={tmp_path / 'k0'}"])
+    train(cfg)
+    rows = [r for r in read_metrics(tmp_path / "k0" / "metrics.jsonl") if "train/loss" in r]
+    assert [r["rollout/staleness"] for r in rows] == [0, 0, 0]
+
+    model, tok = load_model_and_tokenizer(cfg)
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    opt_state = tx.init(params)
+    tasks = iter(task_dataset(load_task_splits(cfg)[0], seed=cfg.seed))
+    sampler = Sampler(nnx.merge(graphdef, params), tok, prompt_bucket=cfg.sampler.prompt_bucket,
+                      cache_bucket=cfg.sampler.cache_bucket,
+                      batch_bucket=cfg.sampler.batch_bucket)
+    t, g = cfg.train, cfg.rl.group_size
+    want = []
+    with make_scorer(cfg) as scorer:
+        for step in range(t.steps):
+            group = [next(tasks) for _ in range(t.prompts_per_step)]
+            prompts = [tok.encode(x.prompt) for x in group]
+            out = sampler.generate(prompts, num_samples=g, max_new_tokens=t.max_new_tokens,
+                                   temperature=t.temperature, stop_token_ids=tok.stop_ids,
+                                   seed=cfg.seed * 1_000_003 + step)
+            rewards = scorer.score_batch([x for x in group for _ in range(g)],
+                                         [tok.decode(c) for c in out.tokens])
+            batch = RolloutBatch(step, g, [
+                Rollout(r.task_id, prompts[i // g], c, [True] * len(c), [float(x) for x in lp],
+                        "", r.reward, r.status, "", step)
+                for i, (c, lp, r) in enumerate(zip(out.tokens, out.logprobs, rewards))], {})
+            adv, keep = compute_advantages(cfg.rl, batch, t.max_new_tokens)
+            params, opt_state, m = rl_step(graphdef, tx, params, opt_state,
+                                           to_train_batch(batch, adv, keep), None,
+                                           options=loss_options(cfg), micro_batch=t.micro_batch)
+            sampler.update_weights(params)
+            want.append((float(m["train/loss"]), float(m["train/grad_norm"]),
+                         float(np.mean([r.reward for r in rewards]))))
+    got = [(r["train/loss"], r["train/grad_norm"], r["rollout/reward_mean"]) for r in rows]
+    assert got == want
+
+
+def test_max_staleness_1_trains_on_one_step_old_batches(tmp_path):
+    from jaxagent.trainer import train
+
+    small = [o for o in TINY if not o.startswith(("sft.steps", "tasks.num_eval"))]
+    cfg = load_config(None, [*small, "sft.steps=0", "tasks.num_eval=0", "checkpoint.every=1",
+                             "rollout.max_staleness=1", f"workdir={tmp_path}"])
+    train(cfg)
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
+    for r in rows:
+        assert 0 <= r["rollout/overlap"] <= 1 and r["time/weight_sync_s"] >= 0
+        assert r["train/behaviour_ratio_max"] >= r["train/behaviour_ratio_mean"] > 0
+    # The checkpoint after 3 steps holds the batch step 4 trained (sampled with version 2, so
+    # a resume from version 3 could not recreate it) and the task state after it.
+    manager = ocp.CheckpointManager(tmp_path / "checkpoints", item_names=("state", "extra"))
+    extra = manager.restore(3, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
+    (queued,) = extra["queued"]
+    logged = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert queued["version"] == 2
+    assert [r["completion"] for r in queued["rollouts"][:cfg.train.log_rollouts]] == [
+        r["completion"] for r in logged if r["step"] == 4]
+    assert extra["data"] == {"next_index": 4 * cfg.train.prompts_per_step}
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
+    from jaxagent.config import RLConfig
+    from jaxagent.trainer import compute_advantages
+    from rollouts.producer import INFRA_ERROR, Rollout, RolloutBatch
+
+    rewards = [[1.0, 0.0, 0.5, 0.0], [0.25, 1.0, 0.0, 0.75]]
+    failed = {(0, 1), (1, 0), (1, 2)}
+    batch = RolloutBatch(0, 4, [
+        Rollout("t", [1], [2, 3], [True, True], [-1.0, -1.0], "", r,
+                INFRA_ERROR if (g, i) in failed else "passed", "stop", 0)
+        for g, row in enumerate(rewards) for i, r in enumerate(row)], {})
+    adv, keep = compute_advantages(RLConfig(algorithm=algorithm, group_size=4), batch, 8)
+
+    def reference(r):  # over the group's scored members only, in float64
+        r = np.asarray(r)
+        if algorithm == "rloo":
+            return r - (r.sum() - r) / (len(r) - 1)
+        return (r - r.mean()) / (r.std() + 1e-6)
+
+    want = np.zeros((2, 4))
+    want[0, [0, 2, 3]] = reference([1.0, 0.5, 0.0])
+    want[1, [1, 3]] = reference([1.0, 0.75])
+    np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-5, atol=1e-6)
+    assert keep.tolist() == [(g, i) not in failed for g in range(2) for i in range(4)]
