@@ -333,7 +333,14 @@ class Decoder(nnx.Module):
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
     """A randomly initialised decoder (one compiled program, not one dispatch per parameter)."""
-    return nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(params=seed)))()
+    init = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(params=seed)))
+    if jax.default_backend() != "gpu":
+        return init()
+    # XLA:GPU took 3m12s to compile this for a 24-layer 0.5B model on an H100 (XLA:CPU ~10 s):
+    # initialise on the host, then copy to the default device.
+    with jax.default_device(jax.devices("cpu")[0]):
+        graphdef, state = nnx.split(init())
+    return nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
 
 
 def logical_axes(model: nnx.Module) -> dict:

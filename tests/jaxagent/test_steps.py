@@ -81,8 +81,9 @@ def test_positive_advantage_raises_the_sequence_likelihood():
     assert np.all(np.sign(after - before) == np.sign(adv))
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
-                                         "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("aggregation", [
+    "token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.slow),
+    "seq-mean-token-sum-norm"])
 def test_micro_batches_give_the_full_batch_gradient(aggregation):
     # Plain SGD, so the parameter change is the gradient itself (Adam would amplify
     # float noise in near-zero components).
@@ -164,6 +165,7 @@ def test_pack_shared_rejects_groups_without_one_prompt():
         pack_shared([[1]] * 3, [[3]] * 3, group_size=2)
 
 
+@pytest.mark.slow  # the step-equality tests below cover it
 def test_shared_prompt_logprobs_equal_separate_sequences():
     p, c, lp = grouped_rollouts()
     model = nnx.merge(*setup()[:2])
@@ -178,7 +180,8 @@ def test_shared_prompt_logprobs_equal_separate_sequences():
 
 
 @pytest.mark.parametrize("aggregation,micro_batch", [
-    ("token-mean", 0), ("seq-mean-token-mean", 4), ("seq-mean-token-sum-norm", 4)])
+    ("token-mean", 0), pytest.param("seq-mean-token-mean", 4, marks=pytest.mark.slow),
+    ("seq-mean-token-sum-norm", 4)])
 def test_shared_prompt_step_equals_the_unshared_step(aggregation, micro_batch):
     graphdef, params, _, _ = setup()
     tx = optax.sgd(1.0)  # the parameter change is the gradient itself
@@ -211,7 +214,7 @@ MOE = dataclasses.replace(CFG, num_layers=2, num_experts=5, num_experts_per_tok=
                           moe_intermediate_size=11, mlp_only_layers=(1,), router_aux_loss_coef=0.7)
 
 
-@pytest.mark.parametrize("step", ["sft", "rl"])
+@pytest.mark.parametrize("step", ["sft", pytest.param("rl", marks=pytest.mark.slow)])
 def test_moe_aux_loss_is_in_the_gradient(step):
     """With SGD(lr=1) the update is -grad: raising the coefficient from 0 to c adds exactly
     -c * grad(load-balancing loss of this batch)."""

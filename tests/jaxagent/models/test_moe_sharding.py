@@ -49,7 +49,7 @@ def expert_shards(params):
     return {s.data.shape for s in w.addressable_shards}, len(w.addressable_shards)
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+@pytest.mark.parametrize("dispatch", ["dropless", pytest.param("capacity", marks=pytest.mark.slow)])
 def test_expert_sharded_forward_and_train_step_equal_unsharded(dispatch):
     cfg = dataclasses.replace(CFG, moe_dispatch=dispatch, capacity_factor=1.0)
     model = init_model(cfg, seed=4)

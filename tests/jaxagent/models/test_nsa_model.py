@@ -36,6 +36,7 @@ def test_nsa_parameters_carry_logical_axes():
         init_model(dataclasses.replace(CFG, nsa=NSAConfig(compress_block=10, compress_stride=4)))
 
 
+@pytest.mark.slow
 def test_nsa_model_differs_from_dense_and_trains():
     model = init_model(CFG, seed=0)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 200, (2, 40)), jnp.int32)
@@ -56,6 +57,7 @@ def test_nsa_model_differs_from_dense_and_trains():
     assert float(jnp.abs(w1_after - w1_before).max()) > 0  # the compression MLP is trained
 
 
+@pytest.mark.slow  # test_decode_steps_match_teacher_forced_layer runs by default
 def test_sampler_decoding_matches_teacher_forced_forward():
     """Greedy NSA decoding over a left-padded KV cache picks the teacher-forced argmax at every
     step, with the same log-probabilities (prompts of different lengths: different pads)."""

@@ -125,6 +125,7 @@ def test_nsa_reference_float64_and_gradients():
         assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_gathered_and_banded_match_masked():
     rng = np.random.default_rng(5)
     b, t, n, kh, h, vd = 2, 23, 6, 3, 4, 5
