@@ -48,6 +48,21 @@ class NSAConfig:
 
 
 @dataclass(frozen=True)
+class DocumentConfig:
+    """Document-level attention (`model.attention: doc`): a prompt is documents, each attending
+    only within itself, then a final section attending to all of them and to itself."""
+
+    # Each document's RoPE positions start at 0, so its KV is the same wherever it lands in a
+    # prompt (cacheable, `rollouts/kv_store.py`). False: positions run on across documents.
+    restart_positions: bool = True
+    # Where the final section's positions start when documents restart: "sum" (after all the
+    # documents' tokens: query-to-document distances grow with the number of documents, as in
+    # a plain concatenation) or "longest" (after the longest document: positions stay within
+    # one document's range however many are attached, but all documents look equally near).
+    final_positions: Literal["sum", "longest"] = "sum"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder. Defaults: the tiny byte-level
     model for CPU runs."""
@@ -71,7 +86,10 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of activations
     attention_backend: str = "xla"  # key of jaxagent.models.attention.BACKENDS (dense attention)
-    attention: Literal["dense", "nsa"] = "dense"  # nsa: Native Sparse Attention, see `nsa`
+    # dense: `attention_backend`; nsa: Native Sparse Attention, see `nsa`; doc: the Pallas
+    # document-attention kernel (pallas_kernels/doc_attention), prompts laid out by `documents`.
+    attention: Literal["dense", "nsa", "doc"] = "dense"
+    documents: DocumentConfig = field(default_factory=DocumentConfig)  # when attention is "doc"
     nsa: NSAConfig = field(default_factory=NSAConfig)  # used when attention is "nsa"
     bos_token_id: int | None = 256
     eos_token_id: int | None = 257

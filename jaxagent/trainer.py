@@ -43,7 +43,7 @@ from jaxagent.checkpoint import Checkpointer
 from jaxagent.config import Config, ConfigError, RLConfig, save_config
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.metrics import MetricsWriter, plot_curves
-from jaxagent.models.attention import supports_sees_all
+from jaxagent.models import sees_all_segments
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import LossOptions, TrainBatch, pack, pack_shared, rl_step, sft_step
 from rollouts.orchestrator import Orchestrator, WeightStore
@@ -311,7 +311,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                 group_size=cfg.rl.group_size, max_new_tokens=t.max_new_tokens,
                 temperature=t.temperature, seed=cfg.seed,
                 in_flight=cfg.rollout.max_staleness + 1)
-            share = t.share_prompt and supports_sees_all(cfg.model.attention_backend)
+            share = t.share_prompt and sees_all_segments(cfg.model)
             weights = WeightStore.like(sampler.params)
             weights.publish(start, layout.sampler_params(params))
             orchestrator = Orchestrator(producer, weights, max_staleness=cfg.rollout.max_staleness,

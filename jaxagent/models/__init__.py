@@ -1,13 +1,16 @@
 """Flax NNX decoders (Llama / Qwen2 / Qwen3) and HF checkpoint import/export."""
 
 from jaxagent.models.attention import BACKENDS, register_backend
+from jaxagent.models.documents import document_layout
 from jaxagent.models.hf import CheckpointError, from_pretrained, read_config, save_pretrained
-from jaxagent.models.llama import Decoder, KVCache, init_model, logical_axes
+from jaxagent.models.llama import (Decoder, KVCache, init_model, logical_axes,
+                                   sees_all_segments)
 
 __all__ = [
     "BACKENDS",
     "CheckpointError",
     "Decoder",
+    "document_layout",
     "KVCache",
     "from_pretrained",
     "init_model",
@@ -15,4 +18,5 @@ __all__ = [
     "read_config",
     "register_backend",
     "save_pretrained",
+    "sees_all_segments",
 ]

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxagent.config import ModelConfig
-from jaxagent.models.attention import get_backend
+from jaxagent.models.attention import get_backend, supports_sees_all
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import param as _param
 from pallas_kernels.nsa import reference as nsa_ref
@@ -215,7 +215,7 @@ class Attention(nnx.Module):
         if cfg.attention == "nsa":
             out = self.nsa(q, k.astype(dt), v.astype(dt), positions, slots, cached=cache_kv is not None)
         else:
-            attend = get_backend(cfg.attention_backend)
+            attend = get_backend(backend_name(cfg))
             out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
                          kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots)
         return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt)), new_kv
@@ -329,6 +329,17 @@ class Decoder(nnx.Module):
         if cache is None:
             return logits
         return logits, KVCache(new_k, new_v, cache_segment_ids, cache.index + t)
+
+
+def backend_name(cfg: ModelConfig) -> str:
+    """The attention backend a dense or document-attention model runs."""
+    return "doc" if cfg.attention == "doc" else cfg.attention_backend
+
+
+def sees_all_segments(cfg: ModelConfig) -> bool:
+    """Whether the model honours negative ("sees all") segment ids: shared-prompt packing and
+    document prompts need it; NSA's branches do not read segment ids."""
+    return cfg.attention != "nsa" and supports_sees_all(backend_name(cfg))
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
