@@ -127,12 +127,16 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_sft(args) -> int:
+    import json
+
     from rich.console import Console
 
     from jaxagent.trainer import run_sft
 
     out = run_sft(_load_config(args))
-    Console(stderr=True).print(f"SFT model written to {out}")
+    metrics = json.loads((out / "sft_metrics.json").read_text())
+    Console(stderr=True).print(f"SFT model written to {out}; " + ", ".join(
+        f"{k} {v:.4f}" for k, v in metrics.items()))
     return 0
 
 

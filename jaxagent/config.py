@@ -236,10 +236,23 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class DocumentDataConfig:
+    """The synthetic retrieval family (rollouts/tasks/documents.py) for `sft.data: documents`."""
+
+    num_documents: int = 4
+    entries: int = 3  # key=value lines per document
+    eval_examples: int = 256  # held out: answer accuracy before and after SFT
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     steps: int = 40  # supervised warm-up steps before RL (on the tasks' reference solutions)
     batch_size: int = 64
     learning_rate: float = 2e-3
+    # tasks: imitate the training tasks' references. documents: the synthetic retrieval family
+    # laid out for document attention, loss on the final section's answer.
+    data: Literal["tasks", "documents"] = "tasks"
+    documents: DocumentDataConfig = field(default_factory=DocumentDataConfig)
 
 
 @dataclass(frozen=True)

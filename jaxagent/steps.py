@@ -27,6 +27,8 @@ import optax
 from flax import nnx
 
 from jaxagent import rl
+from jaxagent.config import DocumentConfig
+from jaxagent.models.documents import document_layout
 
 
 @jax.tree_util.register_dataclass
@@ -142,6 +144,43 @@ def pack_shared(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
         segment_ids=jnp.asarray(segment_ids), sampler_logprobs=jnp.asarray(behaviour),
         advantages=jnp.asarray(np.zeros(n) if advantages is None else advantages, jnp.float32),
         positions=jnp.asarray(positions), gather=jnp.asarray(gather))
+
+
+def pack_documents(examples: Sequence[tuple[Sequence[Sequence[int]], Sequence[int],
+                                            Sequence[int]]],
+                   cfg: DocumentConfig = DocumentConfig(), *, bucket: int = 32) -> TrainBatch:
+    """Rows `[doc_1, ..., doc_n, question + answer]` laid out by `document_layout` (documents
+    attend to themselves, the final section to everything); the loss is on the answer tokens.
+    `examples`: (documents, question, answer) token lists."""
+    rows = []
+    for i, (docs, question, answer) in enumerate(examples):
+        if not answer:
+            raise ValueError(f"example {i}: empty answer (the loss is on the answer)")
+        segments, positions = document_layout([len(d) for d in docs],
+                                              len(question) + len(answer), cfg)
+        rows.append(([t for d in docs for t in d] + list(question) + list(answer),
+                     segments, positions, len(answer)))
+    t = -(-(max(len(r[0]) for r in rows) - 1) // bucket) * bucket
+    arrays = np.zeros((4, len(rows), t + 1), np.int32)  # tokens, segments, positions, mask
+    for i, (tokens, segments, positions, n_answer) in enumerate(rows):
+        n = len(tokens)
+        arrays[:, i, :n] = tokens, segments, positions, np.arange(n) >= n - n_answer
+    tokens, segments, positions, mask = arrays
+    n = len(rows)
+    return TrainBatch(
+        tokens=jnp.asarray(tokens[:, :-1]), targets=jnp.asarray(tokens[:, 1:]),
+        loss_mask=jnp.asarray(mask[:, 1:], jnp.float32),
+        segment_ids=jnp.asarray(segments[:, :-1]),
+        sampler_logprobs=jnp.zeros((n, t), jnp.float32), advantages=jnp.zeros(n, jnp.float32),
+        positions=jnp.asarray(positions[:, :-1]))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def answer_accuracy(graphdef, params, batch: TrainBatch) -> jax.Array:
+    """Fraction of rows whose every loss-masked target is the greedy (argmax) prediction."""
+    _, logits, _ = target_logprobs(nnx.merge(graphdef, params), batch)
+    wrong = (jnp.argmax(logits, -1) != batch.targets) & (batch.loss_mask > 0)
+    return jnp.mean(~wrong.any(-1))
 
 
 def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -20,6 +20,7 @@ an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import zlib
@@ -45,12 +46,14 @@ from jaxagent.eval import mean_pass_at_k
 from jaxagent.metrics import MetricsWriter, plot_curves
 from jaxagent.models import sees_all_segments
 from jaxagent.optim import make_optimizer
-from jaxagent.steps import LossOptions, TrainBatch, pack, pack_shared, rl_step, sft_step
+from jaxagent.steps import (LossOptions, TrainBatch, answer_accuracy, pack, pack_documents,
+                            pack_shared, rl_step, sft_step)
 from rollouts.orchestrator import Orchestrator, WeightStore
 from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
 from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
+from rollouts.tasks.documents import lookup_examples
 from rollouts.tasks.humaneval import humaneval_tasks
 from sharding.distributed import initialize, is_leader
 from sharding.layout import Layout
@@ -174,30 +177,64 @@ def evaluate(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *, 
 
 def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Layout,
         progress=None):
-    """`cfg.sft.steps` of token-mean cross-entropy on the tasks' reference completions."""
+    """`cfg.sft.steps` of token-mean cross-entropy on `cfg.sft.data`: the tasks' reference
+    completions, or document-retrieval examples (then the metrics hold the held-out answer
+    accuracy before and after)."""
     s = cfg.sft
-    data = [(tokenizer.encode(t.prompt, add_bos=getattr(tokenizer, "add_bos", False)),
-             tokenizer.encode(t.metadata["reference"]) + list(tokenizer.stop_ids[:1]))
-            for t in tasks if "reference" in t.metadata]
-    if not data:
-        raise ValueError("sft.steps > 0 but no task has metadata['reference'] to imitate")
+    draw, eval_batch = _sft_data(cfg, tokenizer, tasks)
     tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
                         s.steps)
     opt_state = layout.place(tx.init(params))
     rng = np.random.default_rng(cfg.seed)
     task_bar = progress.add_task("sft", total=s.steps, info="") if progress else None
-    metrics = {}
+    metrics, accuracy = {}, {}
+    if eval_batch is not None:
+        eval_batch = layout.batch(jax.tree.map(
+            lambda x: x[layout.local_rows(s.documents.eval_examples)], eval_batch),
+            "sft.documents.eval_examples")
+        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch)
     for _ in range(s.steps):
-        rows = [data[i] for i in rng.integers(0, len(data), s.batch_size)]
         # Every process draws the same global batch and keeps its own rows of it.
-        batch = pack([p for p, _ in rows], [c for _, c in rows])
+        batch = draw(rng)
         batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)], batch),
                              "sft.batch_size")
         params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
                                               cfg.train.micro_batch)
         if progress:
             progress.update(task_bar, advance=1, info=f"loss {float(metrics['sft/loss']):.3f}")
-    return params, {k: float(v) for k, v in metrics.items()}
+    if eval_batch is not None:
+        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch)
+    return params, {k: float(v) for k, v in {**metrics, **accuracy}.items()}
+
+
+def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
+    """(draw(rng) -> a packed batch of `sft.batch_size` rows, held-out batch or None)."""
+    s = cfg.sft
+    encode = functools.partial(tokenizer.encode, add_bos=False)
+    stop = list(tokenizer.stop_ids[:1])
+    if s.data == "documents":
+        d = s.documents
+
+        def examples(n, seed):
+            return pack_documents(
+                [([encode(doc) for doc in e.documents], encode(e.question), encode(e.answer) + stop)
+                 for e in lookup_examples(n, num_documents=d.num_documents, entries=d.entries,
+                                          seed=seed)], cfg.model.documents)
+
+        # Training seeds come from the step's rng; the held-out set from a seed it never draws.
+        return (lambda rng: examples(s.batch_size, int(rng.integers(1, 2**31))),
+                examples(d.eval_examples, 0))
+    data = [(tokenizer.encode(t.prompt, add_bos=getattr(tokenizer, "add_bos", False)),
+             encode(t.metadata["reference"]) + stop)
+            for t in tasks if "reference" in t.metadata]
+    if not data:
+        raise ValueError("sft.steps > 0 but no task has metadata['reference'] to imitate")
+
+    def draw(rng):
+        rows = [data[i] for i in rng.integers(0, len(data), s.batch_size)]
+        return pack([p for p, _ in rows], [c for _, c in rows])
+
+    return draw, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,6 +260,9 @@ def validate(cfg: Config) -> None:
         (r.overlong_buffer <= t.max_new_tokens, "rl.overlong_buffer",
          "must be <= train.max_new_tokens"),
         (cfg.rollout.max_staleness >= 0, "rollout.max_staleness", "must be >= 0"),
+        (cfg.sft.data != "documents" or sees_all_segments(cfg.model), "sft.data",
+         "documents need document attention (model.attention: doc, or dense with a backend "
+         "that supports negative segment ids)"),
     ]
     for ok, key, message in checks:
         if not ok:
@@ -391,6 +431,7 @@ def run_sft(cfg: Config) -> Path:
 
     if cfg.sft.steps <= 0:
         raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
+    validate(cfg)
     initialize(cfg.distributed)
     layout = Layout(cfg)
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")

@@ -137,3 +137,11 @@ def test_real_model_configs_are_valid(name):
     assert max(cfg.eval.k) <= cfg.eval.samples
     assert cfg.optim.learning_rate < 1e-5  # full fine-tuning of a pretrained model
     assert cfg.workdir.endswith(name)
+
+
+def test_document_attention_config_is_valid():
+    from jaxagent.trainer import validate
+
+    cfg = load_config("configs/doc_tiny.yaml")
+    assert cfg.model.attention == "doc" and cfg.sft.data == "documents"
+    validate(cfg)

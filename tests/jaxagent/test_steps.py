@@ -7,12 +7,13 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxagent.config import ModelConfig, OptimizerConfig
+from jaxagent.config import DocumentConfig, ModelConfig, OptimizerConfig
 from jaxagent.models import init_model
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import (
     LossOptions,
     pack,
+    pack_documents,
     pack_shared,
     rl_step,
     sft_step,
@@ -286,3 +287,44 @@ def test_off_policy_loss_and_importance_weights_match_a_hand_computed_reference(
     clipped = (rho[on] > cap).mean()
     assert 0 < clipped < 1
     np.testing.assert_allclose(float(m["train/behaviour_clipped_fraction"]), clipped, rtol=1e-5)
+
+
+def document_examples(seed=21, docs=4):
+    rng = np.random.default_rng(seed)
+    return [([rng.integers(0, 61, rng.integers(2, 9)).tolist() for _ in range(docs)],
+             rng.integers(0, 61, rng.integers(1, 4)).tolist(),
+             rng.integers(0, 61, rng.integers(1, 5)).tolist()) for _ in range(3)]
+
+
+def test_pack_documents_layout():
+    batch = pack_documents([([[5, 6], [7, 8, 9]], [3], [4, 2])], bucket=4)
+    # Inputs: 8 tokens (the last one's target is padding), T rounded up to 8.
+    np.testing.assert_array_equal(batch.tokens[0], [5, 6, 7, 8, 9, 3, 4, 2])
+    np.testing.assert_array_equal(batch.segment_ids[0], [1, 1, 2, 2, 2, -1, -1, -1])
+    np.testing.assert_array_equal(batch.positions[0], [0, 1, 0, 1, 2, 5, 6, 7])
+    np.testing.assert_array_equal(batch.targets[0][:7], [6, 7, 8, 9, 3, 4, 2])
+    np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 0, 0, 1, 1, 0])  # the answer
+    with pytest.raises(ValueError, match="example 0: empty answer"):
+        pack_documents([([[1]], [2], [])])
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_document_order_changes_the_answer_only_without_restarted_positions(restart):
+    """Documents restarting at position 0 and seeing only themselves make the final section
+    invariant to their order (attention is a set operation over keys); running positions
+    break it. Swapping another document's content always changes the answer's log-probs."""
+    model = init_model(CFG, seed=3)
+    cfg = DocumentConfig(restart_positions=restart)
+    examples = document_examples()
+    shuffled = [(d[::-1], q, a) for d, q, a in examples]
+    edited = [([d[0], [(t + 1) % 61 for t in d[1]], *d[2:]], q, a) for d, q, a in examples]
+
+    def answer_logprobs(rows):
+        batch = pack_documents(rows, cfg)
+        logp = np.asarray(target_logprobs(model, batch)[0])
+        return logp[np.asarray(batch.loss_mask) > 0]
+
+    base = answer_logprobs(examples)
+    same = np.allclose(answer_logprobs(shuffled), base, rtol=1e-5, atol=1e-6)
+    assert same == restart
+    assert not np.allclose(answer_logprobs(edited), base, rtol=1e-5, atol=1e-6)
