@@ -5,8 +5,8 @@ attends only to itself, so its keys and values (post-RoPE, every layer) depend o
 tokens, its positions and the weights. With `DocumentConfig.restart_positions` (the default)
 its positions are 0..n-1 wherever it lands, so one encoding serves every prompt it appears in.
 
-An entry is one array [L, 2, K, n, H] (layers, k/v, kv heads, the document's n tokens, head
-dim) in the cache dtype. Entries live in device memory up to `device_bytes`, least recently
+An entry is one array [Y, 2, K, n, H] (Y layers, k and v, K kv heads, the document's n tokens,
+H head dim) in the cache dtype. Entries live in device memory up to `device_bytes`, least recently
 used first out; an evicted entry spills to host memory (numpy, up to `host_bytes`, then
 dropped) and is copied back to the device on its next hit. Keys hash the token ids, the first
 position, and a model tag that changes with the weights (`Sampler.update_weights` also calls
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-# (tokens, first position) of each document to encode -> one [L, 2, K, n, H] array each.
+# (tokens, first position) of each document to encode -> one [Y, 2, K, n, H] array each.
 EncodeFn = Callable[[list[tuple[list[int], int]]], list[jax.Array]]
 
 _COUNTERS = ("hits", "misses", "device_hits", "host_hits", "tokens_encoded", "tokens_saved",

@@ -1,7 +1,8 @@
 """JAX-native sampler: jitted prefill and decode over a preallocated, growing KV cache.
 
 Letters: B batch rows, P prompts, G samples per prompt, L prompt length, S cache slots,
-N generated-token buffer, V vocab.
+N generated-token buffer, V vocab; for document KVs (`rollouts/kv_store.py`) also Y layers,
+K kv heads, H head dim, W document slots per row.
 
 How a call runs:
 1. Prompts are left-padded to a bucketed length L (segment id 0 marks padding), so every row
@@ -162,19 +163,19 @@ def _grow_cache(cache: KVCache, extra: int) -> KVCache:
 
 @jax.jit
 def _stack_layers(cache: KVCache) -> jax.Array:
-    """[B, L, 2, K, S, H]: every layer's k and v of each row (the KV store's entry layout)."""
+    """[B, Y, 2, K, S, H]: every layer's k and v of each row (the KV store's entry layout)."""
     return jnp.stack([jnp.stack(kv, axis=1) for kv in zip(cache.k, cache.v)], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("extra",))
 def _documents_cache(kv, segment_ids, extra: int) -> KVCache:
-    """A cache from rows of document KV laid end to end, kv [L, 2, K, B*W, H] with segment_ids
+    """A cache from rows of document KV laid end to end, kv [Y, 2, K, B*W, H] with segment_ids
     [B, W], written up to W, with `extra` empty slots after."""
     batch, width = segment_ids.shape
-    l, _, k, _, h = kv.shape
-    kv = kv.reshape(l, 2, k, batch, width, h).transpose(0, 1, 3, 2, 4, 5)  # [L, 2, B, K, W, H]
+    y, _, k, _, h = kv.shape
+    kv = kv.reshape(y, 2, k, batch, width, h).transpose(0, 1, 3, 2, 4, 5)  # [Y, 2, B, K, W, H]
     kv = jnp.pad(kv, [(0, 0)] * 4 + [(0, extra), (0, 0)])
-    return KVCache(k=[kv[i, 0] for i in range(l)], v=[kv[i, 1] for i in range(l)],
+    return KVCache(k=[kv[i, 0] for i in range(y)], v=[kv[i, 1] for i in range(y)],
                    segment_ids=jnp.pad(segment_ids, [(0, 0), (0, extra)]),
                    index=jnp.int32(width))
 
@@ -311,12 +312,11 @@ class Sampler:
         # Prefill: each distinct prompt once (prefix sharing), or every row (for comparison).
         repeat = g if self.prefix_sharing else 1
         to_prefill = [p for p in prompts for _ in range(g // repeat)]
-        stats = {}
         if documents is None:
             tokens, segment_ids, positions = self._pad_prompts(to_prefill)
             logits, cache = _prefill(self.graphdef, self.params, tokens, segment_ids, positions)
             next_positions = np.array([len(p) for p in to_prefill])
-            stats.update(prefill_rows=int(tokens.shape[0]), prefill_tokens=int(segment_ids.sum()))
+            stats = dict(prefill_rows=int(tokens.shape[0]), prefill_tokens=int(segment_ids.sum()))
         else:
             to_documents = [d for d in documents for _ in range(g // repeat)]
             logits, cache, next_positions, stats = self._prefill_documents(to_prefill,
@@ -384,7 +384,7 @@ class Sampler:
     # Document prompts: cached document KVs, then the prompt prefilled onto them.
 
     def _encode_documents(self, documents: list[tuple[list[int], int]]) -> list[jax.Array]:
-        """Prefill each (tokens, first position) alone, in one batch; [L, 2, K, n, H] each."""
+        """Prefill each (tokens, first position) alone, in one batch; [Y, 2, K, n, H] each."""
         tokens, segment_ids, positions = self._pad_prompts([t for t, _ in documents],
                                                            [s for _, s in documents])
         _, cache = _prefill(self.graphdef, self.params, tokens, segment_ids, positions)
