@@ -1,7 +1,8 @@
 """JAX-native sampler: jitted prefill and decode over a preallocated, growing KV cache.
 
 Letters: B batch rows, P prompts, G samples per prompt, L prompt length, S cache slots,
-N generated-token buffer, V vocab.
+N generated-token buffer, V vocab; for document KVs (`rollouts/kv_store.py`) also Y layers,
+K kv heads, H head dim, W document slots per row.
 
 How a call runs:
 1. Prompts are left-padded to a bucketed length L (segment id 0 marks padding), so every row
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 
 import jax
@@ -28,9 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxagent.models.documents import document_layout
 from jaxagent.models.llama import KVCache
+from rollouts.kv_store import KVStore
 
 _MAX_STOP_IDS = 8
+_WEIGHTS_IDS = itertools.count()  # a fresh id per weights a sampler holds (KV store keys)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -156,6 +161,25 @@ def _grow_cache(cache: KVCache, extra: int) -> KVCache:
     )
 
 
+@jax.jit
+def _stack_layers(cache: KVCache) -> jax.Array:
+    """[B, Y, 2, K, S, H]: every layer's k and v of each row (the KV store's entry layout)."""
+    return jnp.stack([jnp.stack(kv, axis=1) for kv in zip(cache.k, cache.v)], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("extra",))
+def _documents_cache(kv, segment_ids, extra: int) -> KVCache:
+    """A cache from rows of document KV laid end to end, kv [Y, 2, K, B*W, H] with segment_ids
+    [B, W], written up to W, with `extra` empty slots after."""
+    batch, width = segment_ids.shape
+    y, _, k, _, h = kv.shape
+    kv = kv.reshape(y, 2, k, batch, width, h).transpose(0, 1, 3, 2, 4, 5)  # [Y, 2, B, K, W, H]
+    kv = jnp.pad(kv, [(0, 0)] * 4 + [(0, extra), (0, 0)])
+    return KVCache(k=[kv[i, 0] for i in range(y)], v=[kv[i, 1] for i in range(y)],
+                   segment_ids=jnp.pad(segment_ids, [(0, 0), (0, extra)]),
+                   index=jnp.int32(width))
+
+
 def _take_rows(tree, index):
     """Gather batch rows of every [B, ...] array in a pytree (scalars pass through)."""
     return jax.tree.map(lambda x: x[index] if x.ndim else x, tree)
@@ -168,12 +192,16 @@ class Sampler:
     """Generates completions for token prompts with a Flax NNX decoder.
 
     `update_weights(model)` swaps in new parameters without recompiling (same shapes).
+    `generate(..., documents=)` reuses document KVs from `kv_store` (one per sampler unless
+    given, so samplers of one model can share it).
     """
 
     def __init__(self, model, tokenizer=None, *, prompt_bucket: int = 64, cache_bucket: int = 128,
                  batch_bucket: int = 8, segment_steps: int = 32, prefix_sharing: bool = True,
-                 compact: bool = True):
+                 compact: bool = True, kv_store: KVStore | None = None):
         self.graphdef, self.params = nnx.split(model)
+        self._weights_id = next(_WEIGHTS_IDS)
+        self.kv_store = KVStore() if kv_store is None else kv_store
         self.config = model.config
         self.tokenizer = tokenizer
         self.prompt_bucket = prompt_bucket
@@ -188,6 +216,8 @@ class Sampler:
         if isinstance(model_or_params, nnx.Module):
             params = nnx.state(model_or_params)
         self.params = params
+        self._weights_id = next(_WEIGHTS_IDS)
+        self.kv_store.clear()  # stored document KVs are of the old weights
 
     # -----------------------------------------------------------------------------------------
 
@@ -206,8 +236,32 @@ class Sampler:
             out.append(ids)
         return out
 
-    def _pad_prompts(self, prompts: list[list[int]]):
-        """Left-pad to a bucketed length and a bucketed batch; padding rows have row id -1."""
+    def _check_documents(self, documents, num_prompts: int) -> list[list[list[int]]]:
+        if self.config.attention == "nsa":
+            raise ValueError("documents: not supported with model.attention nsa (its blocks "
+                             "assume positions that follow the cache slots)")
+        if len(documents) != num_prompts:
+            raise ValueError(f"documents: one list of documents per prompt, got {len(documents)} "
+                             f"lists for {num_prompts} prompts")
+        vocab = self.config.vocab_size
+        out = []
+        for i, docs in enumerate(documents):
+            row = []
+            for j, doc in enumerate(docs):
+                ids = [int(t) for t in doc]
+                if not ids:
+                    raise ValueError(f"documents[{i}][{j}]: empty document")
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(f"documents[{i}][{j}]: token id {bad[0]} outside vocab "
+                                     f"[0, {vocab})")
+                row.append(ids)
+            out.append(row)
+        return out
+
+    def _pad_prompts(self, prompts: list[list[int]], starts=None):
+        """Left-pad to a bucketed length and a bucketed batch; padding rows have row id -1.
+        Row i's positions start at `starts[i]` (default 0)."""
         length = _round_up(max(map(len, prompts)), self.prompt_bucket)
         # Powers of two below one batch bucket, so one shared prompt prefills one row.
         n = len(prompts)
@@ -219,13 +273,19 @@ class Sampler:
             n = len(prompt)
             tokens[i, length - n:] = prompt
             segment_ids[i, length - n:] = 1
-            positions[i, length - n:] = np.arange(n)
+            positions[i, length - n:] = np.arange(n) + (0 if starts is None else starts[i])
         return tokens, segment_ids, positions
 
     def generate(self, prompts: list[list[int]], *, num_samples: int = 1, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 stop_token_ids=(), seed: int = 0) -> SampleOutput:
+                 stop_token_ids=(), seed: int = 0,
+                 documents: list[list[list[int]]] | None = None) -> SampleOutput:
+        """`documents[i]`: the documents (token lists) before prompt i, laid out as
+        `jaxagent.models.documents` says (each attends to itself; the prompt, then its
+        completion, to all of them); their KVs come from `kv_store`, encoded on a miss."""
         prompts = self._check_prompts(prompts)
+        if documents is not None:
+            documents = self._check_documents(documents, len(prompts))
         if num_samples < 1:
             raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
         if max_new_tokens < 1:
@@ -250,10 +310,17 @@ class Sampler:
         t0 = time.perf_counter()
 
         # Prefill: each distinct prompt once (prefix sharing), or every row (for comparison).
-        to_prefill = prompts if self.prefix_sharing else [p for p in prompts for _ in range(g)]
-        tokens, segment_ids, positions = self._pad_prompts(to_prefill)
-        logits, cache = _prefill(self.graphdef, self.params, tokens, segment_ids, positions)
         repeat = g if self.prefix_sharing else 1
+        to_prefill = [p for p in prompts for _ in range(g // repeat)]
+        if documents is None:
+            tokens, segment_ids, positions = self._pad_prompts(to_prefill)
+            logits, cache = _prefill(self.graphdef, self.params, tokens, segment_ids, positions)
+            next_positions = np.array([len(p) for p in to_prefill])
+            stats = dict(prefill_rows=int(tokens.shape[0]), prefill_tokens=int(segment_ids.sum()))
+        else:
+            to_documents = [d for d in documents for _ in range(g // repeat)]
+            logits, cache, next_positions, stats = self._prefill_documents(to_prefill,
+                                                                           to_documents)
         batch = _round_up(num_rows, self.batch_bucket)
         # Decoding row r reads prefill row r // repeat; rows past num_rows are padding.
         source = np.minimum(np.arange(batch) // repeat, len(to_prefill) - 1)
@@ -265,7 +332,7 @@ class Sampler:
         max_new = _round_up(max_new_tokens, 64)
         first, first_lp, done = _first_tokens(logits, rows, key, temperature_, top_p_, stop_ids,
                                               mode=mode)
-        lengths = np.array([len(prompts[min(r, num_rows - 1) // g]) for r in range(batch)])
+        lengths = next_positions[source]
         state = dict(
             cache=cache,
             tokens=jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first),
@@ -277,7 +344,7 @@ class Sampler:
             step=jnp.int32(1),
         )
         results: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        step, used_slots = 1, tokens.shape[1]
+        step, used_slots = 1, cache.size
         decode_rows = 0
         while step < max_new_tokens:
             if self.compact:
@@ -308,11 +375,61 @@ class Sampler:
             out_tokens.append(toks.tolist())
             out_logprobs.append(lps)
             reasons.append("stop" if toks.size and int(toks[-1]) in stop_set else "length")
-        stats = dict(prefill_rows=int(tokens.shape[0]), prefill_tokens=int(segment_ids.sum()),
-                     prefill_seconds=prefill_s, decode_row_steps=decode_rows,
+        stats.update(prefill_seconds=prefill_s, decode_row_steps=decode_rows,
                      generated_tokens=sum(map(len, out_tokens)),
                      seconds=time.perf_counter() - t0)
         return SampleOutput(out_tokens, out_logprobs, reasons, stats, self.tokenizer)
+
+    # -----------------------------------------------------------------------------------------
+    # Document prompts: cached document KVs, then the prompt prefilled onto them.
+
+    def _encode_documents(self, documents: list[tuple[list[int], int]]) -> list[jax.Array]:
+        """Prefill each (tokens, first position) alone, in one batch; [Y, 2, K, n, H] each."""
+        tokens, segment_ids, positions = self._pad_prompts([t for t, _ in documents],
+                                                           [s for _, s in documents])
+        _, cache = _prefill(self.graphdef, self.params, tokens, segment_ids, positions)
+        kv = _stack_layers(cache)
+        width = tokens.shape[1]
+        return [kv[i, :, :, :, width - len(t):] for i, (t, _) in enumerate(documents)]
+
+    def _prefill_documents(self, prompts: list[list[int]], documents: list[list[list[int]]]):
+        """Assemble each row's cache from its documents' stored KVs (left-padded to a shared
+        width, one segment: causal attention over the slots is "sees every document"), then
+        prefill the prompt onto it at its final-section positions."""
+        cfg = self.config
+        layouts = [document_layout([len(d) for d in docs], len(p), cfg.documents)
+                   for p, docs in zip(prompts, documents)]
+        items = []
+        for docs, (_, positions) in zip(documents, layouts):
+            offsets = np.cumsum([0, *map(len, docs)])[:-1]
+            items += [(d, int(positions[o])) for d, o in zip(docs, offsets)]
+        tag = f"{cfg!r}#{self._weights_id}"
+        entries, store_stats = self.kv_store.lookup(tag, items, self._encode_documents)
+
+        doc_lengths = [sum(map(len, docs)) for docs in documents]
+        width = _round_up(max(doc_lengths), self.prompt_bucket)
+        tokens, segment_ids, positions = self._pad_prompts(
+            prompts, [int(pos[-len(p)]) for p, (_, pos) in zip(prompts, layouts)])
+        batch = tokens.shape[0]
+
+        def empty(n):
+            return jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, n, cfg.head_dim), cfg.dtype)
+
+        pieces, doc_segments = [], np.zeros((batch, width), np.int32)
+        it = iter(entries)
+        for r in range(batch):
+            n = doc_lengths[r] if r < len(prompts) else 0
+            pieces.append(empty(width - n))
+            pieces += [next(it) for _ in (documents[r] if r < len(prompts) else ())]
+            doc_segments[r, width - n:] = 1
+        cache = _documents_cache(jnp.concatenate(pieces, axis=3), doc_segments,
+                                 extra=tokens.shape[1])
+        logits, cache = _extend(self.graphdef, self.params, cache, tokens, segment_ids, positions)
+        next_positions = np.array([int(pos[-1]) + 1 for _, pos in layouts])
+        stats = dict(prefill_rows=batch,
+                     prefill_tokens=int(segment_ids.sum()) + store_stats["tokens_encoded"],
+                     kv_store=store_stats)
+        return logits, cache, next_positions, stats
 
     # -----------------------------------------------------------------------------------------
 
