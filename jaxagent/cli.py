@@ -64,8 +64,12 @@ def _cmd_generate(args) -> int:
 def _cmd_agent(args) -> int:
     import json
 
-    from jaxagent.trainer import (load_agent_tasks, load_model_and_tokenizer, make_scorer,
-                                  tool_env_factory)
+    from jaxagent.trainer import (
+        load_agent_tasks,
+        load_model_and_tokenizer,
+        make_scorer,
+        tool_env_factory,
+    )
     from rollouts.agent.metrics import agent_metrics
     from rollouts.agent.rollout import run_episodes
     from rollouts.sampler import Continuation, Sampler
