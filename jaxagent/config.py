@@ -250,8 +250,9 @@ class SFTConfig:
     batch_size: int = 64
     learning_rate: float = 2e-3
     # tasks: imitate the training tasks' references. documents: the synthetic retrieval family
-    # laid out for document attention, loss on the final section's answer.
-    data: Literal["tasks", "documents"] = "tasks"
+    # laid out for document attention, loss on the final section's answer. agent: scripted tool
+    # episodes over agent.tasks (rollouts.agent.demos), loss on the actions only.
+    data: Literal["tasks", "documents", "agent"] = "tasks"
     documents: DocumentDataConfig = field(default_factory=DocumentDataConfig)
 
 
@@ -273,7 +274,7 @@ class EvalConfig:
 class AgentConfig:
     """Multi-turn tool episodes over repository tasks (rollouts.agent); mirrors AgentOptions."""
 
-    enabled: bool = False  # agent episodes instead of single completions (trainer: after issue 6)
+    enabled: bool = False  # train on agent episodes over agent.tasks instead of single completions
     tasks: str = "rollouts/tasks/data/textkit_tasks"  # directory of deletion tasks (DIR/ID/task.json)
     call_format: Literal["hermes", "compact"] = "compact"  # hermes: Qwen <tool_call>; compact: @name {json}
     episodes: int = 8  # episodes in flight (sampler slots); a finished one's slot is refilled

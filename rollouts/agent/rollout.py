@@ -7,26 +7,34 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from rollouts.environment import Environment, Trajectory
+from rollouts.environment import INFRA_ERROR, Environment, StepResult, Trajectory
 from rollouts.sampler import Continuation
+
+
+def _step(env: Environment, action: Sequence[int]) -> StepResult:
+    try:
+        return env.step(action)
+    except Exception as e:  # noqa: BLE001 - the environment's infrastructure failed, not the policy
+        return StepResult([], 0.0, True, {"status": INFRA_ERROR, "error": repr(e)})
 
 
 def run_episodes(cont: Continuation, envs: Sequence[Environment], tasks: Iterable,
                  version: int = 0) -> list[Trajectory]:
     """Play every task to the end with `len(envs)` episodes in flight; trajectories in the
-    order the episodes finished."""
+    order of `tasks`. An episode whose environment step raises ends there with status
+    `infra_error` (no reward to learn from) instead of failing the others."""
     if len(envs) > cont.slots:
         raise ValueError(f"{len(envs)} environments but the continuation has {cont.slots} slots")
-    queue = iter(tasks)
-    live: dict[int, Trajectory] = {}
-    finished: list[Trajectory] = []
+    queue = enumerate(tasks)
+    live: dict[int, tuple[int, Trajectory]] = {}  # slot -> (task index, trajectory)
+    finished: dict[int, Trajectory] = {}
 
     def fill(slot: int) -> None:
-        task = next(queue, None)
+        index, task = next(queue, (None, None))
         if task is not None:
             prompt = envs[slot].reset(task)
             cont.start(slot, prompt)
-            live[slot] = Trajectory.start(task.id, prompt, version)
+            live[slot] = index, Trajectory.start(task.id, prompt, version)
 
     for slot in range(len(envs)):
         fill(slot)
@@ -34,17 +42,17 @@ def run_episodes(cont: Continuation, envs: Sequence[Environment], tasks: Iterabl
         while live:
             actions = cont.turn()
             for slot, (tokens, logprobs, _) in actions.items():
-                live[slot].add_action(tokens, logprobs)
-            futures = {slot: pool.submit(envs[slot].step, actions[slot][0]) for slot in actions}
+                live[slot][1].add_action(tokens, logprobs)
+            futures = {slot: pool.submit(_step, envs[slot], actions[slot][0]) for slot in actions}
             for slot, future in futures.items():
                 result = future.result()
-                traj = live[slot]
+                index, traj = live[slot]
                 traj.record(result)
                 if result.done:
-                    finished.append(traj)
+                    finished[index] = traj
                     del live[slot]
                     cont.release(slot)
                     fill(slot)
                 else:
                     cont.append(slot, result.observation)
-    return finished
+    return [finished[i] for i in sorted(finished)]

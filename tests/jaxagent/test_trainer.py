@@ -68,6 +68,8 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
     (["mesh.data=3"], "mesh: mesh.data=3, mesh.fsdp=1, mesh.expert=1, mesh.tensor=1 makes 3 devices"),
     (["sft.batch_size=12"], "sft.batch_size: the global batch (12 rows) does not split over the 8"),
     (["sft.data=documents", "model.attention=nsa"], "sft.data: documents need document attention"),
+    (["sft.data=agent"], "sft.data: agent demonstrations need agent.enabled: true"),
+    (["agent.enabled=true", "agent.episodes=0"], "agent.episodes: must be >= 1"),
 ])
 def test_semantic_config_errors_fail_before_compute(tmp_path, overrides, message):
     from jaxagent.trainer import train

@@ -1,0 +1,60 @@
+"""Scripted demonstrations for the SFT warm-up: a repository task solved through the real
+environment (read the code, edit in the reference, run the tests, finish), recorded
+token-exactly as a `Trajectory` whose policy mask covers only the scripted actions."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Sequence
+
+from rollouts.agent.formats import ToolCall
+from rollouts.environment import Environment, Trajectory
+from rollouts.tasks.task import Task
+
+
+def reference_edits(path: str, before: str, after: str) -> list[ToolCall]:
+    """`edit` calls turning `before` into `after`, top to bottom, one per changed hunk; each
+    search text is the hunk grown upwards until it occurs once (short actions, unlike
+    rewriting the whole file)."""
+    old, new = before.splitlines(keepends=True), after.splitlines(keepends=True)
+    calls = []
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        k = i1 if i2 > i1 else max(i1 - 1, 0)  # an insertion anchors on the line above
+        while k > 0 and before.count("".join(old[k:i2])) != 1:
+            k -= 1
+        calls.append(ToolCall("edit", {"path": path, "search": "".join(old[k:i2]),
+                                       "replace": "".join(old[k:i1] + new[j1:j2])}))
+    return calls
+
+
+def scripted_calls(task: Task) -> list[ToolCall]:
+    """read_file, the edits to each changed file's reference, run_tests, finish."""
+    # A repository task's reference is its passing edits as JSON {path: content}.
+    try:
+        reference = json.loads(task.metadata.get("reference") or "")
+    except json.JSONDecodeError:
+        reference = None
+    if not isinstance(reference, dict) or not reference:
+        raise ValueError(f"task {task.id}: metadata['reference'] holds no files to demonstrate")
+    paths = sorted(reference)
+    return [ToolCall("read_file", {"path": paths[0]}),
+            *(c for p in paths for c in reference_edits(p, task.files.get(p, ""), reference[p])),
+            ToolCall("run_tests", {}), ToolCall("finish", {})]
+
+
+def demonstrate(env: Environment, task: Task, calls: Sequence[ToolCall]) -> Trajectory:
+    """Play `calls` in `env` as if sampled (each call's text, then the first stop token, with
+    log-prob 0); the trajectory ends where the episode does."""
+    tok = env.tokenizer
+    traj = Trajectory.start(task.id, env.reset(task), version=0)
+    for call in calls:
+        action = tok.encode(env.format.render_call(call)) + list(tok.stop_ids[:1])
+        traj.add_action(action, [0.0] * len(action))
+        traj.record(env.step(action))
+        if traj.done:
+            break
+    return traj

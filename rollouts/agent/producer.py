@@ -1,0 +1,64 @@
+"""`AgentRolloutProducer`: the `RolloutProducer` interface (what the orchestrator and trainer
+consume) over multi-turn tool episodes.
+
+A batch draws `prompts_per_step` repository tasks and plays each `group_size` times with
+`run_episodes` (episodes in flight = the environments given). Rows are task-major groups; each
+row is the episode's token-exact trajectory: the completion interleaves sampled actions
+(`policy_mask` True, sampler log-probs) with tool output (mask False), and the reward is the
+end-of-episode grade. Budget-cut episodes arrive `masked` (kept out of the advantage) or already
+penalised, as the environment's options say. Sampling and tools interleave, so a batch is
+played to the end in the calling (producer) thread; the returned future is already resolved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+
+from rollouts.agent.metrics import agent_metrics
+from rollouts.agent.rollout import run_episodes
+from rollouts.environment import Environment
+from rollouts.producer import Rollout, RolloutBatch, rollout_stats
+from rollouts.sampler import Continuation, Sampler
+from rollouts.tasks import Task
+
+
+class AgentRolloutProducer:
+    def __init__(self, sampler: Sampler, tokenizer, tasks: Iterator[Task],
+                 envs: Sequence[Environment], *, prompts_per_step: int, group_size: int,
+                 max_action_tokens: int, temperature: float, seed: int,
+                 top_k: int | None = None, top_p: float | None = None):
+        if not envs:
+            raise ValueError("AgentRolloutProducer needs at least one environment")
+        self.sampler, self.tokenizer, self.tasks, self.envs = sampler, tokenizer, tasks, envs
+        self.prompts_per_step, self.group_size = prompts_per_step, group_size
+        self.max_action_tokens, self.temperature = max_action_tokens, temperature
+        self.top_k, self.top_p, self.seed = top_k, top_p, seed
+
+    def start(self, index: int, version: int) -> Future:
+        """Play batch `index` with the sampler's current weights (policy `version`); returns a
+        resolved future of the `RolloutBatch`."""
+        tasks = [next(self.tasks) for _ in range(self.prompts_per_step)]
+        # Seeded by the run seed and batch index only, so a resumed run replays the same batch.
+        cont = Continuation(self.sampler, len(self.envs), max_new_tokens=self.max_action_tokens,
+                            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                            stop_token_ids=self.tokenizer.stop_ids,
+                            seed=self.seed * 1_000_003 + index)
+        t0 = time.perf_counter()
+        trajs = run_episodes(cont, self.envs, [t for t in tasks for _ in range(self.group_size)],
+                             version)
+        rollouts = [Rollout.from_trajectory(t, t.info.get("truncated_by") or "stop")
+                    for t in trajs]
+        # Tools and grading run inside the episodes: all of it counts as generation time.
+        stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0), **agent_metrics(trajs)}
+        batch: Future = Future()
+        batch.set_result(RolloutBatch(version, self.group_size, rollouts, stats))
+        return batch
+
+    def produce(self, index: int, version: int) -> RolloutBatch:
+        return self.start(index, version).result()
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()

@@ -1,0 +1,99 @@
+"""The agent rollout producer: a versioned batch of task-major groups of token-exact episodes,
+and the trainer's rows train exactly the policy's tokens; scripted demonstrations pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxagent.config import ModelConfig, RLConfig
+from jaxagent.models import init_model
+from jaxagent.tokenizer import ByteTokenizer
+from jaxagent.trainer import compute_advantages, to_train_batch
+from rollouts.agent import AgentOptions, ToolEnvironment
+from rollouts.agent.demos import demonstrate, scripted_calls
+from rollouts.agent.feedback import action_spans
+from rollouts.agent.producer import AgentRolloutProducer
+from rollouts.rewards import Scorer
+from rollouts.sampler import Sampler
+from rollouts.tasks.deletion import load_deletion_task
+from rollouts.tools import TOOLS
+
+TASKS = Path(__file__).resolve().parents[3] / "rollouts" / "tasks" / "data" / "textkit_tasks"
+TOK = ByteTokenizer()
+CFG = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=1,
+                  num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def test_producer_batches_groups_and_train_rows_mask_only_policy_tokens():
+    model = init_model(CFG, seed=0)
+    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, nnx.state(model, nnx.Param)))
+    sampler = Sampler(model, prompt_bucket=64, cache_bucket=1024, batch_bucket=2, segment_steps=24)
+    # short prompts (three tools, one-line tasks) keep the CPU compile and attention cheap
+    tasks = [dataclasses.replace(load_deletion_task(TASKS / name), prompt=f"Implement {name}.")
+             for name in ("textkit-median", "textkit-wrap")]
+    tools = [t for t in TOOLS if t.name in ("think", "run_tests", "finish")]
+    options = AgentOptions(max_turns=2, max_context_tokens=8000, max_output_chars=200)
+    with Scorer(workers=1) as scorer:
+        envs = [ToolEnvironment(TOK, options, scorer=scorer, tools=tools) for _ in range(2)]
+        producer = AgentRolloutProducer(sampler, TOK, itertools.cycle(tasks), envs,
+                                        prompts_per_step=2, group_size=2, max_action_tokens=16,
+                                        temperature=1.0, seed=0)
+        batch = producer.produce(0, version=3)
+        producer.close()
+    assert batch.version == 3 and batch.group_size == 2 and len(batch.rollouts) == 4
+    assert [r.task_id for r in batch.rollouts] == ["textkit-median"] * 2 + ["textkit-wrap"] * 2
+    stats = batch.stats
+    assert stats["agent/episodes"] == 4 and stats["agent/turns_mean"] == 2
+    assert stats["agent/truncated"] == 1.0 and "rollout/reward_mean" in stats
+    for r in batch.rollouts:  # a random policy runs out of turns: masked, out of the advantage
+        assert r.masked and r.finish_reason == "max_turns" and r.version == 3
+        mask = np.asarray(r.policy_mask)
+        assert len(r.completion) == len(mask) == len(r.logprobs) and mask[0] and not mask.all()
+        assert np.all(np.asarray(r.logprobs)[~mask] == 0.0)
+    assert not batch.valid().any()
+    _, keep = compute_advantages(RLConfig(group_size=2), batch, 16)
+    assert not keep.any()
+
+    # With every row kept, the loss mask is the policy mask, shifted onto the targets.
+    keep = np.ones(4, bool)
+    plain = to_train_batch(batch, np.ones(4), keep)
+    shared = to_train_batch(batch, np.ones(4), keep, share_prompt=True)
+    for i, r in enumerate(batch.rollouts):
+        lp, lc = len(r.prompt), len(r.completion)
+        want = np.asarray(([0.0] * lp + [float(m) for m in r.policy_mask])[1:])
+        np.testing.assert_array_equal(np.asarray(plain.loss_mask[i, :lp + lc - 1]), want)
+        assert not np.asarray(plain.loss_mask[i, lp + lc - 1:]).any()
+        np.testing.assert_array_equal(np.asarray(plain.targets[i, :lp + lc - 1]),
+                                      (r.prompt + r.completion)[1:])
+        np.testing.assert_array_equal(np.asarray(shared.loss_mask[i, :lc]), r.policy_mask)
+        np.testing.assert_array_equal(np.asarray(shared.targets[i, :lc]), r.completion)
+        np.testing.assert_array_equal(np.asarray(shared.sampler_logprobs[i, :lc]),
+                                      np.asarray(r.logprobs, np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TASKS.iterdir()))
+def test_scripted_demonstration_solves_each_task_through_the_environment(name):
+    task = load_deletion_task(TASKS / name)
+    calls = scripted_calls(task)
+    edits = 2 if name == "textkit-to_roman+from_roman" else 1  # one per deleted body
+    assert [c.name for c in calls] == ["read_file", *["edit"] * edits, "run_tests", "finish"]
+    with Scorer(workers=1) as scorer:
+        env = ToolEnvironment(TOK, AgentOptions(max_turns=5, max_context_tokens=20000),
+                              scorer=scorer)
+        traj = demonstrate(env, task, calls)
+        env.close()
+    assert traj.done and traj.reward == 1.0 and traj.info["passed"]
+    assert traj.info["turns"] == len(calls) and traj.info["bad_tool_calls"] == 0
+    # The policy's runs are exactly the rendered calls, each with the stop token; the rest is
+    # the prompt and the tool outputs (none after finish).
+    actions = [TOK.encode(env.format.render_call(c)) + [TOK.stop_ids[0]] for c in calls]
+    spans = action_spans(traj.policy_mask)
+    assert [traj.tokens[a:b] for a, b in spans] == actions
+    assert spans[0][0] == traj.prompt_len and spans[-1][1] == len(traj.tokens)
