@@ -38,8 +38,11 @@ def main():
     ap.add_argument("--attention", default="dense", choices=["dense", "doc"])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=0, help="override the model's layer count")
     args = ap.parse_args()
     cfg = dataclasses.replace(MODELS[args.model], attention=args.attention)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     rng = np.random.default_rng(0)
 
     def tokens(n):
