@@ -68,6 +68,7 @@ def test_equal_rewards_leave_the_policy_unchanged():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_positive_advantage_raises_the_sequence_likelihood():
     graphdef, params, tx, opt_state = setup(lr=3e-3)
     p, c, lp = random_rollouts()
@@ -84,7 +85,7 @@ def test_positive_advantage_raises_the_sequence_likelihood():
 
 @pytest.mark.parametrize("aggregation", [
     "token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.slow),
-    "seq-mean-token-sum-norm"])
+    pytest.param("seq-mean-token-sum-norm", marks=pytest.mark.slow)])
 def test_micro_batches_give_the_full_batch_gradient(aggregation):
     # Plain SGD, so the parameter change is the gradient itself (Adam would amplify
     # float noise in near-zero components).

@@ -92,7 +92,8 @@ MOE = ["model.family=qwen3_moe", "model.num_experts=3", "model.num_experts_per_t
        "model.moe_intermediate_size=24"]
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["dense", "moe"])
 def test_sft_then_eval_cli(tmp_path, capsys, moe):
     from jaxagent.cli import main
 

@@ -73,6 +73,7 @@ def test_assembled_prompt_matches_one_packed_forward(model, attention, documents
         np.testing.assert_allclose(out.logprobs[r], ref, atol=1e-5)
 
 
+@pytest.mark.slow  # the log-prob equality above covers the same path
 def test_greedy_with_documents_equals_full_prefill_reference(model):
     rng = np.random.default_rng()
     docs, prompt = random_tokens(rng, [9, 4, 17]), random_tokens(rng, [5])[0]

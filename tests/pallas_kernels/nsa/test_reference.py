@@ -185,6 +185,7 @@ def test_chunked_nsa_forward_matches_reference_values_and_grads():
             np.testing.assert_allclose(a, w, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_nsa_forward_at_an_offset_matches_the_full_sequence():
     """Queries at positions 12..19 of each row against a 24-key cache (keys past 19 are junk)."""
     shape = SMALL

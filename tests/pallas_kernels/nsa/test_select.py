@@ -70,12 +70,14 @@ def test_random_blocks_padding_repeats_gqa3(kernel):
     _check(kernel, q, k, v, do, idx, block_size=8)
 
 
+@pytest.mark.slow
 def test_gpu_style_shorter_than_one_block_non_causal_scale():
     q, k, v, do = _inputs(1, 1, 5, 4, 4, 8, 16, s=7)
     idx = jnp.zeros((1, 5, 4, 2), jnp.int32).at[..., 1].set(-1)
     _check(GPU_STYLE, q, k, v, do, idx, block_size=16, causal=False, scale=0.37)
 
 
+@pytest.mark.slow
 def test_gpu_style_nsa_selection_with_ties_all_queries_share_blocks():
     """Block lists from the reference selector on a constant query: every compressed score ties,
     so all queries pick the same lowest blocks (many queries per key block in dK/dV)."""
