@@ -159,7 +159,7 @@ class SamplerConfig:
     top_p: float | None = None
     # Prompt and cache lengths are rounded up to these multiples so jitted shapes repeat.
     prompt_bucket: int = 64
-    cache_bucket: int = 128
+    cache_bucket: int = 64
     batch_bucket: int = 8
     # The sampler's own mesh (e.g. pure tensor parallel); None: the trainer's mesh. Weights
     # are resharded onto it after each update.

@@ -74,9 +74,8 @@ def sample_tokens(logits, keys, temperature, top_p, mode: _SamplingMode):
     """
     logits = logits.astype(jnp.float32)
     if mode.greedy:
-        tokens = jnp.argmax(logits, axis=-1)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        tokens = _argmax(logits)
+        return tokens, _log_softmax_at(logits, tokens)
     scaled = logits / temperature
     neg_inf = jnp.finfo(jnp.float32).min
     if mode.top_k is not None:
@@ -90,9 +89,25 @@ def sample_tokens(logits, keys, temperature, top_p, mode: _SamplingMode):
         keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
         threshold = jnp.take_along_axis(sorted_desc, keep - 1, axis=-1)
         scaled = jnp.where(scaled < threshold, neg_inf, scaled)
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-    tokens = jax.vmap(jax.random.categorical)(keys, scaled)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    # The Gumbel-max trick, as jax.random.categorical does it (same draws per row key).
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:]))(keys)
+    tokens = _argmax(scaled + gumbel)
+    return tokens, _log_softmax_at(scaled, tokens)
+
+
+def _argmax(x):
+    """First index of each row's maximum: jnp.argmax's answer from two plain reductions, which
+    XLA:CPU vectorises (its fused value-and-index reduce cost as much as the LM head)."""
+    top = x.max(axis=-1, keepdims=True)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == top, index, x.shape[-1] - 1), axis=-1)
+
+
+def _log_softmax_at(x, tokens):
+    """log_softmax(x)[row, tokens[row]] without materialising the whole log-softmax."""
+    top = jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
+    log_total = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1)) + top[:, 0]
+    return jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - log_total
 
 
 def _row_keys(base_key, step, rows):
@@ -196,7 +211,7 @@ class Sampler:
     given, so samplers of one model can share it).
     """
 
-    def __init__(self, model, tokenizer=None, *, prompt_bucket: int = 64, cache_bucket: int = 128,
+    def __init__(self, model, tokenizer=None, *, prompt_bucket: int = 64, cache_bucket: int = 64,
                  batch_bucket: int = 8, segment_steps: int = 32, prefix_sharing: bool = True,
                  compact: bool = True, kv_store: KVStore | None = None):
         self.graphdef, self.params = nnx.split(model)

@@ -54,6 +54,9 @@ def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
     """Reference backend: plain einsums, softmax in float32; GQA without repeating K/V."""
     b, t, n, h = q.shape
     kv_heads = k.shape[1]
+    if t == 1:
+        return _decode_attention(q, k, v, attention_mask(q_segment_ids, kv_segment_ids, q_slots,
+                                                         kv_slots))
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
     scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
@@ -64,6 +67,25 @@ def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
     probs = jnp.where(mask.any(-1, keepdims=True), probs, 0.0)
     out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(v.dtype), v)
     return out.reshape(b, t, n, h)
+
+
+def _decode_attention(q, k, v, mask):
+    """One query per row (a decode step), mask [B, 1, S]. Both contractions are written as
+    multiply-and-reduce: XLA:CPU vectorises these fusions, while its dot for p·V with a
+    single query ran 2-3x slower (the sampler's step time halved at 512 new tokens)."""
+    b, _, n, h = q.shape
+    kv_heads = k.shape[1]
+    f32 = jnp.float32
+    q = q.reshape(b, kv_heads, n // kv_heads, h).astype(f32) * (h**-0.5)
+    scores = jnp.sum(q[:, :, :, None, :] * k[:, :, None, :, :].astype(f32), axis=-1)  # [B,K,G,S]
+    mask = mask[:, None]  # [B, 1, 1, S]
+    scores = jnp.where(mask, scores, jnp.finfo(f32).min)
+    weights = jnp.where(mask, jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
+    total = weights.sum(-1, keepdims=True)
+    out = jnp.sum(weights[..., None] * v[:, :, None].astype(f32), axis=-2)  # [B, K, G, H]
+    # A query that sees nothing (total 0) gives zeros, as in the general path.
+    out = out / jnp.where(total > 0, total, 1.0)
+    return out.reshape(b, 1, n, h).astype(v.dtype)
 
 
 def doc_kernel_attention(q, k, v, **segments):

@@ -53,6 +53,23 @@ def test_logprobs_equal_teacher_forced_log_softmax(model, temperature):
     assert out.tokens[0] != out.tokens[1]
 
 
+def test_argmax_and_log_softmax_at_match_jax():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((7, 53)).astype(np.float32)
+    logits[:, 11] = logits[:, 40] = logits.max(-1) + 1  # ties: the first index wins
+    logits[3] = 0.0
+    tokens = sampler_lib._argmax(jnp.asarray(logits))
+    np.testing.assert_array_equal(tokens, np.asarray(jnp.argmax(logits, -1)))
+    assert (np.asarray(tokens) == 11).sum() == 6 and int(tokens[3]) == 0
+    x = logits.astype(np.float64) * 30  # large logits: the max shift must be right
+    ref = x - x.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    picks = rng.integers(0, 53, 7)
+    np.testing.assert_allclose(
+        sampler_lib._log_softmax_at(jnp.asarray(x, jnp.float32), jnp.asarray(picks)),
+        ref[np.arange(7), picks], rtol=1e-5, atol=1e-4)
+
+
 def test_top_k_logprobs_are_of_the_truncated_distribution(model):
     prompts = prompts_of([6])
     out = Sampler(model, **OPTS).generate(prompts, max_new_tokens=9, temperature=1.0, top_k=3)

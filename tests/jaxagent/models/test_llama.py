@@ -52,9 +52,10 @@ def test_llama3_rope_frequencies_match_transformers():
     assert np.abs(plain - ours).max() > 1e-3
 
 
-def test_xla_attention_matches_float64_reference():
-    rng = np.random.default_rng(0)
-    b, t, s, n, k, h = 2, 5, 7, 6, 2, 3
+@pytest.mark.parametrize("t", [5, 1])  # t=1 takes the decode path
+def test_xla_attention_matches_float64_reference(t):
+    rng = np.random.default_rng(t)
+    b, s, n, k, h = 9, 7, 6, 2, 3
     q, kk, v = (rng.standard_normal(shape) for shape in [(b, t, n, h), (b, k, s, h), (b, k, s, h)])
     # Negative query segments ("sees all") see every positive segment as well as their own.
     q_seg = rng.integers(-2, 3, (b, t)); kv_seg = rng.integers(-2, 3, (b, s))
@@ -76,7 +77,9 @@ def test_xla_attention_matches_float64_reference():
                 p = np.exp(scores - scores.max()); p /= p.sum()
                 ref[bi, ti, ni] = p @ v[bi, ki]
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
-    assert attention_mask(q_seg, kv_seg, q_slots, kv_slots).shape == (b, t, s)
+    mask = attention_mask(q_seg, kv_seg, q_slots, kv_slots)
+    assert mask.shape == (b, t, s)
+    assert not np.asarray(mask).any(-1).all()  # a query that sees nothing is covered
 
 
 def test_packed_sequences_equal_separate_runs(model):
