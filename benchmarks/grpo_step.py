@@ -8,8 +8,10 @@ in-process reward (fraction of even token ids, _peers.even_fraction), GRPO advan
 one update per step with AdamW (lr 1e-5, b2 0.95, global-norm clip 1.0), token-mean loss.
 
 - jaxagent: rollouts.sampler.Sampler.generate (prompt prefilled once, shared by its G samples)
-  -> reward -> jaxagent.rl.grpo_advantages -> jaxagent.steps.pack + rl_step ->
-  sampler.update_weights, blocking on the new params before the clock stops.
+  -> reward -> jaxagent.rl.grpo_advantages -> jaxagent.steps.pack_shared + rl_step ->
+  sampler.update_weights, blocking on the new params before the clock stops. pack_shared is
+  what `jaxagent train` does by default (train.share_prompt): each group is one row, its
+  prompt computed once; `--no-share-prompt` packs one row per completion (jaxagent.steps.pack).
 - Tunix (PyPI google-tunix, in its own venv at benchmarks/.venv-tunix, installed on first use):
   GRPOLearner.train over an RLCluster on one CPU device, actor and rollout on the same mesh
   (shared weights, no sync), vanilla rollout engine, beta=0 (no reference model),
@@ -52,14 +54,14 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def run_ours(ckpt: Path, prompts, group: int, new_tokens: int, warmup: int, steps: int,
-             lr: float) -> list[dict]:
+             lr: float, share_prompt: bool = True) -> list[dict]:
     from flax import nnx
 
     import jaxagent
     from jaxagent.config import OptimizerConfig
     from jaxagent.models import from_pretrained
     from jaxagent.optim import make_optimizer
-    from jaxagent.steps import LossOptions, pack, rl_step
+    from jaxagent.steps import LossOptions, pack, pack_shared, rl_step
     from rollouts.sampler import Sampler
 
     model = from_pretrained(ckpt, dtype="float32")
@@ -79,7 +81,11 @@ def run_ours(ckpt: Path, prompts, group: int, new_tokens: int, warmup: int, step
         rewards = np.array([even_fraction(t) for t in gen.tokens], np.float32)
         advantages = np.asarray(jaxagent.rl.grpo_advantages(rewards.reshape(len(prompts), group)))
         t2 = time.perf_counter()
-        batch = pack(rows, gen.tokens, gen.logprobs, advantages.reshape(-1))
+        if share_prompt:
+            batch = pack_shared(rows, gen.tokens, gen.logprobs, advantages.reshape(-1),
+                                group_size=group)
+        else:
+            batch = pack(rows, gen.tokens, gen.logprobs, advantages.reshape(-1))
         params, opt_state, _ = rl_step(graphdef, tx, params, opt_state, batch, options=options)
         sampler.update_weights(params)
         jax.block_until_ready(params)
@@ -126,6 +132,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--no-tunix", action="store_true", help="measure jaxagent only")
+    p.add_argument("--no-share-prompt", action="store_true",
+                   help="jaxagent packs one row per completion (prompt recomputed G times)")
     p.add_argument("--tunix-python", type=Path,
                    help="python of a venv with google-tunix (default: benchmarks/.venv-tunix, "
                         "created on first use)")
@@ -137,7 +145,8 @@ def main():
     print(f"# {time.strftime('%Y-%m-%d')}  {machine}  load average "
           + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     print(f"# {args.size} Qwen3, {args.prompts} prompts x G={args.group}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens; median of {args.steps} steps after {args.warmup} warm-up\n")
+          f"{args.new_tokens} new tokens; median of {args.steps} steps after {args.warmup} warm-up; "
+          f"jaxagent packing: {'one row per completion' if args.no_share_prompt else 'shared prompt'}\n")
     results = {}
     reason = ""
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,7 +156,7 @@ def main():
             vocab = json.load(f)["vocab_size"]
         prompts = make_prompts(args.prompts, args.prompt_len, vocab)
         common = (prompts, args.group, args.new_tokens, args.warmup, args.steps, args.lr)
-        results["jaxagent"] = run_ours(ckpt, *common)
+        results["jaxagent"] = run_ours(ckpt, *common, share_prompt=not args.no_share_prompt)
         if not args.no_tunix:
             python = args.tunix_python or ensure_tunix()
             tunix, reason = run_tunix(python, ckpt, *common)

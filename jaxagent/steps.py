@@ -186,10 +186,12 @@ def answer_accuracy(graphdef, params, batch: TrainBatch) -> jax.Array:
 def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the targets [B, T], the logits [B, T, V], and the MoE
     load-balancing loss (0 for a dense model)."""
-    logits, aux = model(batch.tokens, batch.positions, batch.segment_ids, with_aux_loss=True)
-    if batch.gather is not None:  # group rows [B/G, L, V] -> rollout rows [B, T, V]
-        group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // logits.shape[0])
-        logits = logits[group[:, None], batch.gather]
+    hidden, aux = model(batch.tokens, batch.positions, batch.segment_ids, with_aux_loss=True,
+                        hidden_only=True)
+    if batch.gather is not None:  # group rows [B/G, L, D] -> rollout rows [B, T, D]
+        group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // hidden.shape[0])
+        hidden = hidden[group[:, None], batch.gather]  # the LM head runs on targets only
+    logits = model.logits(hidden)
     return rl.token_logprobs(logits, batch.targets), logits, aux
 
 

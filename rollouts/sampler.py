@@ -89,10 +89,28 @@ def sample_tokens(logits, keys, temperature, top_p, mode: _SamplingMode):
         keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
         threshold = jnp.take_along_axis(sorted_desc, keep - 1, axis=-1)
         scaled = jnp.where(scaled < threshold, neg_inf, scaled)
-    # The Gumbel-max trick, as jax.random.categorical does it (same draws per row key).
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:]))(keys)
-    tokens = _argmax(scaled + gumbel)
+    tokens = _inverse_cdf_sample(scaled, keys)
     return tokens, _log_softmax_at(scaled, tokens)
+
+
+def _inverse_cdf_sample(scaled, keys):
+    """One token per row from softmax(scaled), with one uniform u per row: the first token
+    whose running mass exceeds u * total. The Gumbel-max trick (jax.random.categorical) draws
+    V random numbers per row instead; on XLA:CPU those took longer than the model's decode step.
+
+    Tokens of zero weight (masked by top-k / top-p) are never picked, even where the cumsum's
+    rounding is not monotone; if u * total lands past every valid token's running mass (a
+    rounding case), the row falls back to its most likely token.
+    """
+    vocab = scaled.shape[-1]
+    weights = jnp.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    mass = jnp.cumsum(weights, axis=-1)
+    total = mass[:, -1:]
+    u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)[:, None]
+    threshold = jnp.minimum(u * total, jnp.nextafter(total, 0.0))
+    index = jnp.arange(vocab, dtype=jnp.int32)
+    first = jnp.min(jnp.where((mass > threshold) & (weights > 0), index, vocab), axis=-1)
+    return jnp.where(first < vocab, first, _argmax(scaled))
 
 
 def _argmax(x):

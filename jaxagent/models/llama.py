@@ -258,7 +258,9 @@ class Block(nnx.Module):
 
 class Decoder(nnx.Module):
     """`model(tokens) -> logits [B, T, V]`; with a cache, `(logits, new_cache)`; with
-    `with_aux_loss`, `(logits, load-balancing loss)` (0 for a dense model)."""
+    `with_aux_loss`, `(logits, load-balancing loss)` (0 for a dense model). With
+    `hidden_only`, the final-normed hidden states [B, T, D] take the logits' place;
+    `model.logits(hidden)` finishes them (training scores only the target positions)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         v, d, pd = cfg.vocab_size, cfg.hidden_size, cfg.param_dtype
@@ -284,6 +286,7 @@ class Decoder(nnx.Module):
         *,
         last_only: bool = False,  # logits of the last position only (prefill)
         with_aux_loss: bool = False,  # also return the MoE load-balancing loss (training)
+        hidden_only: bool = False,  # final-normed hidden states instead of logits
     ):
         cfg = self.config
         b, t = tokens.shape
@@ -314,11 +317,7 @@ class Decoder(nnx.Module):
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         x = self.final_norm(x[:, -1:] if last_only else x)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(x.dtype))
-        else:
-            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
-        logits = self._pin(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        logits = x if hidden_only else self.logits(x)
         if with_aux_loss:
             if cache is not None:
                 raise ValueError("with_aux_loss is for training passes, not cached decoding")
@@ -329,6 +328,15 @@ class Decoder(nnx.Module):
         if cache is None:
             return logits
         return logits, KVCache(new_k, new_v, cache_segment_ids, cache.index + t)
+
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, V]."""
+        if self.config.tie_embeddings:
+            logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(x.dtype))
+        else:
+            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
+        return self._pin(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 def backend_name(cfg: ModelConfig) -> str:

@@ -70,6 +70,26 @@ def test_argmax_and_log_softmax_at_match_jax():
         ref[np.arange(7), picks], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("top_k", [None, 6])
+def test_sampled_frequencies_match_the_tempered_distribution(top_k):
+    """20,000 draws from one row: frequencies within 4 sigma of softmax(logits / T) (top-k
+    renormalised), masked tokens never drawn, and each draw's log-prob is that distribution's."""
+    logits = np.random.default_rng(5).normal(0, 1.5, (1, 9)).astype(np.float32)
+    n, temperature = 20_000, 0.7
+    mode = sampler_lib._SamplingMode(greedy=False, top_k=top_k, top_p=False)
+    keys = jax.random.split(jax.random.key(0), n)
+    tokens, logp = jax.jit(lambda k: sampler_lib.sample_tokens(
+        jnp.repeat(jnp.asarray(logits), n, 0), k, temperature, 1.0, mode))(keys)
+    scaled = np.float64(logits[0]) / temperature
+    keep = scaled >= np.sort(scaled)[-top_k] if top_k else np.ones(9, bool)
+    p = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    p /= p.sum()
+    freq = np.bincount(np.asarray(tokens), minlength=9) / n
+    assert (freq[~keep] == 0).all()
+    np.testing.assert_array_less(np.abs(freq - p), 4 * np.sqrt(p * (1 - p) / n) + 1e-4)
+    np.testing.assert_allclose(np.asarray(logp), np.log(p[np.asarray(tokens)]), atol=1e-5)
+
+
 def test_top_k_logprobs_are_of_the_truncated_distribution(model):
     prompts = prompts_of([6])
     out = Sampler(model, **OPTS).generate(prompts, max_new_tokens=9, temperature=1.0, top_k=3)
