@@ -178,21 +178,28 @@ def pack_documents(examples: Sequence[tuple[Sequence[Sequence[int]], Sequence[in
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def answer_accuracy(graphdef, params, batch: TrainBatch) -> jax.Array:
     """Fraction of rows whose every loss-masked target is the greedy (argmax) prediction."""
-    _, logits, _ = target_logprobs(nnx.merge(graphdef, params), batch)
+    logits, _ = target_logits(nnx.merge(graphdef, params), batch)
     wrong = (jnp.argmax(logits, -1) != batch.targets) & (batch.loss_mask > 0)
     return jnp.mean(~wrong.any(-1))
 
 
-def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Log-probabilities of the targets [B, T], the logits [B, T, V], and the MoE
-    load-balancing loss (0 for a dense model)."""
+def target_logits(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
+    """Logits at the target positions [B, T, V] and the MoE load-balancing loss (0 for a
+    dense model)."""
     hidden, aux = model(batch.tokens, batch.positions, batch.segment_ids, with_aux_loss=True,
                         hidden_only=True)
     if batch.gather is not None:  # group rows [B/G, L, D] -> rollout rows [B, T, D]
         group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // hidden.shape[0])
         hidden = hidden[group[:, None], batch.gather]  # the LM head runs on targets only
-    logits = model.logits(hidden)
-    return rl.token_logprobs(logits, batch.targets), logits, aux
+    return model.logits(hidden), aux
+
+
+def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the targets [B, T], each position's entropy [B, T], and the MoE
+    load-balancing loss."""
+    logits, aux = target_logits(model, batch)
+    logp, entropy = rl.token_logprobs_and_entropy(logits, batch.targets)
+    return logp, entropy, aux
 
 
 def _add_aux_loss(loss, metrics: dict, model, aux, num_micro: int, prefix: str):
@@ -313,7 +320,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
 
     def loss_fn(p, mb):
         model = nnx.merge(graphdef, p)
-        logp, logits, aux = target_logprobs(model, mb)
+        logp, token_entropy, aux = target_logprobs(model, mb)
         proximal = jax.lax.stop_gradient(logp)
         weights = None
         if o.decoupled and o.importance_cap is not None:
@@ -324,7 +331,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
                                  clip_low=o.clip_low, clip_high=o.clip_high,
                                  aggregation=o.aggregation, norm_length=o.norm_length,
                                  importance_weights=weights)
-        entropy = rl.entropy_from_logits(logits, mb.loss_mask)
+        entropy = rl.aggregate(token_entropy, mb.loss_mask, aggregation="token-mean")
         metrics = {"train/pg_loss": loss, "train/entropy": entropy,
                    "train/clip_fraction": m["clip_fraction"]}
         if weights is not None:

@@ -21,6 +21,7 @@ from jaxagent.rl.losses import (
     kl_penalty,
     policy_loss,
     token_logprobs,
+    token_logprobs_and_entropy,
     truncated_importance_weights,
 )
 
@@ -40,5 +41,6 @@ __all__ = [
     "rloo_advantages",
     "token_kl",
     "token_logprobs",
+    "token_logprobs_and_entropy",
     "truncated_importance_weights",
 ]

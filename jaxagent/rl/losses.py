@@ -146,11 +146,8 @@ def token_logprobs(logits, tokens):
         logp_bt = logits_bt[tokens_bt] - logsumexp_v logits_btv
 
     logits: [B, T, V] (computed in at least float32); tokens: [B, T] int in [0, V) -> [B, T].
-    Gathering first avoids materialising a second [B, T, V] array for log_softmax.
     """
-    logits = _at_least_f32(logits)
-    picked = jnp.take_along_axis(logits, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    return token_logprobs_and_entropy(logits, tokens)[0]
 
 
 def entropy_from_logits(logits, mask):
@@ -161,11 +158,28 @@ def entropy_from_logits(logits, mask):
     logits: [B, T, V]; mask: [B, T] -> scalar. Stable for large logits (log_softmax) and for
     -inf logits (banned tokens: p log p = 0 there, no NaN in value or gradient).
     """
-    logp = jax.nn.log_softmax(_at_least_f32(logits), axis=-1)
-    p = jnp.exp(logp)
-    safe_logp = jnp.where(p > 0, logp, 0.0)
-    entropy = -jnp.sum(p * safe_logp, axis=-1)
+    tokens = jnp.zeros(jnp.shape(logits)[:-1], jnp.int32)
+    entropy = token_logprobs_and_entropy(logits, tokens)[1]
     return aggregate(entropy, mask, aggregation="token-mean")
+
+
+def token_logprobs_and_entropy(logits, tokens):
+    """(logp [B, T], H [B, T]): the targets' log-probabilities and each position's entropy,
+    sharing one exp pass over the [B, T, V] logits (a training step needs both; apart, the
+    entropy metric cost a sixth of a small model's step).
+
+        s = l - max_v l,   Z = sum_v exp(s),   logp_bt = s[tokens_bt] - log Z,
+        H_bt = log Z - sum_v exp(s) s / Z
+    """
+    logits = _at_least_f32(logits)
+    shifted = logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+    e = jnp.exp(shifted)
+    total = e.sum(axis=-1)
+    log_total = jnp.log(total)
+    picked = jnp.take_along_axis(shifted, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
+    # p log p = 0 where p = 0 (a -inf logit); the inner where keeps its gradient finite too.
+    safe = jnp.where(e > 0, shifted, 0.0)
+    return picked - log_total, log_total - (e * safe).sum(axis=-1) / total
 
 
 def truncated_importance_weights(proximal_logprobs, behaviour_logprobs, *, cap=2.0):

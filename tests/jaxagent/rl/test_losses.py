@@ -19,6 +19,7 @@ from jaxagent.rl import (
     kl_penalty,
     policy_loss,
     token_logprobs,
+    token_logprobs_and_entropy,
     truncated_importance_weights,
 )
 
@@ -390,6 +391,33 @@ def test_entropy_matches_reference_values_and_gradient():
     got32 = entropy_from_logits(jnp.asarray(logits, jnp.float32), jnp.asarray(mask))
     np.testing.assert_allclose(got32, want, rtol=1e-5)
     assert float(entropy_from_logits(jnp.asarray(logits), jnp.zeros((B, T)))) == 0.0
+
+
+def test_joint_logprobs_and_entropy_match_reference_values_and_gradient():
+    """Both outputs of the shared pass, and a gradient through both at once."""
+    rng = np.random.default_rng(15)
+    logits = rng.normal(0, 2, size=(B, T, V))
+    tokens = rng.integers(0, V, size=(B, T))
+    up_logp, up_h = rng.normal(size=(B, T)), rng.normal(size=(B, T))
+    want_logp, want_h, want_grad = np.zeros((B, T)), np.zeros((B, T)), np.zeros((B, T, V))
+    for b in range(B):
+        for t in range(T):
+            logp = ref_log_softmax(logits[b, t])
+            p, h = np.exp(logp), -sum(math.exp(lp) * lp for lp in logp)
+            want_logp[b, t], want_h[b, t] = logp[tokens[b, t]], h
+            want_grad[b, t] = (up_logp[b, t] * (np.eye(V)[tokens[b, t]] - p)
+                               - up_h[b, t] * p * (logp + h))
+
+    def objective(z):
+        logp, h = token_logprobs_and_entropy(z, jnp.asarray(tokens))
+        return jnp.sum(up_logp * logp) + jnp.sum(up_h * h)
+
+    with jax.enable_x64(True):
+        got_logp, got_h = token_logprobs_and_entropy(jnp.asarray(logits), jnp.asarray(tokens))
+        grad = jax.jit(jax.grad(objective))(jnp.asarray(logits))
+    np.testing.assert_allclose(got_logp, want_logp, rtol=1e-12)
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-12)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-10, atol=1e-14)
 
 
 def test_entropy_with_banned_tokens_has_no_nan():
