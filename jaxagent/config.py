@@ -290,6 +290,9 @@ class AgentConfig:
     embedding: Literal["ngram", "minilm"] = "ngram"  # semantic search; minilm: extra `semantic`
     feedback_detectors: tuple[str, ...] = ()  # bad_tool_call, test_edit, repeat
     feedback_beta: float = 0.0  # weight of KL(policy with hint || policy) at flagged turns
+    # Flagged turns per step that get the KL (the batch's first ones): each costs a forward
+    # pass over its context with and without the hint.
+    feedback_max_examples: int = 4
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,65 @@ def pack_documents(examples: Sequence[tuple[Sequence[Sequence[int]], Sequence[in
         positions=jnp.asarray(positions[:, :-1]))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FeedbackBatch:
+    """Targeted-feedback examples (`jaxagent.rl.feedback`), F rows: each flagged turn's context
+    as the student saw it and with the hint (teacher), right-padded, and the N aligned
+    positions whose logits predict the turn's tokens in each."""
+
+    student_tokens: jax.Array  # [F, L] int32
+    student_segment_ids: jax.Array  # [F, L] int32: 1 on tokens, 0 on padding
+    student_index: jax.Array  # [F, N] int32
+    teacher_tokens: jax.Array  # [F, L'] int32
+    teacher_segment_ids: jax.Array  # [F, L'] int32
+    teacher_index: jax.Array  # [F, N] int32
+    mask: jax.Array  # [F, N] float32: 1 on the turns' tokens
+
+
+def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int],
+                                           Sequence[int]]], *, rows: int,
+                  bucket: int = 64) -> FeedbackBatch:
+    """(student tokens, teacher tokens, student index, teacher index) per flagged turn ->
+    a FeedbackBatch of exactly `rows` rows (empty rows: no loss), lengths rounded to `bucket`."""
+    if len(examples) > rows:
+        raise ValueError(f"{len(examples)} feedback examples for {rows} rows")
+    up = lambda n: -(-max(n, 1) // bucket) * bucket  # noqa: E731
+    length_s = up(max((len(e[0]) for e in examples), default=1))
+    length_t = up(max((len(e[1]) for e in examples), default=1))
+    n = up(max((len(e[2]) for e in examples), default=1))
+    out = {k: np.zeros((rows, w), np.int32) for k, w in [
+        ("student_tokens", length_s), ("student_segment_ids", length_s), ("student_index", n),
+        ("teacher_tokens", length_t), ("teacher_segment_ids", length_t), ("teacher_index", n)]}
+    mask = np.zeros((rows, n), np.float32)
+    for i, (student, teacher, s_index, t_index) in enumerate(examples):
+        if len(s_index) != len(t_index):
+            raise ValueError(f"feedback example {i}: {len(s_index)} student positions but "
+                             f"{len(t_index)} teacher positions")
+        for name, seq in (("student", student), ("teacher", teacher)):
+            out[f"{name}_tokens"][i, :len(seq)] = seq
+            out[f"{name}_segment_ids"][i, :len(seq)] = 1
+        out["student_index"][i, :len(s_index)] = s_index
+        out["teacher_index"][i, :len(t_index)] = t_index
+        mask[i, :len(s_index)] = 1.0
+    return FeedbackBatch(**{k: jnp.asarray(v) for k, v in out.items()}, mask=jnp.asarray(mask))
+
+
+def feedback_term(model, feedback: FeedbackBatch, beta: float) -> jax.Array:
+    """beta * KL(policy with the hint || policy) at the flagged turns' tokens; the teacher
+    pass carries no gradient."""
+
+    def logits_at(tokens, segment_ids, index):
+        hidden = model(tokens, None, segment_ids, hidden_only=True)
+        return model.logits(hidden[jnp.arange(index.shape[0])[:, None], index])
+
+    f = feedback
+    teacher = jax.lax.stop_gradient(
+        logits_at(f.teacher_tokens, f.teacher_segment_ids, f.teacher_index))
+    student = logits_at(f.student_tokens, f.student_segment_ids, f.student_index)
+    return rl.feedback_loss(teacher, student, f.mask, beta=beta)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def answer_accuracy(graphdef, params, batch: TrainBatch) -> jax.Array:
     """Fraction of rows whose every loss-masked target is the greedy (argmax) prediction."""
@@ -295,6 +354,7 @@ class LossOptions:
     # times truncated IS weights proximal/behaviour; False: PPO ratio against the behaviour
     # (sampler) log-probs, no IS weights.
     decoupled: bool = True
+    feedback_beta: float = 0.0  # targeted-feedback KL weight (with a FeedbackBatch)
 
 
 def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Array:
@@ -309,11 +369,12 @@ def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Arr
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "options", "micro_batch"),
                    donate_argnames=("params", "opt_state"))
-def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None, *,
-            options: LossOptions, micro_batch: int = 0):
+def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
+            feedback: FeedbackBatch | None = None, *, options: LossOptions, micro_batch: int = 0):
     """One update on a batch of scored rollouts (one policy epoch: the proximal policy is the
     current one, so the decoupled clipped ratio starts at 1 and only the sampler correction,
-    behaviour -> proximal, is off 1; with stale rollouts that correction grows)."""
+    behaviour -> proximal, is off 1; with stale rollouts that correction grows). With
+    `feedback`, `options.feedback_beta` times the targeted-feedback KL joins the loss."""
     o = options
     full_mask = batch.loss_mask
     num_micro = _num_micro(batch, micro_batch)
@@ -353,5 +414,11 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         return _add_aux_loss(loss * share, metrics, model, aux, num_micro, "train")
 
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
+    if feedback is not None:
+        term, term_grads = jax.value_and_grad(
+            lambda p: feedback_term(nnx.merge(graphdef, p), feedback, o.feedback_beta))(params)
+        loss, grads = loss + term, jax.tree.map(jnp.add, grads, term_grads)
+        metrics = {**metrics, "train/feedback_loss": term,
+                   "train/feedback_tokens": feedback.mask.sum()}
     params, opt_state, grad_norm = _apply(tx, params, opt_state, grads)
     return params, opt_state, {**metrics, "train/loss": loss, "train/grad_norm": grad_norm}

@@ -46,8 +46,8 @@ from jaxagent.eval import mean_pass_at_k
 from jaxagent.metrics import MetricsWriter, plot_curves
 from jaxagent.models import sees_all_segments
 from jaxagent.optim import make_optimizer
-from jaxagent.steps import (LossOptions, TrainBatch, answer_accuracy, pack, pack_documents,
-                            pack_shared, rl_step, sft_step)
+from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, answer_accuracy, pack,
+                            pack_documents, pack_feedback, pack_shared, rl_step, sft_step)
 from rollouts.orchestrator import Orchestrator, WeightStore
 from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
 from rollouts.rewards import RewardConfig, Scorer
@@ -153,6 +153,7 @@ def loss_options(cfg: Config) -> LossOptions:
         kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy_coef=r.entropy_coef,
         importance_cap=r.importance_cap if r.importance_cap > 0 else None,
         decoupled=r.off_policy == "decoupled",
+        feedback_beta=cfg.agent.feedback_beta if cfg.agent.enabled else 0.0,
     )
 
 
@@ -337,6 +338,11 @@ def validate(cfg: Config) -> None:
         (not cfg.agent.enabled or cfg.agent.episodes >= 1, "agent.episodes", "must be >= 1"),
         (not cfg.agent.enabled or cfg.agent.max_action_tokens >= 1, "agent.max_action_tokens",
          "must be >= 1"),
+        (cfg.agent.feedback_beta >= 0, "agent.feedback_beta", "must be >= 0"),
+        (not cfg.agent.feedback_beta or (cfg.agent.enabled and cfg.agent.feedback_detectors),
+         "agent.feedback_beta", "needs agent.enabled and at least one agent.feedback_detectors"),
+        (not cfg.agent.feedback_beta or cfg.agent.feedback_max_examples >= 1,
+         "agent.feedback_max_examples", "must be >= 1 with agent.feedback_beta > 0"),
     ]
     for ok, key, message in checks:
         if not ok:
@@ -353,6 +359,9 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                        "train.prompts_per_step * rl.group_size")
     if cfg.sft.steps:
         layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
+    if cfg.agent.feedback_beta:
+        layout.check_batch(cfg.agent.feedback_max_examples * jax.process_count(),
+                           "agent.feedback_max_examples")
     if cfg.train.share_prompt and jax.process_count() > 1:  # one group row per prompt
         layout.check_batch(cfg.train.prompts_per_step * jax.process_count(),
                            "train.prompts_per_step (with train.share_prompt)")
@@ -439,10 +448,14 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                     batch, timing = orchestrator.get(step)
                     advantages, keep = compute_advantages(cfg.rl, batch, t.max_new_tokens)
                     train_batch = to_train_batch(batch, advantages, keep, share_prompt=share)
+                    feedback = (layout.batch(to_feedback_batch(batch, tokenizer,
+                                                               cfg.agent.feedback_max_examples),
+                                             "the feedback batch")
+                                if options.feedback_beta else None)
                     t1 = time.perf_counter()
                     params, opt_state, step_metrics = rl_step(
                         graphdef, tx, params, opt_state, layout.batch(train_batch), ref_params,
-                        options=options, micro_batch=t.micro_batch)
+                        feedback, options=options, micro_batch=t.micro_batch)
                     step_metrics = {k: float(v) for k, v in step_metrics.items()}
                     t2 = time.perf_counter()
                     done = step + 1
@@ -498,7 +511,8 @@ def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task
         sampler, tokenizer, task_iter, [make_env() for _ in range(cfg.agent.episodes)],
         prompts_per_step=t.prompts_per_step, group_size=cfg.rl.group_size,
         max_action_tokens=cfg.agent.max_action_tokens, temperature=t.temperature,
-        top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p, seed=cfg.seed)
+        top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p, seed=cfg.seed,
+        feedback_detectors=cfg.agent.feedback_detectors if cfg.agent.feedback_beta else ())
 
 
 def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray, *,
@@ -512,6 +526,17 @@ def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray
     if share_prompt:
         return pack_shared(*args, group_size=batch.group_size, completion_masks=masks)
     return pack(*args, completion_masks=masks)
+
+
+def to_feedback_batch(batch: RolloutBatch, tokenizer, rows: int) -> FeedbackBatch:
+    """The first `rows` flagged turns of the batch (`Rollout.flagged`), each with its hinted
+    teacher context (rollouts.agent.feedback), as a FeedbackBatch of exactly `rows` rows."""
+    from rollouts.agent.feedback import turn_examples
+
+    examples = [e for r in batch.rollouts
+                for e in turn_examples(r.prompt + r.completion, r.flagged, tokenizer)][:rows]
+    return pack_feedback([(e.student_tokens, e.teacher_tokens, e.student_index, e.teacher_index)
+                          for e in examples], rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class Rollout:
     finish_reason: str  # stop | length
     version: int  # policy version (train step) that sampled it
     masked: bool = False  # a budget-cut agent episode kept out of the advantage
+    # (start, end, detector) of the agent turns a feedback detector flagged, in prompt +
+    # completion coordinates (rollouts.agent.feedback.flagged_turns)
+    flagged: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,5 +1,5 @@
 """Scripted demonstrations for the SFT warm-up: a repository task solved through the real
-environment (read the code, edit in the reference, run the tests, finish), recorded
+environment (run the tests, read the code, edit in the reference, run the tests, finish), recorded
 token-exactly as a `Trajectory` whose policy mask covers only the scripted actions."""
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def reference_edits(path: str, before: str, after: str) -> list[ToolCall]:
 
 
 def scripted_calls(task: Task) -> list[ToolCall]:
-    """read_file, the edits to each changed file's reference, run_tests, finish."""
+    """run_tests (see what fails), read_file, the edits to each changed file's reference,
+    run_tests, finish. The first action is the same for every task, so even the tiny model
+    learns to open an episode with a valid call."""
     # A repository task's reference is its passing edits as JSON {path: content}.
     try:
         reference = json.loads(task.metadata.get("reference") or "")
@@ -41,7 +43,7 @@ def scripted_calls(task: Task) -> list[ToolCall]:
     if not isinstance(reference, dict) or not reference:
         raise ValueError(f"task {task.id}: metadata['reference'] holds no files to demonstrate")
     paths = sorted(reference)
-    return [ToolCall("read_file", {"path": paths[0]}),
+    return [ToolCall("run_tests", {}), ToolCall("read_file", {"path": paths[0]}),
             *(c for p in paths for c in reference_edits(p, task.files.get(p, ""), reference[p])),
             ToolCall("run_tests", {}), ToolCall("finish", {})]
 

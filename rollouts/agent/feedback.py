@@ -37,6 +37,7 @@ class FeedbackExample:
     """One flagged turn: the teacher sequence and the aligned logit indices of both."""
 
     detector: str
+    student_tokens: list[int]  # the context up to the end of the turn
     teacher_tokens: list[int]
     student_index: np.ndarray  # [n] positions in the student sequence whose logits predict the turn
     teacher_index: np.ndarray  # [n] the same predictions in the teacher sequence
@@ -63,11 +64,18 @@ def flagged_turns(traj: Trajectory, detectors: Sequence[str]) -> list[tuple[int,
 def feedback_examples(traj: Trajectory, tokenizer, detectors: Sequence[str],
                       hints: Mapping[str, str] = HINTS) -> list[FeedbackExample]:
     """A teacher example per flagged turn: the hint's tokens go right before the turn."""
+    return turn_examples(traj.tokens, flagged_turns(traj, detectors), tokenizer, hints)
+
+
+def turn_examples(tokens: Sequence[int], flagged: Sequence[tuple[int, int, str]], tokenizer,
+                  hints: Mapping[str, str] = HINTS) -> list[FeedbackExample]:
+    """`feedback_examples` from a sequence and its `flagged_turns` (as a `Rollout` keeps them)."""
+    tokens = list(tokens)
     examples = []
-    for start, end, name in flagged_turns(traj, detectors):
+    for start, end, name in flagged:
         hint = tokenizer.encode("\n" + hints[name] + "\n")
-        teacher = traj.tokens[:start] + hint + traj.tokens[start:end]
+        teacher = tokens[:start] + hint + tokens[start:end]
         student_index = np.arange(start - 1, end - 1)
-        examples.append(FeedbackExample(name, teacher, student_index, student_index + len(hint),
-                                        np.asarray(traj.tokens[start:end])))
+        examples.append(FeedbackExample(name, tokens[:end], teacher, student_index,
+                                        student_index + len(hint), np.asarray(tokens[start:end])))
     return examples

@@ -6,8 +6,10 @@ A batch draws `prompts_per_step` repository tasks and plays each `group_size` ti
 row is the episode's token-exact trajectory: the completion interleaves sampled actions
 (`policy_mask` True, sampler log-probs) with tool output (mask False), and the reward is the
 end-of-episode grade. Budget-cut episodes arrive `masked` (kept out of the advantage) or already
-penalised, as the environment's options say. Sampling and tools interleave, so a batch is
-played to the end in the calling (producer) thread; the returned future is already resolved.
+penalised, as the environment's options say; with `feedback_detectors`, each rollout lists
+the turns they flagged (`Rollout.flagged`) for the trainer's targeted-feedback KL. Sampling
+and tools interleave, so a batch is played to the end in the calling (producer) thread; the
+returned future is already resolved.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
+from rollouts.agent.feedback import flagged_turns
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
 from rollouts.environment import Environment
@@ -28,13 +31,15 @@ class AgentRolloutProducer:
     def __init__(self, sampler: Sampler, tokenizer, tasks: Iterator[Task],
                  envs: Sequence[Environment], *, prompts_per_step: int, group_size: int,
                  max_action_tokens: int, temperature: float, seed: int,
-                 top_k: int | None = None, top_p: float | None = None):
+                 top_k: int | None = None, top_p: float | None = None,
+                 feedback_detectors: Sequence[str] = ()):
         if not envs:
             raise ValueError("AgentRolloutProducer needs at least one environment")
         self.sampler, self.tokenizer, self.tasks, self.envs = sampler, tokenizer, tasks, envs
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_action_tokens, self.temperature = max_action_tokens, temperature
         self.top_k, self.top_p, self.seed = top_k, top_p, seed
+        self.feedback_detectors = tuple(feedback_detectors)
 
     def start(self, index: int, version: int) -> Future:
         """Play batch `index` with the sampler's current weights (policy `version`); returns a
@@ -50,6 +55,9 @@ class AgentRolloutProducer:
                              version)
         rollouts = [Rollout.from_trajectory(t, t.info.get("truncated_by") or "stop")
                     for t in trajs]
+        if self.feedback_detectors:  # the turns the trainer's feedback KL applies to
+            for r, t in zip(rollouts, trajs, strict=True):
+                r.flagged = flagged_turns(t, self.feedback_detectors)
         # Tools and grading run inside the episodes: all of it counts as generation time.
         stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0), **agent_metrics(trajs)}
         batch: Future = Future()

@@ -237,3 +237,31 @@ def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
     want[1, [1, 3]] = reference([1.0, 0.75])
     np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-5, atol=1e-6)
     assert keep.tolist() == [(g, i) not in failed for g in range(2) for i in range(4)]
+
+
+def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
+    from jaxagent.tokenizer import ByteTokenizer
+    from jaxagent.trainer import to_feedback_batch
+    from rollouts.agent.feedback import HINTS
+    from rollouts.producer import Rollout, RolloutBatch
+
+    tok = ByteTokenizer()
+    prompt, completion = list(range(40, 50)), list(range(60, 80))
+
+    def rollout(flagged):
+        return Rollout("t", prompt, completion, [True] * 20, [0.0] * 20, "", 0.0, "failed",
+                       "stop", 0, flagged=flagged)
+
+    # Turn [12, 17) flagged as a bad call in row 0, turn [25, 30) as a repeat in row 1.
+    batch = RolloutBatch(0, 2, [rollout([(12, 17, "bad_tool_call")]),
+                                rollout([(25, 30, "repeat")])], {})
+    fb = to_feedback_batch(RolloutBatch.from_json(batch.to_json()), tok, rows=4)  # survives JSON
+    seq = prompt + completion
+    hint = tok.encode("\n" + HINTS["bad_tool_call"] + "\n")
+    n = len(hint)
+    np.testing.assert_array_equal(fb.student_tokens[0, :17], seq[:17])
+    np.testing.assert_array_equal(fb.teacher_tokens[0, :17 + n], seq[:12] + hint + seq[12:17])
+    np.testing.assert_array_equal(fb.student_index[0, :5], np.arange(11, 16))
+    np.testing.assert_array_equal(fb.teacher_index[0, :5], np.arange(11, 16) + n)
+    np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [5, 5, 0, 0])
+    assert to_feedback_batch(batch, tok, rows=1).mask.sum() == 5  # capped at `rows`
