@@ -326,8 +326,8 @@ def sft_step(graphdef, tx, params, opt_state, batch: TrainBatch, micro_batch: in
         model = nnx.merge(graphdef, p)
         logp, _, aux = target_logprobs(model, mb)
         loss = -(logp * mb.loss_mask).sum() / total
-        return _add_aux_loss(loss, {"sft/tokens": mb.loss_mask.sum()}, model, aux, num_micro,
-                             "sft")
+        tokens = (mb.loss_mask > 0).sum()  # the mask may weight tokens (agent turns)
+        return _add_aux_loss(loss, {"sft/tokens": tokens}, model, aux, num_micro, "sft")
 
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
     params, opt_state, grad_norm = _apply(tx, params, opt_state, grads)

@@ -245,6 +245,8 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
     encode = functools.partial(tokenizer.encode, add_bos=False)
     stop = list(tokenizer.stop_ids[:1])
     if s.data == "agent":
+        from rollouts.agent.demos import turn_weights
+
         demos = _agent_demonstrations(cfg, tokenizer, tasks)
         # One padded length for every draw (the longest demonstration): one compiled step.
         length = max(len(t.tokens) for t in demos) - 1
@@ -253,7 +255,8 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
             rows = [demos[i] for i in rng.integers(0, len(demos), s.batch_size)]
             return pack([t.tokens[:t.prompt_len] for t in rows],
                         [t.tokens[t.prompt_len:] for t in rows], bucket=length,
-                        completion_masks=[t.policy_mask[t.prompt_len:] for t in rows])
+                        completion_masks=[turn_weights(t.policy_mask[t.prompt_len:])
+                                          for t in rows])
 
         return draw, None
     if s.data == "documents":

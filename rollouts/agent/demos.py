@@ -60,3 +60,19 @@ def demonstrate(env: Environment, task: Task, calls: Sequence[ToolCall]) -> Traj
         if traj.done:
             break
     return traj
+
+
+def turn_weights(policy_mask: Sequence[bool]) -> list[float]:
+    """Per-token loss weights that give every policy turn the same total weight 1: imitating
+    a demonstration then counts its short calls (run_tests, finish) as much as its long edits,
+    which would otherwise hold nearly all of the token-mean loss."""
+    weights = [0.0] * len(policy_mask)
+    start = None
+    for i, m in enumerate([*policy_mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            weights[start:i] = [1.0 / (i - start)] * (i - start)
+            start = None
+    return weights
+

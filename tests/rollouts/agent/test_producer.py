@@ -17,7 +17,7 @@ from jaxagent.models import init_model
 from jaxagent.tokenizer import ByteTokenizer
 from jaxagent.trainer import compute_advantages, to_train_batch
 from rollouts.agent import AgentOptions, ToolEnvironment
-from rollouts.agent.demos import demonstrate, scripted_calls
+from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.rewards import Scorer
@@ -98,3 +98,10 @@ def test_scripted_demonstration_solves_each_task_through_the_environment(name):
     spans = action_spans(traj.policy_mask)
     assert [traj.tokens[a:b] for a, b in spans] == actions
     assert spans[0][0] == traj.prompt_len and spans[-1][1] == len(traj.tokens)
+
+
+def test_turn_weights_give_every_turn_weight_one():
+    mask = [False, True, True, True, False, False, True, False, True, True]
+    w = turn_weights(mask)
+    np.testing.assert_allclose(w, [0, 1 / 3, 1 / 3, 1 / 3, 0, 0, 1, 0, 0.5, 0.5])
+    assert turn_weights([]) == [] and sum(turn_weights([True] * 7)) == pytest.approx(1.0)
