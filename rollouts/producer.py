@@ -118,23 +118,26 @@ def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequen
                     temperature: float, seed: int, stop_token_ids: Sequence[int] = (),
                     version: int = 0) -> Future:
     """Sample `num_samples` completions per task (rows task-major, one environment per row)
-    and submit every environment step; returns a future of (rollouts, stats) that resolves
-    when the last reward is in."""
+    and submit each row's environment step as soon as its completion is finished (the sandbox
+    runs while the sampler decodes the longer rows); returns a future of (rollouts, stats)
+    that resolves when the last reward is in."""
     if len(envs) != len(tasks) * num_samples:
         raise ValueError(f"{len(envs)} environments for {len(tasks)} tasks x {num_samples}")
     t0 = time.perf_counter()
     row_tasks = [t for t in tasks for _ in range(num_samples)]
     row_prompts = [env.reset(task) for env, task in zip(envs, row_tasks)]
     prompts = row_prompts[::num_samples]  # a group shares its prompt: prefilled once
+    steps: list[Future | None] = [None] * len(envs)
+
+    def submit(row, tokens, logprobs, _reason):
+        traj = Trajectory.start(row_tasks[row].id, row_prompts[row], version)
+        traj.add_action(tokens, logprobs)
+        steps[row] = pool.submit(_run_step, envs[row], traj, tokens)
+
     out = sampler.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                           temperature=temperature, stop_token_ids=stop_token_ids, seed=seed)
+                           temperature=temperature, stop_token_ids=stop_token_ids, seed=seed,
+                           on_finish=submit)
     t1 = time.perf_counter()
-    steps = []
-    for env, task, prompt, tokens, lps in zip(envs, row_tasks, row_prompts, out.tokens,
-                                              out.logprobs):
-        traj = Trajectory.start(task.id, prompt, version)
-        traj.add_action(tokens, lps)
-        steps.append(pool.submit(_run_step, env, traj, tokens))
 
     result: Future = Future()
     remaining = [len(steps)]

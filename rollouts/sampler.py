@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import itertools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -213,6 +214,10 @@ def _documents_cache(kv, segment_ids, extra: int) -> KVCache:
                    index=jnp.int32(width))
 
 
+def _finish_reason(tokens: np.ndarray, stop_ids: set[int]) -> str:
+    return "stop" if tokens.size and int(tokens[-1]) in stop_ids else "length"
+
+
 def _take_rows(tree, index):
     """Gather batch rows of every [B, ...] array in a pytree (scalars pass through)."""
     return jax.tree.map(lambda x: x[index] if x.ndim else x, tree)
@@ -312,10 +317,16 @@ class Sampler:
     def generate(self, prompts: list[list[int]], *, num_samples: int = 1, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  stop_token_ids=(), seed: int = 0,
-                 documents: list[list[list[int]]] | None = None) -> SampleOutput:
+                 documents: list[list[list[int]]] | None = None,
+                 on_finish: Callable[[int, list[int], np.ndarray, str], None] | None = None,
+                 ) -> SampleOutput:
         """`documents[i]`: the documents (token lists) before prompt i, laid out as
         `jaxagent.models.documents` says (each attends to itself; the prompt, then its
-        completion, to all of them); their KVs come from `kv_store`, encoded on a miss."""
+        completion, to all of them); their KVs come from `kv_store`, encoded on a miss.
+
+        `on_finish(row, tokens, logprobs, finish_reason)` is called once per row as soon as
+        the host sees it finished (between decode segments), while the other rows go on:
+        a caller can score early completions during generation."""
         prompts = self._check_prompts(prompts)
         if documents is not None:
             documents = self._check_documents(documents, len(prompts))
@@ -377,6 +388,15 @@ class Sampler:
             step=jnp.int32(1),
         )
         results: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        stop_set = set(stop_token_ids)
+        reported: set[int] = set()
+
+        def report():
+            for r in sorted(results.keys() - reported):
+                toks, lps = results[r]
+                on_finish(r, toks.tolist(), lps, _finish_reason(toks, stop_set))
+                reported.add(r)
+
         step, used_slots = 1, cache.size
         decode_rows = 0
         while step < max_new_tokens:
@@ -398,16 +418,20 @@ class Sampler:
             step = new_step
             if bool(jnp.all(state["done"])):
                 break
+            if on_finish is not None:
+                self._collect(state, np.asarray(state["done"]), results)
+                report()
         if state is not None:
             self._collect(state, np.ones(state["done"].shape[0], bool), results)
+        if on_finish is not None:
+            report()
 
         out_tokens, out_logprobs, reasons = [], [], []
-        stop_set = set(stop_token_ids)
         for r in range(num_rows):
             toks, lps = results[r]
             out_tokens.append(toks.tolist())
             out_logprobs.append(lps)
-            reasons.append("stop" if toks.size and int(toks[-1]) in stop_set else "length")
+            reasons.append(_finish_reason(toks, stop_set))
         stats.update(prefill_seconds=prefill_s, decode_row_steps=decode_rows,
                      generated_tokens=sum(map(len, out_tokens)),
                      seconds=time.perf_counter() - t0)

@@ -155,6 +155,25 @@ def test_stop_tokens_end_rows_early(model):
     assert out.tokens[0][-1] == stop and len(out.tokens[0]) <= 5
 
 
+def test_on_finish_reports_each_row_once_and_early_rows_during_decoding(model):
+    prompts = prompts_of([5, 8, 4, 6], seed=9)
+    sampler = Sampler(model, **OPTS)
+    free = sampler.generate(prompts, max_new_tokens=30, temperature=0.0).tokens
+    # A stop token that ends a later row within the first decode segment (6 steps) but never
+    # appears in row 0: reported in row order only at the end, row 0 would come first.
+    row, stop = next((r, free[r][i]) for r in (1, 2, 3) for i in range(1, 5)
+                     if free[r][i] not in free[0])
+    calls = []
+    out = sampler.generate(prompts, max_new_tokens=30, temperature=0.0, stop_token_ids=(stop,),
+                           on_finish=lambda *args: calls.append(args))
+    assert sorted(c[0] for c in calls) == [0, 1, 2, 3]
+    for r, tokens, logprobs, reason in calls:
+        assert tokens == out.tokens[r] and reason == out.finish_reasons[r]
+        np.testing.assert_array_equal(logprobs, out.logprobs[r])
+    assert out.finish_reasons[0] == "length"
+    assert calls[0][0] == row and calls[0][3] == "stop"
+
+
 def test_compaction_keeps_results_and_saves_work(model):
     # Rows stop at different times: compaction must not change any row's tokens.
     prompts = prompts_of([4, 7, 5, 9, 3, 6, 8, 2], seed=11)
