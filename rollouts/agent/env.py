@@ -112,7 +112,8 @@ class ToolEnvironment(Environment):
         self.task = task
         self.session = Session(task.files, backend=self.backend, limits=self.limits,
                                tools={"ruff": ruff_binary()},
-                               git_source=task.metadata.get("git_source"))
+                               git_source=task.metadata.get("git_source"),
+                               image=task.metadata.get("docker_image"))
         self.ctx = ToolContext(self.session, task, memory=self.memory, embedding=self.embedding,
                                timeout_s=self.options.tool_timeout_s)
         text = self.format.prompt(self.tokenizer, task.prompt, self.toolbox.schemas())

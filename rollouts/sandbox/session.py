@@ -1,9 +1,10 @@
 """A persistent sandbox session: one repository work dir for a whole agent episode.
 
 Files persist between tool calls; every command runs in a fresh one-shot sandbox of the
-backend (bwrap: the same read-only root, namespaces, private /tmp and cgroup slot as a single
-run, with the work dir bound read-write at /work) under the solution's rlimits, with a wall
-timeout and an output cap. The host reads and writes files of the work dir directly, but only
+backend under the solution's rlimits, with a wall timeout and an output cap: bwrap (the same
+read-only root, namespaces, private /tmp and cgroup slot as a single run) or docker (a `docker
+run --rm` container of the task's image: no network, read-only root, memory and pids caps, no
+capabilities), the work dir bound read-write at /work in both. The host reads and writes files of the work dir directly, but only
 regular files whose real path stays inside it (a command may leave symlinks or FIFOs behind).
 `close` kills what is left and removes the work dir.
 """
@@ -19,10 +20,12 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path, PurePosixPath
 from typing import Self
 
 from rollouts.sandbox.launchers import (
+    _CGROUP_OVERHEAD_MB,
     GUEST_DIR,
     SANDBOX_PYLIB,
     SESSION_WORKDIR,
@@ -37,7 +40,8 @@ from rollouts.sandbox.launchers import (
 from rollouts.sandbox.types import Limits
 
 _PYTHON_FLAGS = ("-S", "-B", "-E", "-s")
-_TOOLS_DIR = "/tools"  # host binaries (ruff) bound read-only inside bwrap
+_TOOLS_DIR = "/tools"  # host binaries (ruff) bound read-only inside the sandbox
+DOCKER_IMAGE = "python:3.11-slim"  # a task's metadata["docker_image"] overrides it
 _PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$")
 PYTEST_FLAGS = ("-q", "-rA", "-p", "no:cacheprovider")  # -rA: one outcome line per test
 
@@ -51,6 +55,46 @@ def pytest_outcomes(output: str) -> dict[str, tuple[str, str]]:
             kind, test, why = m.groups()
             outcomes[test] = (kind.lower(), why or "")
     return outcomes
+
+
+def _check_docker_engine() -> None:
+    """SandboxUnavailable, saying why, unless a docker CLI reaches an engine."""
+    if shutil.which("docker") is None:
+        raise SandboxUnavailable("docker sessions: no `docker` CLI on PATH")
+    try:
+        probe = subprocess.run(["docker", "version", "--format", "{{.Server.Version}}"],
+                               capture_output=True, text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        raise SandboxUnavailable("docker sessions: the engine did not answer in 30 s") from None
+    if probe.returncode:
+        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SandboxUnavailable(f"docker sessions: engine not reachable: {why}")
+
+
+def docker_argv(command: list[str], *, name: str, image: str, workdir: str, limits: Limits,
+                tools: dict[str, str]) -> list[str]:
+    """`docker run` of one session command in container `name`: the work dir read-write at
+    /work (the command runs as our uid, which owns it), the harness, pytest and tools
+    read-only, no network, a read-only root with a private /tmp, the memory and process caps
+    of a single run, no capabilities."""
+    mem = f"{limits.memory_mb + limits.tmpfs_mb + _CGROUP_OVERHEAD_MB}m"
+    mounts = {workdir: f"{SESSION_WORKDIR}:rw", str(GUEST_DIR): "/harness:ro",
+              **{path: f"{SANDBOX_PYLIB}/{lib}:ro" for lib, path in pytest_paths().items()},
+              **{path: f"{_TOOLS_DIR}/{tool}:ro" for tool, path in tools.items()}}
+    env = {"PATH": f"{_TOOLS_DIR}:/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": SANDBOX_PYLIB,
+           "PYTHONDONTWRITEBYTECODE": "1", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/tmp",
+           "LANG": "C.UTF-8"}
+    return [
+        "docker", "run", "--rm", "--name", name, "--network", "none", "--read-only",
+        "--tmpfs", f"/tmp:size={limits.tmpfs_mb}m,mode=1777",
+        "--memory", mem, "--memory-swap", mem, "--pids-limit", str(limits.max_procs + 8),
+        "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        "--user", f"{os.getuid()}:{os.getgid()}", "--workdir", SESSION_WORKDIR,
+        *(a for host, inside in mounts.items() for a in ("--volume", f"{host}:{inside}")),
+        *(a for k, v in env.items() for a in ("--env", f"{k}={v}")),
+        image, "python3", *_PYTHON_FLAGS, "/harness/limited.py",
+        json.dumps(dataclasses.asdict(limits)), *command,
+    ]
 
 
 class SessionError(ValueError):
@@ -82,18 +126,24 @@ class Session:
         limits: Limits | None = None,
         tools: dict[str, str] | None = None,
         git_source: str | None = None,
+        image: str | None = None,
     ):
-        if backend not in ("bwrap", "process"):
+        if backend not in ("bwrap", "docker", "process"):
             raise SandboxUnavailable(
-                f"sandbox sessions support the bwrap and process backends, not {backend!r}"
+                f"sandbox sessions support the bwrap, docker and process backends, not "
+                f"{backend!r}"
             )
         self.limits = limits or Limits()
         self.backend = backend
+        self.image = image or DOCKER_IMAGE
+        if backend == "docker":
+            _check_docker_engine()
         self.launcher = (
             BwrapLauncher(self.limits, use_cgroups=False)
             if backend == "bwrap"
             else ProcessLauncher(self.limits)
         )
+        self._container: str | None = None  # the docker command running now
         self.tools = dict(tools or {})
         self._tmp = Path(tempfile.mkdtemp(prefix="jaxagent-session-"))
         self.root = self._tmp / "work"
@@ -167,6 +217,11 @@ class Session:
 
     # ---- commands (sandboxed) ----
     def _argv(self, command: list[str]) -> tuple[list[str], dict | None, str | None]:
+        if self.backend == "docker":
+            self._container = f"jaxagent-session-{uuid.uuid4().hex[:12]}"
+            argv = docker_argv(command, name=self._container, image=self.image,
+                               workdir=str(self.root), limits=self.limits, tools=self.tools)
+            return argv, None, None
         limits = json.dumps(dataclasses.asdict(self.limits))
         if self.backend == "bwrap":
             py = base_python()
@@ -229,7 +284,8 @@ class Session:
         return result, pytest_outcomes(result.output)
 
     def _kill(self, proc: subprocess.Popen) -> None:
-        """Nothing a command starts outlives it (bwrap's pid namespace dies with it)."""
+        """Nothing a command starts outlives it (bwrap's pid namespace dies with it; a docker
+        container is removed, which a killed `docker run` client would not do)."""
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -237,11 +293,15 @@ class Session:
         proc.wait()
         if self.cgroup:
             self.cgroup.kill_all()
+        if self._container is not None:
+            subprocess.run(["docker", "rm", "--force", self._container], capture_output=True,
+                           timeout=60, check=False)
+            self._container = None
 
     @property
     def workdir_inside(self) -> str:
         """The work dir as commands see it."""
-        return SESSION_WORKDIR if self.backend == "bwrap" else str(self.root)
+        return str(self.root) if self.backend == "process" else SESSION_WORKDIR
 
     def close(self) -> None:
         if self.cgroup:

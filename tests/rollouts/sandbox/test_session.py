@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import pytest
 
-from rollouts.sandbox import Limits
-from rollouts.sandbox.session import Session, SessionError, pytest_outcomes
+from rollouts.sandbox import Limits, SandboxUnavailable
+from rollouts.sandbox.session import Session, SessionError, docker_argv, pytest_outcomes
 
 REPO = {
     "pkg/__init__.py": "",
@@ -16,9 +18,14 @@ REPO = {
 }
 
 
-@pytest.fixture
-def session():
-    with Session(REPO, limits=Limits(wall_s=5, cpu_s=5, output_bytes=4096, tmpfs_mb=8)) as s:
+@pytest.fixture(params=["bwrap", "docker"])
+def session(request):
+    limits = Limits(wall_s=5, cpu_s=5, output_bytes=4096, tmpfs_mb=8)
+    try:
+        s = Session(REPO, backend=request.param, limits=limits)
+    except SandboxUnavailable as e:
+        pytest.skip(f"{request.param}: {e}")
+    with s:
         yield s
 
 
@@ -41,7 +48,8 @@ def test_commands_are_isolated_limited_and_capped(session):
     net = session.exec("python -c \"import socket; socket.create_connection(('1.1.1.1', 53), 1)\"")
     assert net.exit_code != 0
     assert session.exec("touch /usr/x").exit_code != 0  # read-only root
-    assert session.exec("cat /etc/shadow").exit_code != 0  # not bound
+    if session.backend == "bwrap":  # a container has its image's own /etc
+        assert session.exec("cat /etc/shadow").exit_code != 0  # not bound
     slow = session.exec("sleep 30", timeout_s=0.5)
     assert slow.timed_out and slow.exit_code is None and slow.seconds < 5
     loud = session.exec("head -c 100000 /dev/zero | tr '\\0' a")
@@ -87,5 +95,34 @@ def test_pytest_outcomes_parses_the_short_summary():
 
 
 def test_unsupported_backend_is_named():
-    with pytest.raises(Exception, match="docker"):
+    with pytest.raises(SandboxUnavailable, match="bwrap, docker and process backends, not 'vm'"):
+        Session(REPO, backend="vm")
+
+
+def test_docker_without_an_engine_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SandboxUnavailable, match="no `docker` CLI on PATH"):
         Session(REPO, backend="docker")
+    # A CLI whose engine is down (as on this project's CI machines): its error is passed on.
+    cli = tmp_path / "docker"
+    cli.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2\nexit 1\n")
+    cli.chmod(0o755)
+    with pytest.raises(SandboxUnavailable, match="engine not reachable: Cannot connect"):
+        Session(REPO, backend="docker")
+
+
+def test_docker_command_carries_the_single_run_limits():
+    limits = Limits(wall_s=5, memory_mb=256, tmpfs_mb=16, max_procs=32)
+    argv = docker_argv(["sh", "-c", "echo hi"], name="c1", image="img:1", workdir="/w",
+                       limits=limits, tools={"ruff": "/opt/ruff"})
+    flags = " ".join(argv)
+    for part in ("run --rm --name c1", "--network none", "--read-only",
+                 "--tmpfs /tmp:size=16m", "--pids-limit 40", "--cap-drop ALL",
+                 "--security-opt no-new-privileges", "--volume /w:/work:rw",
+                 "--volume /opt/ruff:/tools/ruff:ro", "--workdir /work",
+                 f"--user {os.getuid()}:{os.getgid()}"):
+        assert part in flags, part
+    assert argv[argv.index("--memory") + 1] == argv[argv.index("--memory-swap") + 1]
+    image = argv.index("img:1")
+    assert argv[image + 1] == "python3" and argv[-3:] == ["sh", "-c", "echo hi"]
+    assert json.loads(argv[-4]) == dataclasses.asdict(limits)
