@@ -13,6 +13,10 @@ Only the sandbox's verdict counts (see docs/sandbox.md); `hack` scores
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import pickle
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,8 +87,16 @@ def combine(
     )
 
 
+_REPEATABLE = ("passed", "failed")  # verdicts a rerun of the same program gives again
+
+
 class Scorer:
-    """Scores (task, completion) pairs in a `Sandbox`; owns it unless one is given."""
+    """Scores (task, completion) pairs in a `Sandbox`; owns it unless one is given.
+
+    Identical runs (the same task and program: a GRPO group often samples the same completion
+    several times) share one sandbox run: the last `cache_size` passed/failed verdicts are kept
+    by the run request's digest. Timeouts, OOMs, hacks and errors are never reused.
+    """
 
     def __init__(
         self,
@@ -93,8 +105,13 @@ class Scorer:
         backend: str = "bwrap",
         workers: int | None = None,
         limits: Limits | None = None,
+        cache_size: int = 4096,
     ):
         self.config = config or RewardConfig()
+        self.cache_size = cache_size
+        self.cache_hits = 0
+        self._verdicts: OrderedDict[bytes, Future[Reward]] = OrderedDict()
+        self._verdicts_lock = threading.Lock()
         self._owned = sandbox is None
         self.sandbox = sandbox or Sandbox(backend, workers=workers, limits=limits)
         self._lint_pool = (
@@ -117,6 +134,31 @@ class Scorer:
                 )
             )
             return failed
+        key = hashlib.sha256(pickle.dumps((task.id, request))).digest()
+        with self._verdicts_lock:
+            shared = self._verdicts.get(key)
+            if shared is not None:
+                self._verdicts.move_to_end(key)
+                self.cache_hits += 1
+                return shared
+        out = self._run(task, request, completion)
+        if self.cache_size > 0:
+            with self._verdicts_lock:
+                self._verdicts[key] = out
+                while len(self._verdicts) > self.cache_size:
+                    self._verdicts.popitem(last=False)
+
+            def forget_unless_repeatable(f: Future[Reward]) -> None:
+                if f.exception() is None and f.result().status in _REPEATABLE:
+                    return
+                with self._verdicts_lock:
+                    if self._verdicts.get(key) is f:
+                        del self._verdicts[key]
+
+            out.add_done_callback(forget_unless_repeatable)
+        return out
+
+    def _run(self, task: Task, request, completion: str) -> Future[Reward]:
         run = self.sandbox.submit(request)
         lint = None
         if self._lint_pool and task.repo is None:  # repository edits are JSON, not code

@@ -63,6 +63,23 @@ def test_scorer_scores_a_batch_in_order_sync_and_async(bwrap_sandbox):
     assert bwrap_sandbox.submit(tasks[0].request(completions[0])).result().passed
 
 
+def test_identical_runs_share_one_verdict_but_timeouts_rerun(bwrap_sandbox):
+    task, other = synthetic_tasks(2, seed=5)
+    reference = task.metadata["reference"]
+    with Scorer(sandbox=bwrap_sandbox) as scorer:
+        first = scorer.submit(task, reference)
+        assert scorer.submit(task, reference) is first and scorer.cache_hits == 1
+        assert first.result().status == "passed"
+        assert scorer.submit(task, reference) is first  # after it finished too
+        assert scorer.submit(task, "None\n") is not first  # another program
+        assert scorer.submit(other, reference) is not first  # another task
+        loop = "next(x for x in iter(int, 1) if x)\n"  # spins forever in constant memory
+        slow = scorer.submit(task, loop)
+        assert slow.result().status == "timeout"
+        assert scorer.submit(task, loop) is not slow  # a timeout may not repeat: run again
+        assert scorer.cache_hits == 2
+
+
 def test_lint_penalty_runs_ruff_in_the_sandbox(bwrap_sandbox):
     (task,) = synthetic_tasks(1, seed=0)
     with Scorer(RewardConfig(lint_penalty=0.5), sandbox=bwrap_sandbox) as scorer:
