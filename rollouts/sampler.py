@@ -123,8 +123,10 @@ def _argmax(x):
 
 
 def _log_softmax_at(x, tokens):
-    """log_softmax(x)[row, tokens[row]] without materialising the whole log-softmax."""
-    top = jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
+    """log_softmax(x)[row, tokens[row]] without materialising the whole log-softmax. Not
+    jaxagent.rl.token_logprobs: that one also prepares the entropy, and the decode step
+    measured 5-10% slower with it."""
+    top = x.max(axis=-1, keepdims=True)
     log_total = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1)) + top[:, 0]
     return jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - log_total
 
