@@ -186,15 +186,7 @@ def _decode_segment(graphdef, params, state, limit, max_new, key, temperature, t
     return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(jax.jit, static_argnames=("extra",))
-def _grow_cache(cache: KVCache, extra: int) -> KVCache:
-    pad = [(0, 0), (0, 0), (0, extra), (0, 0)]
-    return KVCache(
-        k=[jnp.pad(x, pad) for x in cache.k],
-        v=[jnp.pad(x, pad) for x in cache.v],
-        segment_ids=jnp.pad(cache.segment_ids, [(0, 0), (0, extra)]),
-        index=cache.index,
-    )
+_grow_cache = jax.jit(KVCache.grow, static_argnames=("cfg", "extra"))
 
 
 @jax.jit
@@ -409,7 +401,7 @@ class Sampler:
             n = min(self.segment_steps, max_new_tokens - step)
             free = state["cache"].size - used_slots
             if free < n:
-                state["cache"] = _grow_cache(state["cache"],
+                state["cache"] = _grow_cache(state["cache"], cfg=self.config,
                                              extra=_round_up(n - free, self.cache_bucket))
             state = _decode_segment(self.graphdef, self.params, state, jnp.int32(step + n),
                                     jnp.int32(max_new_tokens), key, temperature_, top_p_,
@@ -538,7 +530,7 @@ def _extend(graphdef, params, cache, tokens, segment_ids, positions):
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _forget_slots(cache: KVCache, keep):
     """Mark the slots where `keep` [B, S] is False as empty (segment 0: attended by nothing)."""
-    return KVCache(cache.k, cache.v, cache.segment_ids * keep, cache.index)
+    return dataclasses.replace(cache, segment_ids=cache.segment_ids * keep)
 
 
 def _fresh_cache(config, batch: int, size: int) -> KVCache:
@@ -629,7 +621,8 @@ class Continuation:
     def _reserve(self, cache: KVCache, needed: int) -> KVCache:
         free = cache.size - self.used
         if free < needed:
-            cache = _grow_cache(cache, extra=_round_up(needed - free, self.sampler.cache_bucket))
+            cache = _grow_cache(cache, cfg=self.sampler.config,
+                                extra=_round_up(needed - free, self.sampler.cache_bucket))
         return cache
 
     def _rebuild(self) -> None:

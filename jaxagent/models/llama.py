@@ -40,21 +40,47 @@ class KVCache:
     v: list[jax.Array]  # per layer [B, K, S, H]
     segment_ids: jax.Array  # [B, S] int32; 0 = empty slot or padding
     index: jax.Array  # [] int32: the next slot to write
+    # NSA only (None otherwise): compressed keys/values by block, per layer [B, C, K, H], and the
+    # slot of each position of a row, [B, S] (its blocks are in positions, the cache in slots).
+    k_cmp: list[jax.Array] | None = None
+    v_cmp: list[jax.Array] | None = None
+    slot_of: jax.Array | None = None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, size: int) -> "KVCache":
         shape = (batch, cfg.num_kv_heads, size, cfg.head_dim)
         zeros = [jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers)]
-        return cls(
-            k=zeros,
-            v=list(zeros),
-            segment_ids=jnp.zeros((batch, size), jnp.int32),
-            index=jnp.zeros((), jnp.int32),
-        )
+        nsa = {}
+        if cfg.attention == "nsa":
+            cmp = (batch, _nsa_blocks(cfg, size), cfg.num_kv_heads, cfg.head_dim)
+            nsa = dict(k_cmp=[jnp.zeros(cmp, cfg.dtype) for _ in range(cfg.num_layers)],
+                       v_cmp=[jnp.zeros(cmp, cfg.dtype) for _ in range(cfg.num_layers)],
+                       slot_of=jnp.zeros((batch, size), jnp.int32))
+        return cls(k=zeros, v=list(zeros), segment_ids=jnp.zeros((batch, size), jnp.int32),
+                   index=jnp.zeros((), jnp.int32), **nsa)
 
     @property
     def size(self) -> int:
         return self.segment_ids.shape[1]
+
+    def grow(self, cfg: ModelConfig, extra: int) -> "KVCache":
+        """`extra` more empty slots (and, for NSA, room for the blocks they can complete)."""
+        pad = lambda x, axis, n: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])
+        grown = dataclasses.replace(
+            self, k=[pad(x, 2, extra) for x in self.k], v=[pad(x, 2, extra) for x in self.v],
+            segment_ids=pad(self.segment_ids, 1, extra))
+        if self.slot_of is None:
+            return grown
+        more = _nsa_blocks(cfg, self.size + extra) - self.k_cmp[0].shape[1]
+        return dataclasses.replace(
+            grown, k_cmp=[pad(x, 1, more) for x in self.k_cmp],
+            v_cmp=[pad(x, 1, more) for x in self.v_cmp], slot_of=pad(self.slot_of, 1, extra))
+
+
+def _nsa_blocks(cfg: ModelConfig, size: int) -> int:
+    """Compressed blocks a cache of `size` slots can need: positions < size, and a block closes
+    every d positions from l-1 on (l >= d)."""
+    return max(size // cfg.nsa.compress_stride, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +147,9 @@ class NSA(nnx.Module):
     heads), and per-head sigmoid gates over the three branches, computed from the query.
 
     Positions are document positions: without a cache a row's tokens start at slot 0 (training
-    batches are right-padded); with a cache each row is rolled by (slot - position) so that its
-    blocks line up with the teacher-forced forward (the sampler left-pads prompts).
+    batches are right-padded). With a cache, blocks are found by position through the cache's
+    slot_of map (prompts are left-padded, multi-turn rows leave gaps), the compressed keys grow
+    by one block every d tokens, and a decode step reads O(C + n*l' + w) keys.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -151,20 +178,30 @@ class NSA(nnx.Module):
         return {"compress_k": cast(self.compress_k), "compress_v": cast(self.compress_v),
                 "gate": self.gate[...].astype(dt)}
 
-    def __call__(self, q, k, v, positions, slots, cached: bool):
-        """q [B,T,N,H]; k, v [B,K,S,H] (cache layout, slot space) -> [B,T,N,H]."""
+    def __call__(self, q, k, v, positions, segment_ids, cache=None):
+        """q [B,T,N,H]; k, v [B,K,S,H] (the cache layout; without a cache S = T) -> [B,T,N,H],
+        and with a cache (k_cmp, v_cmp, slot_of) also the updated (k_cmp, v_cmp)."""
         params = self._params(q.dtype)
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,S,K,H], the kernels' layout
-        if not cached:
+        if cache is None:
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,S,K,H], the kernels' layout
             on_accelerator = jax.default_backend() in ("gpu", "tpu")
             return nsa_ref.nsa_forward(q, k, v, params, self.shape,
                                        select_fn=select_attention if on_accelerator else None)
-        # The last query is a real token (prompts are left-padded); left-padding queries get
-        # negative positions, see nothing and output zeros.
-        shift = slots[:, -1] - positions[:, -1]  # the slot of the row's position 0
-        roll = jax.vmap(lambda x, s: jnp.roll(x, -s, axis=0))
-        return nsa_ref.nsa_forward(q, roll(k, shift), roll(v, shift), params, self.shape,
-                                   offset=positions[:, -1] - (q.shape[1] - 1))
+        k_cmp, v_cmp, slot_of = cache
+        k_cmp = nsa_ref.append_compressed(k_cmp, k, slot_of, positions, segment_ids, params["compress_k"], self.shape)
+        v_cmp = nsa_ref.append_compressed(v_cmp, v, slot_of, positions, segment_ids, params["compress_v"], self.shape)
+        if q.shape[1] == 1:
+            out = nsa_ref.nsa_decode_step(q, k, v, k_cmp, v_cmp, positions[:, 0], params, self.shape,
+                                          slot_of=slot_of)
+        else:
+            # A chunk (prefill): the keys by position, then the teacher-forced layer at an offset.
+            # The last query is a real token (chunks are left-padded); padding queries get
+            # negative positions, see nothing and output zeros.
+            every = jnp.arange(slot_of.shape[1])[None, None, :]
+            k_pos, v_pos = (nsa_ref.cache_keys(x, every, slot_of) for x in (k, v))
+            out = nsa_ref.nsa_forward(q, k_pos, v_pos, params, self.shape, k_cmp=k_cmp, v_cmp=v_cmp,
+                                      offset=positions[:, -1] - (q.shape[1] - 1))
+        return out, (k_cmp, v_cmp)
 
 
 class Attention(nnx.Module):
@@ -189,7 +226,7 @@ class Attention(nnx.Module):
             self.nsa = NSA(cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, slots, cache_kv=None, cache_segment_ids=None,
-                 cache_index=None):
+                 cache_index=None, cache_nsa=None):
         cfg, dt = self.cfg, x.dtype
         q = jnp.einsum("BTD,DNH->BTNH", x, self.wq[...].astype(dt))
         k = jnp.einsum("BTD,DKH->BTKH", x, self.wk[...].astype(dt))
@@ -212,8 +249,11 @@ class Attention(nnx.Module):
             new_kv = (k, v)
             kv_segment_ids = cache_segment_ids
             kv_slots = jnp.broadcast_to(jnp.arange(k.shape[2], dtype=jnp.int32), kv_segment_ids.shape)
-        if cfg.attention == "nsa":
-            out = self.nsa(q, k.astype(dt), v.astype(dt), positions, slots, cached=cache_kv is not None)
+        if cfg.attention == "nsa" and cache_nsa is not None:
+            out, cmp = self.nsa(q, k.astype(dt), v.astype(dt), positions, segment_ids, cache_nsa)
+            new_kv = (*new_kv, *cmp)
+        elif cfg.attention == "nsa":
+            out = self.nsa(q, k.astype(dt), v.astype(dt), positions, segment_ids)
         else:
             attend = get_backend(backend_name(cfg))
             out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
@@ -301,21 +341,26 @@ class Decoder(nnx.Module):
                 cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index)
             )
         slots = jnp.broadcast_to(slots, (b, t))
+        if cache is not None and cache.slot_of is not None:
+            # NSA: each real token's position now lives at its slot (padding writes nowhere)
+            where = jnp.where(segment_ids != 0, positions, cache.size)
+            slot_of = cache.slot_of.at[jnp.arange(b)[:, None], where].set(slots, mode="drop")
 
         x = self._pin(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype), _BTD)
-        new_k, new_v, router_logits = [], [], []
+        new_kv, router_logits = [], []
         for i, layer in enumerate(self.layers):
             kw = {}
             if cache is not None:
                 kw = dict(cache_kv=(cache.k[i], cache.v[i]), cache_segment_ids=cache_segment_ids,
                           cache_index=cache.index)
+                if cache.slot_of is not None:
+                    kw["cache_nsa"] = (cache.k_cmp[i], cache.v_cmp[i], slot_of)
             x, kv, layer_router_logits = layer(x, positions, segment_ids, slots, **kw)
             x = self._pin(x, _BTD)
             if layer_router_logits is not None:
                 router_logits.append(layer_router_logits)
             if kv is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
+                new_kv.append(kv)
         x = self.final_norm(x[:, -1:] if last_only else x)
         logits = x if hidden_only else self.logits(x)
         if with_aux_loss:
@@ -327,7 +372,9 @@ class Decoder(nnx.Module):
             return logits, aux
         if cache is None:
             return logits
-        return logits, KVCache(new_k, new_v, cache_segment_ids, cache.index + t)
+        per_layer = [list(x) for x in zip(*new_kv)]  # k, v[, k_cmp, v_cmp]
+        nsa = dict(k_cmp=per_layer[2], v_cmp=per_layer[3], slot_of=slot_of) if len(per_layer) > 2 else {}
+        return logits, KVCache(per_layer[0], per_layer[1], cache_segment_ids, cache.index + t, **nsa)
 
 
     def logits(self, x: jax.Array) -> jax.Array:

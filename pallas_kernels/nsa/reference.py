@@ -122,7 +122,11 @@ def compress_blocks(x, params, shape: NSAShape):
     l, d = shape.compress_block, shape.compress_stride
     c = max((x.shape[1] - l) // d + 1, 0)
     starts = jnp.arange(c) * d
-    blocks = x[:, starts[:, None] + jnp.arange(l)[None, :]]  # [B,C,L,K,H]
+    return compress(x[:, starts[:, None] + jnp.arange(l)[None, :]], params)  # blocks [B,C,L,K,H]
+
+
+def compress(blocks, params):
+    """phi: blocks of keys (or values) [B,C,L,K,H] -> one summary each [B,C,K,H]."""
     blocks = blocks + params["pos"][None, None, :, None, :]
     hidden = jax.nn.gelu(jnp.einsum("bclkh,lhf->bckf", blocks, params["w1"]))
     return jnp.einsum("bckf,fh->bckh", hidden, params["w2"])
@@ -291,32 +295,69 @@ def sliding_window_banded(q, k, v, *, window, scale=None):
     return out.reshape(b, c * w, n, -1)[:, :t]
 
 
-def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSAShape, scale=None):
-    """One decode step of the NSA layer: q[B,1,N,H] at position pos[B]; the caches hold keys
-    0..pos (raw: [B,S,K,*], compressed: [B,C,K,*], block i valid once i*d+l-1 <= pos).
-    Reads O(C + n*l' + w) keys per head instead of O(pos)."""
+# --- decoding over a KV cache ------------------------------------------------------------------
+# A model's cache keeps keys by slot, [B,K,S,*] (prompts are left-padded; multi-turn rows leave
+# gaps), while NSA's blocks live in positions: slot_of[B,P] maps each position of a row to its slot.
+
+
+def cache_keys(x, positions, slot_of=None):
+    """x[B,K,S,*] at positions[B|1,K|1,P] -> [B,P,K,*]; slot_of None: slot = position. Positions
+    out of range read a clipped slot: callers mask them."""
+    b, kh, s_len = x.shape[:3]
+    slots = jnp.broadcast_to(positions, (b, positions.shape[1], positions.shape[2]))
+    if slot_of is not None:
+        flat = jnp.clip(slots, 0, slot_of.shape[1] - 1).reshape(b, -1)
+        slots = jnp.take_along_axis(slot_of, flat, axis=1).reshape(slots.shape)
+    slots = jnp.broadcast_to(jnp.clip(slots, 0, s_len - 1), (b, kh, positions.shape[-1]))
+    rows = jax.vmap(jax.vmap(lambda xs, i: xs[i]))(x, slots)  # [B,K,P,*]
+    return jnp.swapaxes(rows, 1, 2)
+
+
+def append_compressed(cmp, x, slot_of, positions, segment_ids, params, shape: NSAShape):
+    """Write into cmp[B,C,K,*] (block i at index i) the compressed blocks completed by a chunk of
+    tokens already in the slot cache x[B,K,S,*]: positions/segment_ids [B,T], each row's real
+    tokens (segment != 0) consecutive and last. A chunk of T tokens completes at most ceil(T/d)
+    blocks per row, so decoding compresses one block every d steps instead of the whole cache."""
+    l, d = shape.compress_block, shape.compress_stride
+    b, t = positions.shape
+    last = positions[:, -1]
+    first = last - jnp.sum(segment_ids != 0, axis=1) + 1
+    newest = last - jnp.mod(last - l + 1, d)  # the last position that closes a block
+    ends = newest[:, None] - d * jnp.arange(-(-t // d))  # [B,M]
+    ok = (ends >= first[:, None]) & (ends >= l - 1)
+    block = jnp.where(ok, (ends - l + 1) // d, cmp.shape[1])  # out of range: dropped
+    pos = (block * d)[:, :, None] + jnp.arange(l)  # [B,M,L]
+    keys = cache_keys(x, pos.reshape(b, 1, -1), slot_of)
+    new = compress(keys.reshape(b, -1, l, *keys.shape[2:]), params)  # [B,M,K,*]
+    return cmp.at[jnp.arange(b)[:, None], block].set(new.astype(cmp.dtype), mode="drop")
+
+
+def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSAShape, scale=None, slot_of=None):
+    """One decode step of the NSA layer: q[B,1,N,H] at position pos[B] over the slot caches
+    k_cache[B,K,S,H], v_cache[B,K,S,V] (slot_of[B,P] maps positions to slots; None: the same)
+    and the compressed caches k_cmp[B,C,K,H], v_cmp[B,C,K,V] (block i valid once i*d+l-1 <= pos).
+    Reads O(C + n*l' + w) keys per kv head, never the whole cache."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s_len = k_cache.shape[1]
-    cmp_mask = compressed_mask(1, k_cmp.shape[1], shape, pos)
-    o_cmp = attend(q, k_cmp, v_cmp, cmp_mask, scale)
-    p_cmp = compressed_probs(q, k_cmp, cmp_mask, scale)
-    p_slc = selection_scores(p_cmp, -(-s_len // shape.select_block), shape)
-    idx = select_blocks(p_slc, k_cache.shape[2], shape, pos)
-    o_slc = select_attention_gathered(q, k_cache, v_cache, idx, block_size=shape.select_block, scale=scale, offset=pos)
-    w = shape.window
-    start = jnp.maximum(pos - w + 1, 0)
-    kw, vw = (pad_axis(x, 1, w) if x.shape[1] < w else x for x in (k_cache, v_cache))
-    start = jnp.minimum(start, kw.shape[1] - w)
-    window = jax.vmap(lambda x, s0: jax.lax.dynamic_slice_in_dim(x, s0, w, axis=0))
-    key_pos = start[:, None] + jnp.arange(w)  # [B,w]
-    win_mask = ((key_pos <= pos[:, None]) & (key_pos > pos[:, None] - w))[:, None, None, :]
-    o_win = attend(q, window(kw, start), window(vw, start), win_mask, scale)
+    b, _, n, _ = q.shape
+    kh = k_cache.shape[1]
+    lp, w = shape.select_block, shape.window
+    p_cmp = compressed_probs(q, k_cmp, compressed_mask(1, k_cmp.shape[1], shape, pos), scale)  # [B,1,N,C]
+    o_cmp = jnp.einsum("btkgc,bckv->btkgv", p_cmp.reshape(b, 1, kh, n // kh, -1), v_cmp).reshape(b, 1, n, -1)
+    num_pos = k_cache.shape[2] if slot_of is None else slot_of.shape[1]
+    idx = select_blocks(selection_scores(p_cmp, -(-num_pos // lp), shape), kh, shape, pos)[:, 0]  # [B,K,J]
+    sel = (jnp.maximum(idx, 0)[..., None] * lp + jnp.arange(lp)).reshape(b, kh, -1)  # [B,K,J*l']
+    sel_ok = jnp.repeat(idx >= 0, lp, axis=-1) & (sel <= pos[:, None, None])
+    o_slc = attend(q, cache_keys(k_cache, sel, slot_of), cache_keys(v_cache, sel, slot_of), sel_ok[:, None], scale)
+    win = (pos - w + 1)[:, None, None] + jnp.arange(w)  # [B,1,w]
+    win_ok = (win >= 0)[:, None]  # [B,1,1,w]
+    o_win = attend(q, cache_keys(k_cache, win, slot_of), cache_keys(v_cache, win, slot_of), win_ok, scale)
     g = gates(q, params["gate"])
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
 
 
 def nsa_forward(
-    q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, chunk=1024, offset=None
+    q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, chunk=1024, offset=None,
+    k_cmp=None, v_cmp=None,
 ):
     """nsa_reference for long sequences: the compressed branch and the block scores come from one
     set of compressed probabilities (its output is p_cmp @ V_cmp), computed per query chunk so
@@ -325,14 +366,16 @@ def nsa_forward(
 
     With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
     positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then the
-    gathered form and the window a masked one.
+    gathered form and the window a masked one. ``k_cmp``/``v_cmp`` (a compressed cache, blocks
+    masked by position as usual) replace compressing k and v.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     base = jnp.zeros((), jnp.int32) if offset is None else jnp.asarray(offset, jnp.int32)
-    k_cmp = compress_blocks(k, params["compress_k"], shape)
-    v_cmp = compress_blocks(v, params["compress_v"], shape)
+    if k_cmp is None:
+        k_cmp = compress_blocks(k, params["compress_k"], shape)
+        v_cmp = compress_blocks(v, params["compress_v"], shape)
     num_blocks = -(-s_len // shape.select_block)
     rows = min(chunk, t)
 

@@ -1,10 +1,12 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxagent.config import ModelConfig
+from jaxagent.config import ModelConfig, NSAConfig
 from jaxagent.models import init_model
 from rollouts import sampler as sampler_lib
 from rollouts.sampler import Continuation, Sampler
@@ -16,11 +18,21 @@ OPTS = dict(prompt_bucket=8, cache_bucket=16, batch_bucket=4, segment_steps=6)
 
 @pytest.fixture(scope="module")
 def model():
-    # Larger weights than the default init give peaked, token-varied distributions.
-    m = init_model(CFG, seed=0)
+    return _peaked(init_model(CFG, seed=0))
+
+
+def _peaked(m):
+    """Larger weights than the default init give peaked, token-varied distributions."""
     state = nnx.state(m, nnx.Param)
     nnx.update(m, jax.tree.map(lambda x: x * 6.0 if x.ndim > 1 else x, state))
     return m
+
+
+@pytest.fixture(scope="module")
+def nsa_model():
+    """NSA with small blocks, so 40-token histories have 5+ selection blocks to choose from."""
+    nsa = NSAConfig(compress_block=8, compress_stride=4, select_block=8, num_selected=4, window=5)
+    return _peaked(init_model(dataclasses.replace(CFG, attention="nsa", nsa=nsa), seed=1))
 
 
 @nnx.jit
@@ -289,6 +301,26 @@ def test_incremental_prefill_equals_full_reprefill(model):
     total = sum(len(h) for h in cont.history if h)
     assert cont.stats["prefill_tokens"] < total  # never the whole history again
     assert cont.stats["rebuilds"] == 0
+
+
+def test_nsa_turns_over_a_gapped_cache_equal_teacher_forcing(nsa_model):
+    """NSA's blocks are in positions while multi-turn rows leave gaps in the cache (left-padded
+    chunks, decode steps after a row stopped, a released slot): decoding reaches them through the
+    cache's slot map and appends compressed blocks as they close."""
+    rng = np.random.default_rng(4)
+    cont = Continuation(Sampler(nsa_model, **CONT_OPTS), slots=3, max_new_tokens=9,
+                        stop_token_ids=(STOP,), seed=2)
+    for slot, n in enumerate((6, 13, 3)):
+        cont.start(slot, tokens(rng, n))
+    for turn in range(3):
+        before = {s: list(cont.history[s]) for s in range(3)}
+        check_turn(nsa_model, cont, before, cont.turn())
+        for slot in range(3):
+            cont.append(slot, tokens(rng, int(rng.integers(1, 9))))
+        if turn == 0:
+            cont.release(2)  # a new episode reuses the row: its old blocks must not leak in
+            cont.start(2, tokens(rng, 5))
+    assert max(len(cont.history[s]) for s in range(3)) > 40
 
 
 def test_released_slots_are_refilled_and_rebuilds_keep_the_logits(model):

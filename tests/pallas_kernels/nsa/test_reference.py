@@ -154,22 +154,68 @@ def _layer_inputs(seed, b, t, n=4, kh=2, h=8, vd=6):
     return q, k, v, R.init_nsa_params(jax.random.key(seed), SMALL, n, h, vd, dtype=jnp.float64)
 
 
-def test_decode_steps_match_teacher_forced_layer():
-    shape, b = SMALL, 2
+def _slot_cache(x, slot_of, size):
+    """Position-space x[B,T,K,*] laid into a slot cache [B,K,size,*] by slot_of[B,T]; every
+    other slot holds junk that decoding must not read."""
+    b, t = slot_of.shape
+    cache = jnp.full((b, size, *x.shape[2:]), 1e3, x.dtype)
+    cache = cache.at[jnp.arange(b)[:, None], slot_of].set(x)
+    return jnp.swapaxes(cache, 1, 2)
+
+
+def _scattered_slots(rng, b, t, size):
+    """An increasing position -> slot map per row, with gaps (left padding, forgotten slots)."""
+    return jnp.asarray(np.stack([np.sort(rng.choice(size, t, replace=False)) for _ in range(b)]), jnp.int32)
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_decode_steps_match_teacher_forced_layer(scattered):
+    shape, b, t = SMALL, 2, 27
     with jax.enable_x64(True):
-        q, k, v, params = _layer_inputs(6, b, 27)
+        q, k, v, params = _layer_inputs(6, b, t)
         full = R.nsa_reference(q, k, v, params, shape)
         k_cmp = R.compress_blocks(k, params["compress_k"], shape)
         v_cmp = R.compress_blocks(v, params["compress_v"], shape)
+        size = 40 if scattered else t
+        slot_of = _scattered_slots(np.random.default_rng(1), b, t, size) if scattered else None
+        place = lambda x: _slot_cache(x, slot_of if scattered else jnp.broadcast_to(jnp.arange(t), (b, t)), size)
         for pos in (0, 5, 11, 26):
             # the caches beyond pos hold garbage: decoding must not read it
             junk = lambda x, valid: jnp.where(jnp.arange(x.shape[1])[None, :, None, None] < valid, x, 1e3)
             n_cmp = max((pos + 1 - 8) // 4 + 1, 0)
             step = R.nsa_decode_step(
-                q[:, pos : pos + 1], junk(k, pos + 1), junk(v, pos + 1), junk(k_cmp, n_cmp), junk(v_cmp, n_cmp),
-                jnp.full((b,), pos), params, shape,
+                q[:, pos : pos + 1], place(junk(k, pos + 1)), place(junk(v, pos + 1)), junk(k_cmp, n_cmp),
+                junk(v_cmp, n_cmp), jnp.full((b,), pos), params, shape, slot_of=slot_of,
             )
             np.testing.assert_allclose(step, full[:, pos : pos + 1], atol=1e-10)
+
+
+def test_append_compressed_builds_the_compressed_cache_chunk_by_chunk():
+    """A left-padded prefill chunk, then one token per step, in scattered slots: every block the
+    tokens complete is written, equal to compressing the whole sequence; nothing else is."""
+    shape, b, t = SMALL, 2, 27
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.normal(size=(b, t, 2, 8)), jnp.float32)
+    params = R.init_compress_params(jax.random.key(0), shape, 8)
+    slot_of = _scattered_slots(rng, b, t, 45)
+    cache = _slot_cache(k, slot_of, 45)
+    want = R.compress_blocks(k, params, shape)  # [B,5,K,H]
+    cmp = jnp.full((b, 11, 2, 8), -7.0)
+    # prefill: row 0 has 13 real tokens, row 1 has 9, left-padded to 16
+    lengths = np.array([13, 9])
+    seg = (np.arange(16)[None, :] >= 16 - lengths[:, None]).astype(np.int32)
+    pos = np.where(seg, np.arange(16)[None, :] - (16 - lengths[:, None]), 0)
+    cmp = R.append_compressed(cmp, cache, slot_of, jnp.asarray(pos), jnp.asarray(seg), params, shape)
+    for row, n in enumerate(lengths):  # blocks ending at 7 and 11 (l=8, d=4) are complete by 12
+        done = (n - 8) // 4 + 1
+        np.testing.assert_allclose(cmp[row, :done], want[row, :done], rtol=1e-5, atol=1e-6)
+        assert bool(jnp.all(cmp[row, done:] == -7.0))
+    for p in range(int(lengths.min()), t):
+        rows = p >= lengths  # rows whose prefill did not cover p take a decode step
+        cmp_next = R.append_compressed(cmp, cache, slot_of, jnp.full((b, 1), p), jnp.ones((b, 1), jnp.int32), params, shape)
+        cmp = jnp.where(jnp.asarray(rows)[:, None, None, None], cmp_next, cmp)
+    np.testing.assert_allclose(cmp[:, :5], want, rtol=1e-5, atol=1e-6)
+    assert bool(jnp.all(cmp[:, 5:] == -7.0))
 
 
 def test_chunked_nsa_forward_matches_reference_values_and_grads():
