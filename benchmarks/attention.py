@@ -137,9 +137,9 @@ def main():
         pos = jnp.full((b,), t - 1)
         dense_dec = jax.jit(lambda q1, k, v: jax.nn.dot_product_attention(q1, k, v, implementation="xla"))
         nsa_dec = jax.jit(lambda q1, k, v, kc, vc, pos: R.nsa_decode_step(q1, k, v, kc, vc, pos, params, shape))
-        k_slots, v_slots = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # a sampler cache's layout
+        k_slots, v_slots, kc, vc = (x.transpose(0, 2, 1, 3) for x in (k, v, k_cmp, v_cmp))  # a sampler cache's layout
         for name, f, a in (("dense/decode", dense_dec, (q1, k, v)),
-                           ("nsa/decode", nsa_dec, (q1, k_slots, v_slots, k_cmp, v_cmp, pos))):
+                           ("nsa/decode", nsa_dec, (q1, k_slots, v_slots, kc, vc, pos))):
             try:
                 row["ms"][name] = 1e3 * timed(f, *a, repeats=max(args.repeats, 5))
             except Exception as e:  # noqa: BLE001

@@ -40,7 +40,7 @@ class KVCache:
     v: list[jax.Array]  # per layer [B, K, S, H]
     segment_ids: jax.Array  # [B, S] int32; 0 = empty slot or padding
     index: jax.Array  # [] int32: the next slot to write
-    # NSA only (None otherwise): compressed keys/values by block, per layer [B, C, K, H], and the
+    # NSA only (None otherwise): compressed keys/values by block, per layer [B, K, C, H], and the
     # slot of each position of a row, [B, S] (its blocks are in positions, the cache in slots).
     k_cmp: list[jax.Array] | None = None
     v_cmp: list[jax.Array] | None = None
@@ -52,7 +52,7 @@ class KVCache:
         zeros = [jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers)]
         nsa = {}
         if cfg.attention == "nsa":
-            cmp = (batch, _nsa_blocks(cfg, size), cfg.num_kv_heads, cfg.head_dim)
+            cmp = (batch, cfg.num_kv_heads, _nsa_blocks(cfg, size), cfg.head_dim)
             nsa = dict(k_cmp=[jnp.zeros(cmp, cfg.dtype) for _ in range(cfg.num_layers)],
                        v_cmp=[jnp.zeros(cmp, cfg.dtype) for _ in range(cfg.num_layers)],
                        slot_of=jnp.zeros((batch, size), jnp.int32))
@@ -71,10 +71,10 @@ class KVCache:
             segment_ids=pad(self.segment_ids, 1, extra))
         if self.slot_of is None:
             return grown
-        more = _nsa_blocks(cfg, self.size + extra) - self.k_cmp[0].shape[1]
+        more = _nsa_blocks(cfg, self.size + extra) - self.k_cmp[0].shape[2]
         return dataclasses.replace(
-            grown, k_cmp=[pad(x, 1, more) for x in self.k_cmp],
-            v_cmp=[pad(x, 1, more) for x in self.v_cmp], slot_of=pad(self.slot_of, 1, extra))
+            grown, k_cmp=[pad(x, 2, more) for x in self.k_cmp],
+            v_cmp=[pad(x, 2, more) for x in self.v_cmp], slot_of=pad(self.slot_of, 1, extra))
 
 
 def _nsa_blocks(cfg: ModelConfig, size: int) -> int:
@@ -198,8 +198,9 @@ class NSA(nnx.Module):
             # The last query is a real token (chunks are left-padded); padding queries get
             # negative positions, see nothing and output zeros.
             every = jnp.arange(slot_of.shape[1])[None, None, :]
-            k_pos, v_pos = (nsa_ref.cache_keys(x, every, slot_of) for x in (k, v))
-            out = nsa_ref.nsa_forward(q, k_pos, v_pos, params, self.shape, k_cmp=k_cmp, v_cmp=v_cmp,
+            k_pos, v_pos, kc, vc = (jnp.swapaxes(x, 1, 2) for x in (  # [B,S|C,K,H]
+                nsa_ref.cache_keys(k, every, slot_of), nsa_ref.cache_keys(v, every, slot_of), k_cmp, v_cmp))
+            out = nsa_ref.nsa_forward(q, k_pos, v_pos, params, self.shape, k_cmp=kc, v_cmp=vc,
                                       offset=positions[:, -1] - (q.shape[1] - 1))
         return out, (k_cmp, v_cmp)
 

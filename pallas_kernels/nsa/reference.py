@@ -301,7 +301,7 @@ def sliding_window_banded(q, k, v, *, window, scale=None):
 
 
 def cache_keys(x, positions, slot_of=None):
-    """x[B,K,S,*] at positions[B|1,K|1,P] -> [B,P,K,*]; slot_of None: slot = position. Positions
+    """x[B,K,S,*] at positions[B|1,K|1,P] -> [B,K,P,*]; slot_of None: slot = position. Positions
     out of range read a clipped slot: callers mask them."""
     b, kh, s_len = x.shape[:3]
     slots = jnp.broadcast_to(positions, (b, positions.shape[1], positions.shape[2]))
@@ -309,12 +309,37 @@ def cache_keys(x, positions, slot_of=None):
         flat = jnp.clip(slots, 0, slot_of.shape[1] - 1).reshape(b, -1)
         slots = jnp.take_along_axis(slot_of, flat, axis=1).reshape(slots.shape)
     slots = jnp.broadcast_to(jnp.clip(slots, 0, s_len - 1), (b, kh, positions.shape[-1]))
-    rows = jax.vmap(jax.vmap(lambda xs, i: xs[i]))(x, slots)  # [B,K,P,*]
-    return jnp.swapaxes(rows, 1, 2)
+    return jax.vmap(jax.vmap(lambda xs, i: xs[i]))(x, slots)
+
+
+def probs_cached(q, k, mask, scale):
+    """Attention probabilities of one query per row over keys in the cache layout: q[B,1,N,H],
+    k[B,K,P,H], mask[B,K|1,P] -> [B,K,G,P] (zero where masked)."""
+    b, _, n, h = q.shape
+    kh = k.shape[1]
+    # a dot: as multiply-and-reduce, XLA:CPU materialised q broadcast over P and ran 6x slower
+    s = jnp.einsum("bkgh,bkph->bkgp", q.reshape(b, kh, n // kh, h), k) * scale
+    s = jnp.where(mask[:, :, None], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom > 0, denom, 1.0)
+
+
+def mix_cached(p, v):
+    """p[B,K,G,P] over values v[B,K,P,V] -> [B,1,N,V]. Multiply-and-reduce: XLA:CPU vectorises
+    it, while its dot with so few rows runs a naive loop."""
+    b, kh, g, _ = p.shape
+    return jnp.sum(p[..., None] * v[:, :, None], axis=-2).reshape(b, 1, kh * g, v.shape[-1])
+
+
+def attend_cached(q, k, v, mask, scale):
+    """``attend`` for one query per row over keys in the cache layout (see probs_cached)."""
+    return mix_cached(probs_cached(q, k, mask, scale), v)
 
 
 def append_compressed(cmp, x, slot_of, positions, segment_ids, params, shape: NSAShape):
-    """Write into cmp[B,C,K,*] (block i at index i) the compressed blocks completed by a chunk of
+    """Write into cmp[B,K,C,*] (block i at index i) the compressed blocks completed by a chunk of
     tokens already in the slot cache x[B,K,S,*]: positions/segment_ids [B,T], each row's real
     tokens (segment != 0) consecutive and last. A chunk of T tokens completes at most ceil(T/d)
     blocks per row, so decoding compresses one block every d steps instead of the whole cache."""
@@ -325,32 +350,32 @@ def append_compressed(cmp, x, slot_of, positions, segment_ids, params, shape: NS
     newest = last - jnp.mod(last - l + 1, d)  # the last position that closes a block
     ends = newest[:, None] - d * jnp.arange(-(-t // d))  # [B,M]
     ok = (ends >= first[:, None]) & (ends >= l - 1)
-    block = jnp.where(ok, (ends - l + 1) // d, cmp.shape[1])  # out of range: dropped
+    block = jnp.where(ok, (ends - l + 1) // d, cmp.shape[2])  # out of range: dropped
     pos = (block * d)[:, :, None] + jnp.arange(l)  # [B,M,L]
-    keys = cache_keys(x, pos.reshape(b, 1, -1), slot_of)
+    keys = jnp.swapaxes(cache_keys(x, pos.reshape(b, 1, -1), slot_of), 1, 2)  # [B,M*L,K,*]
     new = compress(keys.reshape(b, -1, l, *keys.shape[2:]), params)  # [B,M,K,*]
-    return cmp.at[jnp.arange(b)[:, None], block].set(new.astype(cmp.dtype), mode="drop")
+    return cmp.at[jnp.arange(b)[:, None], :, block].set(new.astype(cmp.dtype), mode="drop")
 
 
 def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSAShape, scale=None, slot_of=None):
     """One decode step of the NSA layer: q[B,1,N,H] at position pos[B] over the slot caches
     k_cache[B,K,S,H], v_cache[B,K,S,V] (slot_of[B,P] maps positions to slots; None: the same)
-    and the compressed caches k_cmp[B,C,K,H], v_cmp[B,C,K,V] (block i valid once i*d+l-1 <= pos).
+    and the compressed caches k_cmp[B,K,C,H], v_cmp[B,K,C,V] (block i valid once i*d+l-1 <= pos).
     Reads O(C + n*l' + w) keys per kv head, never the whole cache."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     b, _, n, _ = q.shape
     kh = k_cache.shape[1]
     lp, w = shape.select_block, shape.window
-    p_cmp = compressed_probs(q, k_cmp, compressed_mask(1, k_cmp.shape[1], shape, pos), scale)  # [B,1,N,C]
-    o_cmp = jnp.einsum("btkgc,bckv->btkgv", p_cmp.reshape(b, 1, kh, n // kh, -1), v_cmp).reshape(b, 1, n, -1)
+    p_cmp = probs_cached(q, k_cmp, compressed_mask(1, k_cmp.shape[2], shape, pos)[:, 0], scale)  # [B,K,G,C]
+    o_cmp = mix_cached(p_cmp, v_cmp)
     num_pos = k_cache.shape[2] if slot_of is None else slot_of.shape[1]
-    idx = select_blocks(selection_scores(p_cmp, -(-num_pos // lp), shape), kh, shape, pos)[:, 0]  # [B,K,J]
+    p_slc = selection_scores(p_cmp.reshape(b, 1, n, -1), -(-num_pos // lp), shape)
+    idx = select_blocks(p_slc, kh, shape, pos)[:, 0]  # [B,K,J]
     sel = (jnp.maximum(idx, 0)[..., None] * lp + jnp.arange(lp)).reshape(b, kh, -1)  # [B,K,J*l']
     sel_ok = jnp.repeat(idx >= 0, lp, axis=-1) & (sel <= pos[:, None, None])
-    o_slc = attend(q, cache_keys(k_cache, sel, slot_of), cache_keys(v_cache, sel, slot_of), sel_ok[:, None], scale)
+    o_slc = attend_cached(q, cache_keys(k_cache, sel, slot_of), cache_keys(v_cache, sel, slot_of), sel_ok, scale)
     win = (pos - w + 1)[:, None, None] + jnp.arange(w)  # [B,1,w]
-    win_ok = (win >= 0)[:, None]  # [B,1,1,w]
-    o_win = attend(q, cache_keys(k_cache, win, slot_of), cache_keys(v_cache, win, slot_of), win_ok, scale)
+    o_win = attend_cached(q, cache_keys(k_cache, win, slot_of), cache_keys(v_cache, win, slot_of), win >= 0, scale)
     g = gates(q, params["gate"])
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
 

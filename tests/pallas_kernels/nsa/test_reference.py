@@ -184,8 +184,9 @@ def test_decode_steps_match_teacher_forced_layer(scattered):
             junk = lambda x, valid: jnp.where(jnp.arange(x.shape[1])[None, :, None, None] < valid, x, 1e3)
             n_cmp = max((pos + 1 - 8) // 4 + 1, 0)
             step = R.nsa_decode_step(
-                q[:, pos : pos + 1], place(junk(k, pos + 1)), place(junk(v, pos + 1)), junk(k_cmp, n_cmp),
-                junk(v_cmp, n_cmp), jnp.full((b,), pos), params, shape, slot_of=slot_of,
+                q[:, pos : pos + 1], place(junk(k, pos + 1)), place(junk(v, pos + 1)),
+                jnp.swapaxes(junk(k_cmp, n_cmp), 1, 2), jnp.swapaxes(junk(v_cmp, n_cmp), 1, 2),
+                jnp.full((b,), pos), params, shape, slot_of=slot_of,
             )
             np.testing.assert_allclose(step, full[:, pos : pos + 1], atol=1e-10)
 
@@ -199,8 +200,8 @@ def test_append_compressed_builds_the_compressed_cache_chunk_by_chunk():
     params = R.init_compress_params(jax.random.key(0), shape, 8)
     slot_of = _scattered_slots(rng, b, t, 45)
     cache = _slot_cache(k, slot_of, 45)
-    want = R.compress_blocks(k, params, shape)  # [B,5,K,H]
-    cmp = jnp.full((b, 11, 2, 8), -7.0)
+    want = jnp.swapaxes(R.compress_blocks(k, params, shape), 1, 2)  # [B,K,5,H]
+    cmp = jnp.full((b, 2, 11, 8), -7.0)
     # prefill: row 0 has 13 real tokens, row 1 has 9, left-padded to 16
     lengths = np.array([13, 9])
     seg = (np.arange(16)[None, :] >= 16 - lengths[:, None]).astype(np.int32)
@@ -208,14 +209,14 @@ def test_append_compressed_builds_the_compressed_cache_chunk_by_chunk():
     cmp = R.append_compressed(cmp, cache, slot_of, jnp.asarray(pos), jnp.asarray(seg), params, shape)
     for row, n in enumerate(lengths):  # blocks ending at 7 and 11 (l=8, d=4) are complete by 12
         done = (n - 8) // 4 + 1
-        np.testing.assert_allclose(cmp[row, :done], want[row, :done], rtol=1e-5, atol=1e-6)
-        assert bool(jnp.all(cmp[row, done:] == -7.0))
+        np.testing.assert_allclose(cmp[row, :, :done], want[row, :, :done], rtol=1e-5, atol=1e-6)
+        assert bool(jnp.all(cmp[row, :, done:] == -7.0))
     for p in range(int(lengths.min()), t):
         rows = p >= lengths  # rows whose prefill did not cover p take a decode step
         cmp_next = R.append_compressed(cmp, cache, slot_of, jnp.full((b, 1), p), jnp.ones((b, 1), jnp.int32), params, shape)
         cmp = jnp.where(jnp.asarray(rows)[:, None, None, None], cmp_next, cmp)
-    np.testing.assert_allclose(cmp[:, :5], want, rtol=1e-5, atol=1e-6)
-    assert bool(jnp.all(cmp[:, 5:] == -7.0))
+    np.testing.assert_allclose(cmp[:, :, :5], want, rtol=1e-5, atol=1e-6)
+    assert bool(jnp.all(cmp[:, :, 5:] == -7.0))
 
 
 def test_chunked_nsa_forward_matches_reference_values_and_grads():
