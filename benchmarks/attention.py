@@ -24,6 +24,7 @@ import numpy as np
 
 from pallas_kernels.nsa import reference as R
 from pallas_kernels.nsa.select import select_attention
+from pallas_kernels.nsa.window import sliding_window_attention
 
 
 def timed(fn, *args, repeats):
@@ -108,6 +109,9 @@ def main():
             cases["nsa_layer"] = lambda q, k, v, idx: R.nsa_forward(
                 q, k, v, params, shape, select_fn=select_attention, window_fn=window_cudnn
             )
+            # the window branch alone: our Pallas kernel vs cuDNN's sliding window
+            cases["nsa_window_kernel"] = lambda q, k, v, idx: sliding_window_attention(q, k, v, window=shape.window)
+            cases["nsa_window_cudnn"] = lambda q, k, v, idx: window_cudnn(q, k, v, window=shape.window, scale=h**-0.5)
         else:
             cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
             cases["nsa_selected_gathered"] = lambda q, k, v, idx: R.select_attention_gathered(

@@ -1,4 +1,5 @@
-"""Index plumbing shared by the selected-attention kernels (plain JAX, outside the kernels).
+"""Plumbing shared by the NSA kernels: index work in plain JAX outside the kernels, and the
+online-softmax step they all run inside.
 
 Letters: B batch, T query time, S key time, K kv heads, J selected-block slots, P key blocks.
 """
@@ -114,3 +115,16 @@ def pad_axis(x, axis, multiple, value=0):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths, constant_values=value)
+
+
+def online_softmax(m, l, acc, s, ok, pv):
+    """One step of the streaming softmax over a tile of scores s[R,bk] (ok masks them): running
+    max m and sum l ([R], or [R,1] as TPU scratch keeps them) and output acc[R,V]; pv(p) is the
+    kernel's p @ V. -> (m, l, acc). A row that has seen nothing keeps m = -inf and l = 0."""
+    keep = m.ndim == 2
+    col = (lambda x: x) if keep else (lambda x: x[:, None])
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=keep))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.where(ok, jnp.exp(s - col(m_safe)), 0.0)
+    alpha = jnp.exp(m - m_safe)
+    return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=keep), col(alpha) * acc + pv(p)

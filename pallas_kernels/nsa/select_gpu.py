@@ -29,6 +29,7 @@ from pallas_kernels.nsa._index import (
     Geometry,
     clean_block_idx,
     invert_block_idx,
+    online_softmax,
     pad_axis,
     split_csr,
     visible_keys,
@@ -61,11 +62,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, block_size, s_l
         v = v_ref[pl.ds(start, block_size), :]  # [bs,V]
         ok = visible_keys(blk, start, t, s_len, block_size, causal)[None, :]
         s = jnp.where(ok, plgpu.dot(q, k.T), -jnp.inf)  # [Gp,bs] float32
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.where(ok, jnp.exp(s - m_safe[:, None]), 0.0)
-        alpha = jnp.exp(m - m_safe)
-        return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
+        return online_softmax(m, l, acc, s, ok, lambda p: plgpu.dot(p.astype(v.dtype), v))
 
     init = (
         jnp.full((gp,), -jnp.inf, jnp.float32),

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.nsa._index import Geometry, clean_block_idx, pad_axis, visible_keys
+from pallas_kernels.nsa._index import Geometry, clean_block_idx, online_softmax, pad_axis, visible_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +63,8 @@ def _fwd_kernel(
         q = q_ref[...].astype(jnp.float32) * scale  # [G,H]
         ok = visible_keys(blk, start, off_ref[0] + r, s_len, block_size, causal)[None, :]
         s = jnp.where(ok, jnp.dot(q, k_ref[...].astype(jnp.float32).T), -jnp.inf)  # [G,bs]
-        m = m_sc[...]
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.where(ok, jnp.exp(s - m_safe), 0.0)
-        alpha = jnp.exp(m - m_safe)
-        m_sc[...] = m_new
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p, v_ref[...].astype(jnp.float32))
+        m_sc[...], l_sc[...], acc_sc[...] = online_softmax(
+            m_sc[...], l_sc[...], acc_sc[...], s, ok, lambda p: jnp.dot(p, v_ref[...].astype(jnp.float32)))
 
     @pl.when(j == nj - 1)
     def _finish():

@@ -176,6 +176,7 @@ def test_decode_steps_match_teacher_forced_layer(scattered):
         full = R.nsa_reference(q, k, v, params, shape)
         k_cmp = R.compress_blocks(k, params["compress_k"], shape)
         v_cmp = R.compress_blocks(v, params["compress_v"], shape)
+        decode_step = jax.jit(R.nsa_decode_step, static_argnums=7)  # eager float64 ops are slow
         size = 40 if scattered else t
         slot_of = _scattered_slots(np.random.default_rng(1), b, t, size) if scattered else None
         place = lambda x: _slot_cache(x, slot_of if scattered else jnp.broadcast_to(jnp.arange(t), (b, t)), size)
@@ -183,7 +184,7 @@ def test_decode_steps_match_teacher_forced_layer(scattered):
             # the caches beyond pos hold garbage: decoding must not read it
             junk = lambda x, valid: jnp.where(jnp.arange(x.shape[1])[None, :, None, None] < valid, x, 1e3)
             n_cmp = max((pos + 1 - 8) // 4 + 1, 0)
-            step = R.nsa_decode_step(
+            step = decode_step(
                 q[:, pos : pos + 1], place(junk(k, pos + 1)), place(junk(v, pos + 1)),
                 jnp.swapaxes(junk(k_cmp, n_cmp), 1, 2), jnp.swapaxes(junk(v_cmp, n_cmp), 1, 2),
                 jnp.full((b,), pos), params, shape, slot_of=slot_of,
@@ -211,9 +212,10 @@ def test_append_compressed_builds_the_compressed_cache_chunk_by_chunk():
         done = (n - 8) // 4 + 1
         np.testing.assert_allclose(cmp[row, :, :done], want[row, :, :done], rtol=1e-5, atol=1e-6)
         assert bool(jnp.all(cmp[row, :, done:] == -7.0))
+    append = jax.jit(R.append_compressed, static_argnums=6)
     for p in range(int(lengths.min()), t):
         rows = p >= lengths  # rows whose prefill did not cover p take a decode step
-        cmp_next = R.append_compressed(cmp, cache, slot_of, jnp.full((b, 1), p), jnp.ones((b, 1), jnp.int32), params, shape)
+        cmp_next = append(cmp, cache, slot_of, jnp.full((b, 1), p), jnp.ones((b, 1), jnp.int32), params, shape)
         cmp = jnp.where(jnp.asarray(rows)[:, None, None, None], cmp_next, cmp)
     np.testing.assert_allclose(cmp[:, :, :5], want, rtol=1e-5, atol=1e-6)
     assert bool(jnp.all(cmp[:, :, 5:] == -7.0))
