@@ -254,20 +254,24 @@ def select_attention_gathered(
 
     def one(args):
         q_c, idx_c, pos_c = args  # [B,R,N,H], [B,R,K,J], [B,R]
-        take = jax.vmap(jax.vmap(lambda blocks, i: blocks[jnp.maximum(i, 0)], (0, 1), 1))  # over B, K
-        ks, vs = take(kb, idx_c), take(vb, idx_c)  # [B,R,K,J,bs,*]
-        key_pos = jnp.maximum(idx_c, 0)[..., None] * block_size + jnp.arange(block_size)  # [B,R,K,J,bs]
+        # Kept kv-head-major ([B,K,R,...]) as the gather produces it: moving K of the gathered
+        # blocks was a copy of n*l' keys per query, the largest cost on CPU.
+        idx_c = jnp.swapaxes(idx_c, 1, 2)  # [B,K,R,J]
+        take = jax.vmap(jax.vmap(lambda blocks, i: blocks[jnp.maximum(i, 0)]))  # over B, K
+        ks, vs = take(kb, idx_c), take(vb, idx_c)  # [B,K,R,J,bs,*]
+        key_pos = jnp.maximum(idx_c, 0)[..., None] * block_size + jnp.arange(block_size)  # [B,K,R,J,bs]
         ok = (idx_c[..., None] >= 0) & (key_pos < s_len)
         if causal:
-            ok &= key_pos <= pos_c[:, :, None, None, None]
-        qg = q_c.reshape(b, rows, kh, n // kh, h)
-        sc = jnp.einsum("brkgh,brkjsh->brkgjs", qg, ks) * scale
+            ok &= key_pos <= pos_c[:, None, :, None, None]
+        qg = jnp.swapaxes(q_c.reshape(b, rows, kh, n // kh, h), 1, 2)  # [B,K,R,G,H]
+        sc = jnp.einsum("bkrgh,bkrjsh->bkrgjs", qg, ks) * scale
         sc = jnp.where(ok[:, :, :, None], sc, NEG_INF)
         m = jnp.max(sc, axis=(-2, -1), keepdims=True)
         p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
         den = jnp.sum(p, axis=(-2, -1), keepdims=True)
         p = p / jnp.where(den > 0, den, 1.0)
-        return jnp.einsum("brkgjs,brkjsv->brkgv", p, vs).reshape(b, rows, n, -1)
+        out = jnp.einsum("bkrgjs,bkrjsv->bkrgv", p, vs)
+        return jnp.swapaxes(out, 1, 2).reshape(b, rows, n, -1)
 
     out = jax.lax.map(one, (split(qc), split(idc), split(pc)))
     return jnp.moveaxis(out, 0, 1).reshape(b, -1, n, v.shape[-1])[:, :t]
