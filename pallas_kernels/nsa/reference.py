@@ -277,25 +277,37 @@ def select_attention_gathered(
     return jnp.moveaxis(out, 0, 1).reshape(b, -1, n, v.shape[-1])[:, :t]
 
 
-def sliding_window_banded(q, k, v, *, window, scale=None):
-    """sliding_window_reference in O(T * 2w): query chunk c of w rows sees key chunks c-1, c."""
+def sliding_window_banded(q, k, v, *, window, scale=None, offset=None):
+    """sliding_window_reference in O(T * 2w): query chunk c of w rows sees key chunks c-1, c.
+
+    With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
+    positions 0..S-1 (a prefill onto a cache); each chunk then gathers its 2w keys by position.
+    """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     b, t, n, h = q.shape
-    kh, w = k.shape[2], window
-    qp, kp, vp = (pad_axis(x, 1, w) for x in (q, k, v))
+    s_len, kh, w = k.shape[1], k.shape[2], window
+    qp = pad_axis(q, 1, w)
     c = qp.shape[1] // w
-    front = lambda x: jnp.pad(x, ((0, 0), (w, 0), (0, 0), (0, 0))).reshape(b, c + 1, w, kh, -1)
-    kc, vc = front(kp), front(vp)
-    keys = jnp.concatenate([kc[:, :-1], kc[:, 1:]], axis=2)  # [B,C,2w,K,H]
-    vals = jnp.concatenate([vc[:, :-1], vc[:, 1:]], axis=2)
-    qpos = jnp.arange(c * w).reshape(c, w)
-    kpos = (jnp.arange(c)[:, None] - 1) * w + jnp.arange(2 * w)[None, :]  # [C,2w]
-    ok = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos[:, None, :] > qpos[:, :, None] - w) & (kpos[:, None, :] >= 0)
+    base = jnp.zeros((b,), jnp.int32) if offset is None else jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (b,))
+    qpos = base[:, None, None] + jnp.arange(c * w).reshape(c, w)  # [B,C,w]
+    kpos = qpos[:, :, :1] - w + jnp.arange(2 * w)  # [B,C,2w]: the chunk's first query - w ...
+    if offset is None:  # keys line up with queries: the chunks are slices, no gather
+        kp, vp = (jnp.pad(pad_axis(x, 1, w), ((0, 0), (w, 0), (0, 0), (0, 0))).reshape(b, c + 1, w, kh, -1)
+                  for x in (k, v))
+        keys, vals = (jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2) for x in (kp, vp))  # [B,C,2w,K,*]
+    else:
+        at = jnp.clip(kpos, 0, s_len - 1).reshape(b, -1)
+        keys, vals = (jnp.take_along_axis(x, at[:, :, None, None], axis=1).reshape(b, c, 2 * w, kh, -1)
+                      for x in (k, v))
+    ok = (kpos[:, :, None, :] <= qpos[..., None]) & (kpos[:, :, None, :] > qpos[..., None] - w)
+    ok &= (kpos >= 0)[:, :, None, :] & (kpos < s_len)[:, :, None, :]  # [B,C,w,2w]
     qg = qp.reshape(b, c, w, kh, n // kh, h)
     sc = jnp.einsum("bcwkgh,bcskh->bcwkgs", qg, keys) * scale
-    sc = jnp.where(ok[None, :, :, None, None, :], sc, NEG_INF)
-    p = jax.nn.softmax(sc, axis=-1)  # every query sees itself
-    out = jnp.einsum("bcwkgs,bcskv->bcwkgv", p, vals)
+    sc = jnp.where(ok[:, :, :, None, None, :], sc, NEG_INF)
+    m = jnp.max(sc, axis=-1, keepdims=True)  # a query before position 0 (padding) sees nothing
+    p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bcwkgs,bcskv->bcwkgv", p / jnp.where(den > 0, den, 1.0), vals)
     return out.reshape(b, c * w, n, -1)[:, :t]
 
 
@@ -395,7 +407,7 @@ def nsa_forward(
 
     With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
     positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then the
-    gathered form and the window a masked one. ``k_cmp``/``v_cmp`` (a compressed cache, blocks
+    gathered form and the window gathers each chunk's keys. ``k_cmp``/``v_cmp`` (a compressed cache, blocks
     masked by position as usual) replace compressing k and v.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -429,8 +441,6 @@ def nsa_forward(
         o_slc = select_attention_gathered(
             q, k, v, block_idx, block_size=shape.select_block, scale=scale, offset=base
         )
-        pos = positions_of(t, base)[:, :, None, None]  # [B|1,T,1,1]
-        key = jnp.arange(s_len)
-        o_win = attend(q, k, v, (key <= pos) & (key > pos - shape.window), scale)
+        o_win = sliding_window_banded(q, k, v, window=shape.window, scale=scale, offset=base)
     g = gates(q, params["gate"])
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win

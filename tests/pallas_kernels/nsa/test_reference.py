@@ -144,6 +144,21 @@ def test_gathered_and_banded_match_masked():
             np.testing.assert_allclose(got, R.sliding_window_reference(q, k, v, window=w), atol=1e-12)
 
 
+def test_banded_window_at_offsets_matches_the_full_sequence():
+    """A prefill onto a cache: row 0's queries sit at positions 13..22, row 1's at -4..5 (four
+    left-padding queries that see nothing and give zeros)."""
+    rng = np.random.default_rng(9)
+    b, t, n, kh, h, vd = 2, 23, 4, 2, 3, 5
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
+        q_off = jnp.stack([q[0, 13:], jnp.concatenate([jnp.asarray(rng.normal(size=(4, n, h))), q[1, :6]])])
+        for w in (1, 4, 30):
+            full = R.sliding_window_reference(q, k, v, window=w)
+            got = R.sliding_window_banded(q_off, k, v, window=w, offset=jnp.array([13, -4]))
+            np.testing.assert_allclose(got[0], full[0, 13:], atol=1e-12)
+            np.testing.assert_allclose(got[1], jnp.concatenate([jnp.zeros((4, n, vd)), full[1, :6]]), atol=1e-12)
+
+
 SMALL = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
 
 
