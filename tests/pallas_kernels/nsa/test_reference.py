@@ -109,7 +109,7 @@ def test_nsa_reference_float64_and_gradients():
         k = jnp.asarray(rng.normal(size=(b, t, kh, h)))
         v = jnp.asarray(rng.normal(size=(b, t, kh, vd)))
         params = R.init_nsa_params(jax.random.key(1), shape, n, h, vd, dtype=jnp.float64)
-        out = R.nsa_reference(q, k, v, params, shape)
+        out = jax.jit(R.nsa_reference, static_argnums=4)(q, k, v, params, shape)  # eager float64 is slow
         assert out.dtype == jnp.float64 and out.shape == (b, t, n, vd)
         # The gated sum of the three branches, each recomputed from its own mask.
         g = jax.nn.sigmoid(jnp.einsum("btnh,nhc->btnc", q, params["gate"]))
@@ -120,7 +120,7 @@ def test_nsa_reference_float64_and_gradients():
         idx = R.nsa_block_idx(q, k_cmp, shape, t, 1 / math.sqrt(h))
         slc = R.select_attention_reference(q, k, v, idx, block_size=8)
         np.testing.assert_allclose(out, g[..., :1] * cmp + g[..., 1:2] * slc + g[..., 2:] * win, atol=1e-12)
-        grads = jax.grad(lambda p, q: jnp.sum(R.nsa_reference(q, k, v, p, shape) ** 2), (0, 1))(params, q)
+        grads = jax.jit(jax.grad(lambda p, q: jnp.sum(R.nsa_reference(q, k, v, p, shape) ** 2), (0, 1)))(params, q)
         assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(grads))
         assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(grads))
 
@@ -152,9 +152,11 @@ def test_banded_window_at_offsets_matches_the_full_sequence():
     with jax.enable_x64(True):
         q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
         q_off = jnp.stack([q[0, 13:], jnp.concatenate([jnp.asarray(rng.normal(size=(4, n, h))), q[1, :6]])])
+        reference = jax.jit(R.sliding_window_reference, static_argnames="window")
+        banded = jax.jit(R.sliding_window_banded, static_argnames="window")
         for w in (1, 4, 30):
-            full = R.sliding_window_reference(q, k, v, window=w)
-            got = R.sliding_window_banded(q_off, k, v, window=w, offset=jnp.array([13, -4]))
+            full = reference(q, k, v, window=w)
+            got = banded(q_off, k, v, window=w, offset=jnp.array([13, -4]))
             np.testing.assert_allclose(got[0], full[0, 13:], atol=1e-12)
             np.testing.assert_allclose(got[1], jnp.concatenate([jnp.zeros((4, n, vd)), full[1, :6]]), atol=1e-12)
 
@@ -188,7 +190,7 @@ def test_decode_steps_match_teacher_forced_layer(scattered):
     shape, b, t = SMALL, 2, 27
     with jax.enable_x64(True):
         q, k, v, params = _layer_inputs(6, b, t)
-        full = R.nsa_reference(q, k, v, params, shape)
+        full = jax.jit(R.nsa_reference, static_argnums=4)(q, k, v, params, shape)
         k_cmp = R.compress_blocks(k, params["compress_k"], shape)
         v_cmp = R.compress_blocks(v, params["compress_v"], shape)
         decode_step = jax.jit(R.nsa_decode_step, static_argnums=7)  # eager float64 ops are slow
@@ -222,12 +224,12 @@ def test_append_compressed_builds_the_compressed_cache_chunk_by_chunk():
     lengths = np.array([13, 9])
     seg = (np.arange(16)[None, :] >= 16 - lengths[:, None]).astype(np.int32)
     pos = np.where(seg, np.arange(16)[None, :] - (16 - lengths[:, None]), 0)
-    cmp = R.append_compressed(cmp, cache, slot_of, jnp.asarray(pos), jnp.asarray(seg), params, shape)
+    append = jax.jit(R.append_compressed, static_argnums=6)
+    cmp = append(cmp, cache, slot_of, jnp.asarray(pos), jnp.asarray(seg), params, shape)
     for row, n in enumerate(lengths):  # blocks ending at 7 and 11 (l=8, d=4) are complete by 12
         done = (n - 8) // 4 + 1
         np.testing.assert_allclose(cmp[row, :, :done], want[row, :, :done], rtol=1e-5, atol=1e-6)
         assert bool(jnp.all(cmp[row, :, done:] == -7.0))
-    append = jax.jit(R.append_compressed, static_argnums=6)
     for p in range(int(lengths.min()), t):
         rows = p >= lengths  # rows whose prefill did not cover p take a decode step
         cmp_next = append(cmp, cache, slot_of, jnp.full((b, 1), p), jnp.ones((b, 1), jnp.int32), params, shape)
@@ -240,11 +242,12 @@ def test_chunked_nsa_forward_matches_reference_values_and_grads():
     shape = SMALL
     with jax.enable_x64(True):
         q, k, v, params = _layer_inputs(7, 1, 29)
-        want = R.nsa_reference(q, k, v, params, shape)
-        np.testing.assert_allclose(R.nsa_forward(q, k, v, params, shape, chunk=8), want, atol=1e-12)
+        want = jax.jit(R.nsa_reference, static_argnums=4)(q, k, v, params, shape)
+        got = jax.jit(functools.partial(R.nsa_forward, chunk=8), static_argnums=4)(q, k, v, params, shape)
+        np.testing.assert_allclose(got, want, atol=1e-12)
         loss = lambda f: lambda p, q, k, v: jnp.sum(jnp.sin(f(q, k, v, p, shape)))
-        got_g = jax.grad(loss(functools.partial(R.nsa_forward, chunk=8)), (0, 1, 2, 3))(params, q, k, v)
-        want_g = jax.grad(loss(R.nsa_reference), (0, 1, 2, 3))(params, q, k, v)
+        got_g = jax.jit(jax.grad(loss(functools.partial(R.nsa_forward, chunk=8)), (0, 1, 2, 3)))(params, q, k, v)
+        want_g = jax.jit(jax.grad(loss(R.nsa_reference), (0, 1, 2, 3)))(params, q, k, v)
         for a, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
             np.testing.assert_allclose(a, w, atol=1e-10)
 
