@@ -38,6 +38,22 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret else False
 
 
+def flash_init(m_sc, l_sc, acc_sc):
+    """Reset the online-softmax scratch (running max, sum, output) before a row's first tile."""
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+
+def flash_finish(m_sc, l_sc, acc_sc, o_ref, lse_ref):
+    """Normalise the output after a row's last tile and store its log-sum-exp."""
+    l = l_sc[...]
+    seen = l > 0
+    o_ref[...] = (acc_sc[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
+    # no visible key: lse = +inf makes the backward's exp(s - lse) vanish
+    lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)[:, 0]
+
+
 def _slot(idx_ref):
     """This grid step's query row r, slot j (of nj) and the block it selects (-1: none)."""
     b, h, r, j = (pl.program_id(a) for a in range(4))
@@ -51,11 +67,7 @@ def _fwd_kernel(
 ):
     r, j, nj, blk = _slot(idx_ref)
 
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    pl.when(j == 0)(lambda: flash_init(m_sc, l_sc, acc_sc))
 
     @pl.when(blk >= 0)
     def _step():
@@ -66,13 +78,7 @@ def _fwd_kernel(
         m_sc[...], l_sc[...], acc_sc[...] = online_softmax(
             m_sc[...], l_sc[...], acc_sc[...], s, ok, lambda p: jnp.dot(p, v_ref[...].astype(jnp.float32)))
 
-    @pl.when(j == nj - 1)
-    def _finish():
-        l = l_sc[...]
-        seen = l > 0
-        o_ref[...] = (acc_sc[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-        # no visible key: lse = +inf makes the backward's exp(s - lse) vanish
-        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)[:, 0]
+    pl.when(j == nj - 1)(lambda: flash_finish(m_sc, l_sc, acc_sc, o_ref, lse_ref))
 
 
 def _dq_kernel(

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.nsa._index import online_softmax
-from pallas_kernels.nsa.select_tpu import _interpret
+from pallas_kernels.nsa.select_tpu import _interpret, flash_finish, flash_init
 from pallas_kernels.nsa.window_gpu import Band, band_attention, to_keys, to_rows
 
 
@@ -60,11 +60,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, band
     r, j, nj = pl.program_id(2), pl.program_id(3), pl.num_programs(3)
     c, live = _key_tile(band, r, j)
 
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    pl.when(j == 0)(lambda: flash_init(m_sc, l_sc, acc_sc))
 
     @pl.when(live)
     def _step():
@@ -74,13 +70,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, band
         m_sc[...], l_sc[...], acc_sc[...] = online_softmax(
             m_sc[...], l_sc[...], acc_sc[...], s, ok, lambda p: jnp.dot(p, v_ref[...].astype(jnp.float32)))
 
-    @pl.when(j == nj - 1)
-    def _finish():
-        l = l_sc[...]
-        seen = l > 0
-        o_ref[...] = (acc_sc[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-        # only a query past the last key (S < T) sees nothing: lse = +inf zeroes its backward
-        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)[:, 0]
+    # only a query past the last key (S < T) sees nothing
+    pl.when(j == nj - 1)(lambda: flash_finish(m_sc, l_sc, acc_sc, o_ref, lse_ref))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc, *, band: Band):
