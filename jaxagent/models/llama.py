@@ -374,7 +374,9 @@ class Decoder(nnx.Module):
         if cache is None:
             return logits
         per_layer = [list(x) for x in zip(*new_kv)]  # k, v[, k_cmp, v_cmp]
-        nsa = dict(k_cmp=per_layer[2], v_cmp=per_layer[3], slot_of=slot_of) if len(per_layer) > 2 else {}
+        nsa = {}
+        if cache.slot_of is not None:
+            nsa = dict(k_cmp=per_layer[2], v_cmp=per_layer[3], slot_of=slot_of)
         return logits, KVCache(per_layer[0], per_layer[1], cache_segment_ids, cache.index + t, **nsa)
 
 

@@ -53,6 +53,16 @@ class NSAShape:
             )
 
 
+def masked_softmax(s, mask, axis=-1):
+    """Softmax of scores s over `axis` where mask (broadcast to s) holds; a row with no visible
+    score gives zeros, not NaN."""
+    s = jnp.where(mask, s, NEG_INF)
+    m = jnp.max(s, axis=axis, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=axis, keepdims=True)
+    return p / jnp.where(denom > 0, denom, 1.0)
+
+
 def attend(q, k, v, mask, scale):
     """Softmax attention with GQA: q[B,T,N,H], k[B,S,K,H], v[B,S,K,V], mask[B|1,T,K|1,S] -> [B,T,N,V].
 
@@ -62,11 +72,7 @@ def attend(q, k, v, mask, scale):
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
     s = jnp.einsum("btkgh,bskh->btkgs", qg, k) * scale
-    s = jnp.where(mask[:, :, :, None, :], s, NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
+    p = masked_softmax(s, mask[:, :, :, None, :])
     return jnp.einsum("btkgs,bskv->btkgv", p, v).reshape(b, t, n, v.shape[-1])
 
 
@@ -149,11 +155,7 @@ def compressed_probs(q, k_cmp, mask, scale):
     b, t, n, h = q.shape
     kh = k_cmp.shape[2]
     s = jnp.einsum("btkgh,bckh->btkgc", q.reshape(b, t, kh, n // kh, h), k_cmp) * scale
-    s = jnp.where(mask[:, :, :, None, :], s, NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return (p / jnp.where(denom > 0, denom, 1.0)).reshape(b, t, n, -1)
+    return masked_softmax(s, mask[:, :, :, None, :]).reshape(b, t, n, -1)
 
 
 def selection_scores(p_cmp, num_select_blocks, shape: NSAShape):
@@ -269,11 +271,7 @@ def select_attention_gathered(
             ok &= key_pos <= pos_c[:, None, :, None, None]
         qg = jnp.swapaxes(q_c.reshape(b, rows, kh, n // kh, h), 1, 2)  # [B,K,R,G,H]
         sc = jnp.einsum("bkrgh,bkrjsh->bkrgjs", qg, ks) * scale
-        sc = jnp.where(ok[:, :, :, None], sc, NEG_INF)
-        m = jnp.max(sc, axis=(-2, -1), keepdims=True)
-        p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
-        den = jnp.sum(p, axis=(-2, -1), keepdims=True)
-        p = p / jnp.where(den > 0, den, 1.0)
+        p = masked_softmax(sc, ok[:, :, :, None], axis=(-2, -1))  # over all selected keys
         out = jnp.einsum("bkrgjs,bkrjsv->bkrgv", p, vs)
         return jnp.swapaxes(out, 1, 2).reshape(b, rows, n, -1)
 
@@ -307,11 +305,8 @@ def sliding_window_banded(q, k, v, *, window, scale=None, offset=None):
     ok &= (kpos >= 0)[:, :, None, :] & (kpos < s_len)[:, :, None, :]  # [B,C,w,2w]
     qg = qp.reshape(b, c, w, kh, n // kh, h)
     sc = jnp.einsum("bcwkgh,bcskh->bcwkgs", qg, keys) * scale
-    sc = jnp.where(ok[:, :, :, None, None, :], sc, NEG_INF)
-    m = jnp.max(sc, axis=-1, keepdims=True)  # a query before position 0 (padding) sees nothing
-    p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bcwkgs,bcskv->bcwkgv", p / jnp.where(den > 0, den, 1.0), vals)
+    p = masked_softmax(sc, ok[:, :, :, None, None, :])  # a query before position 0 sees nothing
+    out = jnp.einsum("bcwkgs,bcskv->bcwkgv", p, vals)
     return out.reshape(b, c * w, n, -1)[:, :t]
 
 
@@ -339,11 +334,7 @@ def probs_cached(q, k, mask, scale):
     kh = k.shape[1]
     # a dot: as multiply-and-reduce, XLA:CPU materialised q broadcast over P and ran 6x slower
     s = jnp.einsum("bkgh,bkph->bkgp", q.reshape(b, kh, n // kh, h), k) * scale
-    s = jnp.where(mask[:, :, None], s, NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(denom > 0, denom, 1.0)
+    return masked_softmax(s, mask[:, :, None])
 
 
 def mix_cached(p, v):
@@ -411,8 +402,8 @@ def nsa_forward(
 
     With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
     positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then the
-    gathered form and the window gathers each chunk's keys. ``k_cmp``/``v_cmp`` (a compressed cache, blocks
-    masked by position as usual) replace compressing k and v.
+    gathered form and the window gathers each chunk's keys. ``k_cmp``/``v_cmp`` (a compressed
+    cache, blocks masked by position as usual) replace compressing k and v.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     b, t, n, h = q.shape
