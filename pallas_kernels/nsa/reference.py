@@ -158,13 +158,20 @@ def compressed_probs(q, k_cmp, mask, scale):
     return masked_softmax(s, mask[:, :, :, None, :]).reshape(b, t, n, -1)
 
 
+def eq9_weight(o, shape: NSAShape):
+    """How many (m, n) pairs of eq. 9 have m - n = o: the weight of compressed block (l'/d) j + o
+    in selection block j (an int, or an int array for an array o)."""
+    ratio, span = shape.select_block // shape.compress_stride, shape.compress_block // shape.compress_stride
+    return jnp.maximum(jnp.minimum(ratio, o + span) - jnp.maximum(o, 0), 0)
+
+
 def selection_scores(p_cmp, num_select_blocks, shape: NSAShape):
     """Eq. 9: p_slc[j] = sum_{m < l'/d} sum_{n < l/d} p_cmp[(l'/d) j + m - n]  (zero out of range):
     selection block j (keys j*l' .. (j+1)*l'-1) collects every compressed block overlapping it,
     weighted by the overlap in units of d. With l = l' = d it is the identity."""
     d = shape.compress_stride
     ratio, span = shape.select_block // d, shape.compress_block // d
-    # m - n = o takes each offset o in (-span, ratio) count(o) times: a strided sum of shifted
+    # m - n = o takes each offset o in (-span, ratio) eq9_weight(o) times: a strided sum of shifted
     # slices, no gather (3.2x faster than the gather on XLA:CPU for [256 queries, 4 heads, 1k C]).
     p_len = ratio * num_select_blocks
     left = span - 1
@@ -172,17 +179,21 @@ def selection_scores(p_cmp, num_select_blocks, shape: NSAShape):
     padded = jnp.pad(p_cmp, [(0, 0)] * (p_cmp.ndim - 1) + [(left, right)])
     out = 0.0
     for o in range(-left, ratio):
-        count = sum(1 for m in range(ratio) if 0 <= m - o < span)
-        out = out + count * padded[..., left + o : left + o + p_len : ratio]
+        out = out + eq9_weight(o, shape) * padded[..., left + o : left + o + p_len : ratio]
     return out
 
 
-def select_blocks(p_slc, num_kv_heads, shape: NSAShape, offset=0):
-    """p_slc[B,T,N,P] -> block_idx [B,T,K,J] (eqs. 10-12): importance summed over each GQA
-    group, future blocks excluded, block 0 and the local blocks forced in, top-n; -1 pads
-    the slots of queries with fewer than n past blocks. Ties go to the lower block index."""
+def group_scores(p_slc, num_kv_heads):
+    """Eq. 10: p_slc[B,T,N,P] summed over each GQA group -> [B,T,K,P]."""
     b, t, n, p = p_slc.shape
-    score = p_slc.reshape(b, t, num_kv_heads, n // num_kv_heads, p).sum(axis=3)
+    return p_slc.reshape(b, t, num_kv_heads, n // num_kv_heads, p).sum(axis=3)
+
+
+def top_blocks(score, shape: NSAShape, offset=0):
+    """Eqs. 11-12: group importance score[B,T,K,P] -> block_idx [B,T,K,J]: future blocks
+    excluded, block 0 and the local blocks forced in, top-n; -1 pads the slots of queries with
+    fewer than n past blocks. Ties go to the lower block index."""
+    t, p = score.shape[1], score.shape[-1]
     own = (positions_of(t, offset) // shape.select_block)[:, :, None, None]  # query t's block
     blk = jnp.arange(p)
     forced = (blk == 0) | ((blk <= own) & (blk > own - shape.num_local_blocks))
@@ -195,6 +206,11 @@ def select_blocks(p_slc, num_kv_heads, shape: NSAShape, offset=0):
         pad = jnp.full((*idx.shape[:-1], shape.num_selected - j), -1, jnp.int32)
         idx = jnp.concatenate([idx, pad], axis=-1)
     return idx
+
+
+def select_blocks(p_slc, num_kv_heads, shape: NSAShape, offset=0):
+    """p_slc[B,T,N,P] -> block_idx [B,T,K,J] (eqs. 10-12)."""
+    return top_blocks(group_scores(p_slc, num_kv_heads), shape, offset)
 
 
 def gates(q, w_gate):
@@ -217,6 +233,19 @@ def nsa_block_idx(q, k_cmp, shape: NSAShape, s_len, scale, offset=0):
     p_cmp = compressed_probs(q, k_cmp, mask, scale)
     p_slc = selection_scores(p_cmp, -(-s_len // shape.select_block), shape)
     return select_blocks(p_slc, k_cmp.shape[2], shape, offset)
+
+
+def compressed_attention_reference(q, k_cmp, v_cmp, *, shape: NSAShape, num_select_blocks, scale=None, offset=0):
+    """The compressed branch and its by-product, in one pass over the compressed probabilities:
+    q[B,T,N,H] at positions offset + t, k_cmp[B,C,K,H], v_cmp[B,C,K,V] ->
+    (o_cmp [B,T,N,V] (eq. 7), block importance [B,T,K,P] (eqs. 9-10, no gradient))."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b, t, n, _ = q.shape
+    kh = k_cmp.shape[2]
+    p = compressed_probs(q, k_cmp, compressed_mask(t, k_cmp.shape[1], shape, offset), scale)  # [B,T,N,C]
+    o = jnp.einsum("btkgc,bckv->btkgv", p.reshape(b, t, kh, n // kh, -1), v_cmp).reshape(b, t, n, -1)
+    score = group_scores(selection_scores(jax.lax.stop_gradient(p), num_select_blocks, shape), kh)
+    return o, score
 
 
 def nsa_reference(q, k, v, params, shape: NSAShape, scale=None, select_fn=None):
@@ -392,8 +421,8 @@ def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSASh
 
 
 def nsa_forward(
-    q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, chunk=1024, offset=None,
-    k_cmp=None, v_cmp=None,
+    q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, compressed_fn=None, chunk=1024,
+    offset=None, k_cmp=None, v_cmp=None,
 ):
     """nsa_reference for long sequences: the compressed branch and the block scores come from one
     set of compressed probabilities (its output is p_cmp @ V_cmp), computed per query chunk so
@@ -403,7 +432,9 @@ def nsa_forward(
     With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
     positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then the
     gathered form and the window gathers each chunk's keys. ``k_cmp``/``v_cmp`` (a compressed
-    cache, blocks masked by position as usual) replace compressing k and v.
+    cache, blocks masked by position as usual) replace compressing k and v. ``compressed_fn``
+    (the signature of compressed_attention_reference, without offset) replaces the chunked
+    compressed branch of a whole sequence.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     b, t, n, h = q.shape
@@ -413,21 +444,25 @@ def nsa_forward(
         k_cmp = compress_blocks(k, params["compress_k"], shape)
         v_cmp = compress_blocks(v, params["compress_v"], shape)
     num_blocks = -(-s_len // shape.select_block)
-    rows = min(chunk, t)
+    if compressed_fn is not None and offset is None:
+        o_cmp, score = compressed_fn(q, k_cmp, v_cmp, shape=shape, num_select_blocks=num_blocks, scale=scale)
+        block_idx = top_blocks(score, shape)
+    else:
+        rows = min(chunk, t)
 
-    def one(args):
-        q_c, off = args
-        off = base + off
-        p = compressed_probs(q_c, k_cmp, compressed_mask(rows, k_cmp.shape[1], shape, off), scale)  # [B,R,N,C]
-        o = jnp.einsum("brkgc,bckv->brkgv", p.reshape(b, rows, kh, n // kh, -1), v_cmp).reshape(b, rows, n, -1)
-        p_slc = selection_scores(jax.lax.stop_gradient(p), num_blocks, shape)
-        return o, select_blocks(p_slc, kh, shape, off)
+        def one(args):
+            q_c, off = args
+            off = base + off
+            o, score = compressed_attention_reference(
+                q_c, k_cmp, v_cmp, shape=shape, num_select_blocks=num_blocks, scale=scale, offset=off
+            )
+            return o, top_blocks(score, shape, off)
 
-    qc = pad_axis(q, 1, rows)
-    qc = jnp.moveaxis(qc.reshape(b, -1, rows, n, h), 1, 0)
-    o_cmp, block_idx = jax.lax.map(one, (qc, jnp.arange(qc.shape[0]) * rows))
-    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :t]
-    o_cmp, block_idx = unchunk(o_cmp), unchunk(block_idx)
+        qc = pad_axis(q, 1, rows)
+        qc = jnp.moveaxis(qc.reshape(b, -1, rows, n, h), 1, 0)
+        o_cmp, block_idx = jax.lax.map(one, (qc, jnp.arange(qc.shape[0]) * rows))
+        unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :t]
+        o_cmp, block_idx = unchunk(o_cmp), unchunk(block_idx)
     if offset is None:
         select_fn = select_fn or select_attention_gathered
         o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)

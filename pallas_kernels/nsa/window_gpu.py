@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.nsa._index import online_softmax, pad_axis
+from pallas_kernels.nsa._band import Band, band_attention, to_keys, to_rows
+from pallas_kernels.nsa._index import online_softmax
 from pallas_kernels.nsa.select_gpu import MIN_DOT_ROWS, _pow2, _probs
 
 
@@ -37,119 +37,6 @@ class BlockSizes:
     block_k: int = 64  # keys per key tile; both powers of two, >= 16 compiled (Triton's dots)
     num_warps: int = 4
     num_stages: int = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Band:
-    """Static band geometry shared by the GPU- and TPU-style kernels: query tiles of ``tq``
-    positions x ``groups`` rows each (query-major), key tiles of ``bk`` keys."""
-
-    t_len: int
-    s_len: int
-    window: int
-    scale: float
-    groups: int  # rows per query position (G, or G padded)
-    tq: int
-    bk: int
-    block_sizes: object  # the kernel file's BlockSizes
-
-    @classmethod
-    def of(cls, q, k, *, window, scale, groups, tq, bk, block_sizes):
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        return cls(q.shape[1], k.shape[1], int(window), scale, groups, tq, bk, block_sizes)
-
-    @property
-    def rows(self):
-        return self.tq * self.groups
-
-    @property
-    def num_q_tiles(self):
-        return -(-self.t_len // self.tq)
-
-    @property
-    def num_k_tiles(self):
-        return -(-self.s_len // self.bk)
-
-    @property
-    def band_k_tiles(self):
-        """Most key tiles one query tile's band meets (its keys span tq + w - 1 positions)."""
-        return min(self.num_k_tiles, (self.bk + self.tq + self.window - 3) // self.bk + 1)
-
-    @property
-    def band_q_tiles(self):
-        """Most query tiles that see one key tile (their queries span bk + w - 1 positions)."""
-        return min(self.num_q_tiles, (self.tq + self.bk + self.window - 3) // self.tq + 1)
-
-    def key_tiles(self, q0):
-        """Key tiles [lo, hi) that the real queries (t < T) of the query tile starting at position
-        q0 see (empty if none)."""
-        lo = jax.lax.div(jnp.maximum(q0 - self.window + 1, 0), self.bk)
-        hi = jax.lax.div(jnp.minimum(q0 + self.tq, min(self.t_len, self.s_len)) - 1, self.bk) + 1
-        return lo, hi
-
-    def query_tiles(self, s0):
-        """Query tiles [lo, hi) that see some key of the key tile starting at position s0."""
-        lo = jax.lax.div(s0, self.tq)
-        hi = jax.lax.div(jnp.minimum(s0 + self.bk + self.window - 2, self.t_len - 1), self.tq) + 1
-        return lo, hi
-
-    def visible(self, row, key, q0):
-        """Mask: row (of the tile at q0, position q0 + row // groups) sees key (absolute).
-        floor(row / G) >= x iff row >= x * G, so no integer division is needed. Padding rows
-        (t >= T, padded heads) are left visible: their dO is zero, so they add no gradient."""
-        rel = key - q0
-        return (row >= rel * self.groups) & (row < (rel + self.window) * self.groups) & (key < self.s_len)
-
-
-def to_rows(x, kh, band: Band, d):
-    """[B,T,N,*] -> [B,K,Tp*groups,d]: each kv group's query rows, query-major, zero-padded
-    (T to whole tiles, the group to ``groups`` heads, the head dim to d)."""
-    b, t, n, _ = x.shape
-    x = x.reshape(b, t, kh, n // kh, -1)
-    x = pad_axis(pad_axis(pad_axis(x, 1, band.tq), 3, band.groups), 4, d)
-    return jnp.transpose(x, (0, 2, 1, 3, 4)).reshape(b, kh, -1, d)
-
-
-def from_rows(x, band: Band, shape):
-    """[B,K,Tp*groups,*] -> [B,T,N,D] = shape, dropping the padding."""
-    b, t, n, d = shape
-    kh = x.shape[1]
-    x = x.reshape(b, kh, -1, band.groups, x.shape[-1])[:, :, :t, : n // kh, :d]
-    return jnp.transpose(x, (0, 2, 1, 3, 4)).reshape(shape)
-
-
-def to_keys(x, band: Band, d):
-    """[B,S,K,*] -> [B,K,Sp,d], zero-padded."""
-    return jnp.transpose(pad_axis(pad_axis(x, 1, band.bk), 3, d), (0, 2, 1, 3))
-
-
-def from_keys(x, shape):
-    """[B,K,Sp,*] -> [B,S,K,D] = shape, dropping the padding."""
-    return jnp.transpose(x[:, :, : shape[1], : shape[3]], (0, 2, 1, 3))
-
-
-def band_attention(layout, forward, backward):
-    """The differentiable attention(q, k, v, band, interpret) over a kernel file's layout
-    (q, k, v, band) -> (q rows, k, v), forward(...) -> (o rows, lse) and backward(...)."""
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-    def attend(q, k, v, band, interpret):
-        return attend_fwd(q, k, v, band, interpret)[0]
-
-    def attend_fwd(q, k, v, band, interpret):
-        o, lse = forward(*layout(q, k, v, band), band, interpret)
-        return from_rows(o, band, (*q.shape[:3], v.shape[-1])), (q, k, v, o, lse)
-
-    def attend_bwd(band, interpret, res, dout):
-        q, k, v, o, lse = res
-        qr, kt, vt = layout(q, k, v, band)
-        do = to_rows(dout, k.shape[2], band, vt.shape[-1])
-        delta = jnp.einsum("bkrv,bkrv->bkr", o.astype(jnp.float32), do.astype(jnp.float32))
-        dq, dk, dv = backward(qr, kt, vt, do, lse, delta, band, interpret)
-        return from_rows(dq, band, q.shape), from_keys(dk, k.shape), from_keys(dv, v.shape)
-
-    attend.defvjp(attend_fwd, attend_bwd)
-    return attend
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, band: Band):

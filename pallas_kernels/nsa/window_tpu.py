@@ -27,7 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.nsa._index import online_softmax
 from pallas_kernels.nsa.select_tpu import _interpret, flash_finish, flash_init
-from pallas_kernels.nsa.window_gpu import Band, band_attention, to_keys, to_rows
+from pallas_kernels.nsa._band import Band, band_attention, to_keys, to_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +40,13 @@ class BlockSizes:
 def _key_tile(band: Band, r, j):
     """Step j of query tile r's band: its key tile, clipped into the band, and whether it is real."""
     lo, hi = band.key_tiles(r * band.tq)
-    return jnp.minimum(lo + j, hi - 1), lo + j < hi
+    return jnp.clip(lo + j, 0, jnp.maximum(hi - 1, 0)), lo + j < hi
 
 
 def _query_tile(band: Band, c, j):
     """Step j over the query tiles that see key tile c: the query tile (clipped) and whether it is real."""
     lo, hi = band.query_tiles(c * band.bk)
-    return jnp.minimum(lo + j, hi - 1), lo + j < hi
+    return jnp.clip(lo + j, 0, jnp.maximum(hi - 1, 0)), lo + j < hi
 
 
 def _mask(band: Band, q0, s0):

@@ -15,7 +15,8 @@ import pytest
 
 from pallas_kernels.nsa import sliding_window_attention
 from pallas_kernels.nsa.reference import sliding_window_reference
-from pallas_kernels.nsa.window_gpu import Band, sliding_window_attention_gpu
+from pallas_kernels.nsa._band import Band
+from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
 from pallas_kernels.nsa.window_gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.nsa.window_tpu import BlockSizes, sliding_window_attention_tpu
 
@@ -93,23 +94,26 @@ def test_gpu_style_fewer_keys_than_queries_gqa3():
     _check(_gpu_style(8, 8, 3), q, k, v, do, 6)
 
 
-def test_band_tiles_cover_the_visible_pairs():
+@pytest.mark.parametrize(("stride", "first"), [(1, 0), (2, 3), (4, 7)])  # the window; compressed blocks
+def test_band_tiles_cover_the_visible_pairs(stride, first):
     """The loops and the TPU grid visit key tiles [lo, hi) per query tile and query tiles [lo, hi)
-    per key tile: brute force says they cover every visible pair, stay within the static band
-    lengths, and (key tiles, S >= T) are exactly the tiles with a visible pair."""
-    for t, s, w, tq, bk in itertools.product((1, 9, 24), (7, 24, 30), (1, 3, 8, 40), (1, 4, 8), (2, 8)):
-        band = Band(t, s, w, 1.0, 1, tq, bk, None)
+    per key tile: brute force says they cover every visible pair (key i at position
+    stride * i + first), stay within the static band lengths, and (key tiles, keys up to the
+    last query, no window falling between strided keys) are exactly the tiles with a visible pair."""
+    for t, s, w, tq, bk in itertools.product((1, 9, 24), (7, 24, 30), (1, 3, 8, 40, None), (1, 4, 8), (2, 8)):
+        band = Band(t, s, w, 1.0, 1, tq, bk, None, stride, first)
         see = np.zeros((band.num_q_tiles, band.num_k_tiles), bool)
         for qt, kt in np.ndindex(*see.shape):
             qs = np.arange(qt * tq, min(t, (qt + 1) * tq))[:, None]
-            ks = np.arange(kt * bk, min(s, (kt + 1) * bk))[None, :]
-            see[qt, kt] = ((ks <= qs) & (ks > qs - w)).any()
+            ks = stride * np.arange(kt * bk, min(s, (kt + 1) * bk))[None, :] + first
+            see[qt, kt] = ((ks <= qs) & (w is None or ks > qs - w)).any()
         case = (t, s, w, tq, bk)
         for qt, row in enumerate(see):
             lo, hi = (int(x) for x in band.key_tiles(jnp.int32(qt * tq)))
             need = set(np.flatnonzero(row))
             assert need <= set(range(lo, hi)) and hi - lo <= band.band_k_tiles, (case, qt)
-            assert s < t or need == set(range(lo, hi)), (case, qt)
+            loose = stride * (s - 1) + first < t - 1 or (stride > 1 and w is not None)
+            assert loose or need == set(range(lo, hi)), (case, qt)
         for kt, col in enumerate(see.T):
             lo, hi = (int(x) for x in band.query_tiles(jnp.int32(kt * bk)))
             assert set(np.flatnonzero(col)) <= set(range(lo, hi)) and hi - lo <= band.band_q_tiles, (case, kt)

@@ -1,0 +1,166 @@
+"""Compressed-branch kernels (attention + block importance; GPU-style and TPU-style) against
+the float64 reference.
+
+Interpret mode on CPU is slow, so the default cases are short sequences with small tiles (many
+compressed tiles per query tile, the eq. 9 spill across every tile edge); larger sweeps run
+under ``-m slow`` and the compiled kernels under ``-m gpu``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.nsa import NSAShape, compressed_attention, compressed_attention_reference
+from pallas_kernels.nsa import reference as R
+from pallas_kernels.nsa.compressed_gpu import BlockSizes as GpuBlockSizes
+from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
+from pallas_kernels.nsa.compressed_tpu import BlockSizes, compressed_attention_tpu
+
+FWD_TOL, GRAD_TOL = 2e-3, 5e-3
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _shape(l, d, lp):
+    return NSAShape(compress_block=l, compress_stride=d, select_block=lp, num_selected=3, num_local_blocks=1, window=8)
+
+
+def _inputs(seed, b, t, n, kh, h, vd, shape):
+    """q, compressed k and v of a length-t sequence (C = (t - l) // d + 1 blocks), dO."""
+    rng = np.random.default_rng(seed)
+    c = (t - shape.compress_block) // shape.compress_stride + 1
+    shapes = [(b, t, n, h), (b, c, kh, h), (b, c, kh, vd), (b, t, n, vd)]
+    return [jnp.asarray(rng.standard_normal(s, np.float32)) for s in shapes]
+
+
+def _check(kernel, q, k, v, do, shape, scale=None):
+    p = -(-q.shape[1] // shape.select_block)
+    call = functools.partial(kernel, shape=shape, num_select_blocks=p, scale=scale)
+    ref = functools.partial(compressed_attention_reference, shape=shape, num_select_blocks=p, scale=scale)
+
+    def run(fn, q, k, v, do):
+        (out, score), vjp = jax.vjp(lambda q, k, v: fn(q, k, v), q, k, v)
+        return out, score, vjp((do, jnp.zeros_like(score)))
+
+    out, score, grads = jax.jit(functools.partial(run, call))(q, k, v, do)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v, do)]
+        want = [np.asarray(x) for x in jax.tree.leaves(jax.jit(functools.partial(run, ref))(*f64))]
+    want_out, want_score, want_grads = want[0], want[1], want[2:]
+    assert out.shape == want_out.shape and out.dtype == q.dtype
+    assert score.shape == want_score.shape == (q.shape[0], q.shape[1], k.shape[2], p)
+    assert _rel(out, want_out) < FWD_TOL, ("forward", _rel(out, want_out))
+    assert _rel(score, want_score) < FWD_TOL, ("importance", _rel(score, want_score))
+    for name, g, w in zip(("q", "k_cmp", "v_cmp"), grads, want_grads):
+        assert g.shape == w.shape
+        assert _rel(g, w) < GRAD_TOL, (f"d{name}", _rel(g, w))
+    # the selection the importance feeds: the same blocks as the reference's
+    np.testing.assert_array_equal(R.top_blocks(score, shape), R.top_blocks(jnp.asarray(want_score), shape))
+
+
+def _gpu_style(tq, bk, g):
+    """GPU-style kernels in interpret mode, query tiles of tq positions (rows = tq * Gp)."""
+    gp = 1 << (g - 1).bit_length()
+    return functools.partial(
+        compressed_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(block_q=tq * gp, block_k=bk)
+    )
+
+
+def _tpu_style(tq, bk, g):
+    del g  # TPU tiles count positions already
+    return functools.partial(compressed_attention_tpu, interpret=True, block_sizes=BlockSizes(block_q=tq, block_k=bk))
+
+
+KERNELS = pytest.mark.parametrize("make", [_gpu_style, _tpu_style], ids=["gpu_style", "tpu_style"])
+
+# (B, T, N, K, H, V, (l, d, l'), tiles (tq, bk), scale)
+SMALL = [
+    (2, 150, 4, 2, 24, 20, (32, 16, 64), (16, 8), None),  # the paper's ratios l = 2d, l' = 4d
+    (1, 45, 6, 2, 16, 12, (8, 4, 16), (16, 4), 0.3),  # G=3 (padded to 4 on GPU), T not a tile multiple
+    (1, 37, 3, 3, 8, 8, (4, 4, 4), (16, 4), None),  # l = d = l': eq. 9 is the identity
+    (1, 61, 8, 1, 20, 16, (16, 4, 8), (16, 4), None),  # G=8, l = 4d spills 3 blocks over tile edges
+]
+
+
+@KERNELS
+@pytest.mark.parametrize(("b", "t", "n", "kh", "h", "vd", "lds", "tiles", "scale"), SMALL)
+def test_small(make, b, t, n, kh, h, vd, lds, tiles, scale):
+    shape = _shape(*lds)
+    q, k, v, do = _inputs(t, b, t, n, kh, h, vd, shape)
+    _check(make(*tiles, n // kh), q, k, v, do, shape, scale)
+
+
+def test_entry_point_errors_and_short_sequences():
+    shape = _shape(8, 4, 16)
+    q, k, v, _ = _inputs(3, 1, 27, 4, 2, 16, 8, shape)
+    call = functools.partial(compressed_attention, shape=shape, num_select_blocks=2, interpret=True)
+    got = jax.jit(call)(q, k, v)
+    want = jax.jit(functools.partial(compressed_attention_reference, shape=shape, num_select_blocks=2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+    # shorter than one compression block: no compressed key at all
+    out, score = call(q[:, :5], k[:, :0], v[:, :0])
+    assert out.shape == (1, 5, 4, 8) and score.shape == (1, 5, 2, 2)
+    assert not np.any(np.asarray(out)) and not np.any(np.asarray(score))
+    with pytest.raises(ValueError, match="Hkv"):
+        call(q[:, :, :3], k, v)
+    with pytest.raises(ValueError, match="do not match"):
+        call(q, k[..., :4], v)
+    with pytest.raises(ValueError, match="4-D"):
+        call(q[0], k, v)
+    with pytest.raises(ValueError, match="block_k"):
+        compressed_attention_gpu(q, k, v, shape=shape, num_select_blocks=2, interpret=True,
+                                 block_sizes=GpuBlockSizes(block_k=6))
+
+
+def test_nsa_layer_with_the_compressed_kernel_equals_the_reference_layer():
+    """nsa_forward(compressed_fn=kernel) against nsa_reference in float64: the kernel's importance
+    drives the selection of the whole layer."""
+    shape = NSAShape(compress_block=8, compress_stride=4, select_block=16, num_selected=3, num_local_blocks=1, window=12)
+    rng = np.random.default_rng(11)
+    b, t, n, kh, h = 1, 83, 4, 2, 16
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, m, h), np.float32)) for m in (n, kh, kh))
+    params = R.init_nsa_params(jax.random.key(2), shape, n, h)
+    kernel = _gpu_style(16, 8, n // kh)
+    got = jax.jit(lambda q, k, v: R.nsa_forward(q, k, v, params, shape, compressed_fn=kernel))(q, k, v)
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x), jnp.float64)
+        want = R.nsa_reference(f64(q), f64(k), f64(v), jax.tree.map(f64, params), shape)
+    assert _rel(got, want) < FWD_TOL
+
+
+SWEEP = [
+    # (G, H, V, (l, d, l'), tq, bk, T)
+    (1, 64, 64, (32, 16, 64), 16, 16, 300),
+    (2, 128, 96, (32, 16, 64), 32, 8, 257),
+    (4, 64, 48, (32, 16, 32), 16, 4, 333),
+    (8, 128, 128, (32, 16, 64), 16, 16, 410),
+    (5, 32, 40, (16, 8, 64), 16, 16, 199),
+]
+
+
+@pytest.mark.slow
+@KERNELS
+@pytest.mark.parametrize(("g", "h", "vd", "lds", "tq", "bk", "t"), SWEEP)
+def test_sweep(make, g, h, vd, lds, tq, bk, t):
+    shape = _shape(*lds)
+    q, k, v, do = _inputs(g * 7 + t, 1, t, 2 * g, 2, h, vd, shape)
+    _check(make(tq, bk, g), q, k, v, do, shape)
+
+
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("g", "h", "vd", "t"), [(1, 64, 64, 300), (2, 128, 96, 257), (4, 128, 128, 4100), (16, 128, 128, 2050)])
+def test_compiled_gpu(g, h, vd, t):
+    shape = NSAShape()
+    q, k, v, do = _inputs(g + t, 2, t, 2 * g, 2, h, vd, shape)
+    _check(compressed_attention_gpu, q, k, v, do, shape)
