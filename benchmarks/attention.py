@@ -4,11 +4,14 @@
     python benchmarks/attention.py --seq 8192 16384 32768 65536 --heads 16 --kv-heads 1 --head-dim 128
 
 On GPU the dense baselines are `jax.nn.dot_product_attention` (cuDNN) and the Pallas Triton
-flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); NSA runs the Pallas
-selected-block kernel (`pallas_kernels.nsa.select_attention`) and cuDNN's sliding window. On
-CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked plain-JAX NSA
-(`nsa_forward`: gathered selected blocks, banded window). Each number is the best of --repeats
-timed runs after a compile run; FLOP counts are analytic (matmuls only, causal halves).
+flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); `nsa_layer` runs the Pallas
+selected-block kernel (`pallas_kernels.nsa.select_attention`), cuDNN's sliding window and the
+compressed branch in XLA, `nsa_layer_kernels` all three Pallas kernels; each branch is also
+timed alone, kernel vs XLA/cuDNN (`nsa_compressed_*` includes the compression MLPs and the
+top-n). On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
+plain-JAX NSA (`nsa_forward`: gathered selected blocks, banded window). Each number is the best
+of --repeats timed runs after a compile run; FLOP counts are analytic (matmuls only, causal
+halves).
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.nsa import compressed_attention, select_attention, sliding_window_attention
 from pallas_kernels.nsa import reference as R
-from pallas_kernels.nsa.select import select_attention
-from pallas_kernels.nsa.window import sliding_window_attention
 
 
 def timed(fn, *args, repeats):
@@ -97,7 +99,12 @@ def main():
                 q, k, v, scale=scale, is_causal=True, local_window_size=(window - 1, 0), implementation="cudnn"
             )
 
-        cases = {}
+        def compressed(q, k, v, compressed_fn=None):
+            """The compressed branch and the selection it drives, from the keys (MLPs included)."""
+            kc, vc = R.compress_blocks(k, params["compress_k"], shape), R.compress_blocks(v, params["compress_v"], shape)
+            return R.compressed_branch(q, kc, vc, shape, -(-t // shape.select_block), h**-0.5, compressed_fn)
+
+        cases = {"nsa_compressed_xla": lambda q, k, v, idx: compressed(q, k, v)}
         if on_gpu:
             from jax.experimental.pallas.ops.gpu import attention as flash
 
@@ -112,6 +119,11 @@ def main():
             # the window branch alone: our Pallas kernel vs cuDNN's sliding window
             cases["nsa_window_kernel"] = lambda q, k, v, idx: sliding_window_attention(q, k, v, window=shape.window)
             cases["nsa_window_cudnn"] = lambda q, k, v, idx: window_cudnn(q, k, v, window=shape.window, scale=h**-0.5)
+            cases["nsa_compressed_kernel"] = lambda q, k, v, idx: compressed(q, k, v, compressed_attention)
+            cases["nsa_layer_kernels"] = lambda q, k, v, idx: R.nsa_forward(
+                q, k, v, params, shape, select_fn=select_attention, window_fn=sliding_window_attention,
+                compressed_fn=compressed_attention,
+            )
         else:
             cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
             cases["nsa_selected_gathered"] = lambda q, k, v, idx: R.select_attention_gathered(
@@ -125,8 +137,14 @@ def main():
             if name in args.skip:
                 continue
             fwd = jax.jit(fn)
-            # idx is an argument, not a constant: the CSR inversion is timed, not constant-folded
-            fwdbwd = jax.jit(lambda q, k, v, idx, fn=fn, do=do: jax.vjp(lambda q, k, v: fn(q, k, v, idx), q, k, v)[1](do))
+            # idx is an argument, not a constant: the CSR inversion is timed, not constant-folded.
+            # A case may return (out, block_idx): the selection is returned too, so it is not dead code.
+            @jax.jit
+            def fwdbwd(q, k, v, idx, fn=fn, do=do):
+                split = lambda out: out if isinstance(out, tuple) else (out, ())
+                _, back, aux = jax.vjp(lambda q, k, v: split(fn(q, k, v, idx)), q, k, v, has_aux=True)
+                return back(do), aux
+
             for kind, f in (("fwd", fwd), ("fwd+bwd", fwdbwd))[: 1 if args.no_backward else 2]:
                 try:
                     row["ms"][f"{name}/{kind}"] = 1e3 * timed(f, q, k, v, idx, repeats=args.repeats)
@@ -157,10 +175,13 @@ def main():
         dense = "dense_cudnn" if on_gpu else "dense_xla"
         print(f"T={row['seq']}: FLOP ratio dense/NSA = {row['dense_gflop'] / row['nsa_gflop']:.2f}")
         for kind in ("fwd", "fwd+bwd"):
-            for nsa in ("nsa_selected_kernel", "nsa_selected_gathered", "nsa_layer"):
+            for nsa in ("nsa_selected_kernel", "nsa_selected_gathered", "nsa_layer", "nsa_layer_kernels"):
                 a, c = ms.get(f"{dense}/{kind}"), ms.get(f"{nsa}/{kind}")
                 if isinstance(a, float) and isinstance(c, float):
                     print(f"  {kind:8s} {dense} / {nsa} = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
+            a, c = ms.get(f"nsa_compressed_xla/{kind}"), ms.get(f"nsa_compressed_kernel/{kind}")
+            if isinstance(a, float) and isinstance(c, float):
+                print(f"  {kind:8s} compressed branch XLA / kernel = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
         a, c = ms.get("dense/decode"), ms.get("nsa/decode")
         if isinstance(a, float) and isinstance(c, float):
             print(f"  decode   dense / nsa = {a / c:.2f}x ({a:.3f} ms vs {c:.3f} ms)")

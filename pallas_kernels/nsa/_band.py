@@ -85,7 +85,7 @@ class Band:
             lo = jnp.zeros_like(q0)
         else:
             below = jnp.maximum(q0 - self.window + 1 - self.first, 0)  # lowest visible position - first
-            lo = jax.lax.div(below + self.stride - 1, self.stride) // self.bk
+            lo = jax.lax.div(jax.lax.div(below + self.stride - 1, self.stride), self.bk)
         last = jnp.minimum(q0 + self.tq, self.t_len) - 1  # the tile's last real query
         seen = jax.lax.div(jnp.maximum(last - self.first + self.stride, 0), self.stride)  # keys 0..seen-1 <= last
         seen = jnp.minimum(seen, self.s_len)

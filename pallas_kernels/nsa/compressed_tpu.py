@@ -48,7 +48,7 @@ def _scores_kernel(q_ref, k_ref, lse_ref, out_ref, prev_sc, *, band: Band, scori
     def _step():
         q = q_ref[...].astype(jnp.float32) * band.scale  # [R,H]
         ok = _mask(band, r * band.tq, c * band.bk)
-        p = jnp.where(ok, jnp.exp(jnp.dot(q, k_ref[...].astype(jnp.float32).T) - lse_ref[...][:, None]), 0.0)
+        p = jnp.where(ok, jnp.exp(jnp.dot(q, k_ref[...].astype(jnp.float32).T) - lse_ref[...]), 0.0)
         group = jnp.dot(group_selector(band, scoring.heads), p)  # [tq,bk]
         out_ref[...] = (jnp.dot(group, eq9_tile_weights(scoring, band.bk, False))
                         + jnp.dot(prev_sc[...], eq9_tile_weights(scoring, band.bk, True)))
@@ -60,7 +60,7 @@ def _scores_kernel(q_ref, k_ref, lse_ref, out_ref, prev_sc, *, band: Band, scori
 
 
 def _scores(qr, k, lse, band: Band, interpret, *, scoring: Scoring):
-    """qr [B,K,Tp*G,H], k [B,K,Cp,H], lse [B,K,Tp*G] -> importance [B,T,K,P]."""
+    """qr [B,K,Tp*G,H], k [B,K,Cp,H], lse [B,K,Tp*G,1] -> importance [B,T,K,P]."""
     b, kh, tr, hd = qr.shape
     per, tiles = scoring.tiles(band.bk)
     k = jnp.pad(k, ((0, 0), (0, 0), (0, max(tiles * band.bk - k.shape[2], 0)), (0, 0)))

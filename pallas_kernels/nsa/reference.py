@@ -420,49 +420,56 @@ def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSASh
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
 
 
+def compressed_branch(q, k_cmp, v_cmp, shape: NSAShape, num_blocks, scale, compressed_fn=None, chunk=1024, offset=None):
+    """The compressed branch and the selection it drives: (o_cmp [B,T,N,V], block_idx [B,T,K,J]).
+    ``compressed_fn`` (the kernel) does a whole sequence at once; otherwise the compressed
+    probabilities are computed per chunk of queries, so [T, N, C] is never whole."""
+    if compressed_fn is not None and offset is None:
+        o_cmp, score = compressed_fn(q, k_cmp, v_cmp, shape=shape, num_select_blocks=num_blocks, scale=scale)
+        return o_cmp, top_blocks(score, shape)
+    b, t, n, h = q.shape
+    base = jnp.zeros((), jnp.int32) if offset is None else jnp.asarray(offset, jnp.int32)
+    rows = min(chunk, t)
+
+    def one(args):
+        q_c, off = args
+        off = base + off
+        o, score = compressed_attention_reference(
+            q_c, k_cmp, v_cmp, shape=shape, num_select_blocks=num_blocks, scale=scale, offset=off
+        )
+        return o, top_blocks(score, shape, off)
+
+    qc = pad_axis(q, 1, rows)
+    qc = jnp.moveaxis(qc.reshape(b, -1, rows, n, h), 1, 0)
+    o_cmp, block_idx = jax.lax.map(one, (qc, jnp.arange(qc.shape[0]) * rows))
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :t]
+    return unchunk(o_cmp), unchunk(block_idx)
+
+
 def nsa_forward(
     q, k, v, params, shape: NSAShape, scale=None, select_fn=None, window_fn=None, compressed_fn=None, chunk=1024,
     offset=None, k_cmp=None, v_cmp=None,
 ):
     """nsa_reference for long sequences: the compressed branch and the block scores come from one
-    set of compressed probabilities (its output is p_cmp @ V_cmp), computed per query chunk so
-    [T, N, C] is never whole; the selected branch runs ``select_fn`` (default: the gathered form)
-    and the window ``window_fn`` (default: the banded form). Same result as nsa_reference.
+    set of compressed probabilities (``compressed_branch``; ``compressed_fn``, the signature of
+    compressed_attention_reference without offset, replaces its chunked form for a whole
+    sequence); the selected branch runs ``select_fn`` (default: the gathered form) and the window
+    ``window_fn`` (default: the banded form). Same result as nsa_reference.
 
     With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
     positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then the
     gathered form and the window gathers each chunk's keys. ``k_cmp``/``v_cmp`` (a compressed
-    cache, blocks masked by position as usual) replace compressing k and v. ``compressed_fn``
-    (the signature of compressed_attention_reference, without offset) replaces the chunked
-    compressed branch of a whole sequence.
+    cache, blocks masked by position as usual) replace compressing k and v.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    b, t, n, h = q.shape
-    s_len, kh = k.shape[1], k.shape[2]
+    s_len = k.shape[1]
     base = jnp.zeros((), jnp.int32) if offset is None else jnp.asarray(offset, jnp.int32)
     if k_cmp is None:
         k_cmp = compress_blocks(k, params["compress_k"], shape)
         v_cmp = compress_blocks(v, params["compress_v"], shape)
-    num_blocks = -(-s_len // shape.select_block)
-    if compressed_fn is not None and offset is None:
-        o_cmp, score = compressed_fn(q, k_cmp, v_cmp, shape=shape, num_select_blocks=num_blocks, scale=scale)
-        block_idx = top_blocks(score, shape)
-    else:
-        rows = min(chunk, t)
-
-        def one(args):
-            q_c, off = args
-            off = base + off
-            o, score = compressed_attention_reference(
-                q_c, k_cmp, v_cmp, shape=shape, num_select_blocks=num_blocks, scale=scale, offset=off
-            )
-            return o, top_blocks(score, shape, off)
-
-        qc = pad_axis(q, 1, rows)
-        qc = jnp.moveaxis(qc.reshape(b, -1, rows, n, h), 1, 0)
-        o_cmp, block_idx = jax.lax.map(one, (qc, jnp.arange(qc.shape[0]) * rows))
-        unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, *x.shape[3:])[:, :t]
-        o_cmp, block_idx = unchunk(o_cmp), unchunk(block_idx)
+    o_cmp, block_idx = compressed_branch(
+        q, k_cmp, v_cmp, shape, -(-s_len // shape.select_block), scale, compressed_fn, chunk, offset
+    )
     if offset is None:
         select_fn = select_fn or select_attention_gathered
         o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)

@@ -46,12 +46,14 @@ def flash_init(m_sc, l_sc, acc_sc):
 
 
 def flash_finish(m_sc, l_sc, acc_sc, o_ref, lse_ref):
-    """Normalise the output after a row's last tile and store its log-sum-exp."""
+    """Normalise the output after a row's last tile and store its log-sum-exp, a [rows, 1]
+    column: Mosaic takes a block whose last two dims are (rows, 1) of a [..., rows, 1] array,
+    not a 1-D block under squeezed dims."""
     l = l_sc[...]
     seen = l > 0
     o_ref[...] = (acc_sc[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
     # no visible key: lse = +inf makes the backward's exp(s - lse) vanish
-    lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)[:, 0]
+    lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
 
 
 def _slot(idx_ref):
@@ -97,9 +99,9 @@ def _dq_kernel(
         q = q_ref[...].astype(jnp.float32) * scale
         k = k_ref[...].astype(jnp.float32)
         ok = visible_keys(blk, start, off_ref[0] + r, s_len, block_size, causal)[None, :]
-        p = jnp.where(ok, jnp.exp(jnp.dot(q, k.T) - lse_ref[...][:, None]), 0.0)
+        p = jnp.where(ok, jnp.exp(jnp.dot(q, k.T) - lse_ref[...]), 0.0)
         dp = jnp.dot(do_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32).T)
-        ds = p * (dp - delta_ref[...][:, None])
+        ds = p * (dp - delta_ref[...])
         dq_sc[...] += jnp.dot(ds, k)
 
     @pl.when(j == nj - 1)
@@ -129,8 +131,8 @@ def _dkdv_kernel(
         k = k_ref[...].astype(jnp.float32)  # [bs,H]
         do = do_ref[...].astype(jnp.float32)  # [G,V]
         ok = visible_keys(c, start, t, s_len, block_size, causal)[None, :]
-        p = jnp.where(ok, jnp.exp(jnp.dot(q, k.T) - lse_ref[...][:, None]), 0.0)  # [G,bs]
-        ds = p * (jnp.dot(do, v_ref[...].astype(jnp.float32).T) - delta_ref[...][:, None])
+        p = jnp.where(ok, jnp.exp(jnp.dot(q, k.T) - lse_ref[...]), 0.0)  # [G,bs]
+        ds = p * (jnp.dot(do, v_ref[...].astype(jnp.float32).T) - delta_ref[...])
         dk_ref[...] += jnp.dot(ds.T, q).astype(dk_ref.dtype)
         dv_ref[...] += jnp.dot(p.T, do).astype(dv_ref.dtype)
 
@@ -174,11 +176,12 @@ def _kv_specs(g: Geometry, dims, grid):
 
 
 def _lse_spec(gsz):
-    return pl.BlockSpec((None, None, None, gsz), lambda b, h, r, j, *_: (b, h, r, 0))
+    """A query row's [G, 1] column of log-sum-exp (or delta) in a [B,K,rows,G,1] array."""
+    return pl.BlockSpec((None, None, None, gsz, 1), lambda b, h, r, j, *_: (b, h, r, 0, 0))
 
 
 def _forward(qg, k, v, idx, g: Geometry, interpret):
-    """qg [B,K,T,G,H], k/v [B,K,P*bs,H|V], idx [B,K,T,J] -> o [B,K,T,G,V], lse [B,K,T,G]."""
+    """qg [B,K,T,G,H], k/v [B,K,P*bs,H|V], idx [B,K,T,J] -> o [B,K,T,G,V], lse [B,K,T,G,1]."""
     b, kh, t, gsz, hd = qg.shape
     vd, j = v.shape[-1], idx.shape[-1]
     rows = _row_chunk(g, b, kh, j)
@@ -201,7 +204,7 @@ def _forward(qg, k, v, idx, g: Geometry, interpret):
             ),
             out_shape=[
                 jax.ShapeDtypeStruct((b, kh, rows, gsz, vd), qg.dtype),
-                jax.ShapeDtypeStruct((b, kh, rows, gsz), jnp.float32),
+                jax.ShapeDtypeStruct((b, kh, rows, gsz, 1), jnp.float32),
             ],
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
@@ -285,7 +288,7 @@ def _dkdv(qg, k, v, idx, do, lse, delta, g: Geometry, interpret):
         return (*at_query(b_, h, i, q_ref, blk_ref), 0, 0)
 
     def lse_row(b_, h, i, q_ref, blk_ref):
-        return (*at_query(b_, h, i, q_ref, blk_ref), 0)
+        return (*at_query(b_, h, i, q_ref, blk_ref), 0, 0)
 
     def key_block(last):
         def index(b_, h, i, _q, blk_ref):
@@ -306,8 +309,8 @@ def _dkdv(qg, k, v, idx, do, lse, delta, g: Geometry, interpret):
                 pl.BlockSpec((None, None, bs, hd), kv_in),
                 pl.BlockSpec((None, None, bs, vd), kv_in),
                 pl.BlockSpec((None, None, None, gsz, vd), row),
-                pl.BlockSpec((None, None, None, gsz), lse_row),
-                pl.BlockSpec((None, None, None, gsz), lse_row),
+                pl.BlockSpec((None, None, None, gsz, 1), lse_row),
+                pl.BlockSpec((None, None, None, gsz, 1), lse_row),
                 pl.BlockSpec((None, None, bs, hd), kv_out),
                 pl.BlockSpec((None, None, bs, vd), kv_out),
             ],
@@ -370,7 +373,7 @@ def _select_bwd(g, interpret, res, dout):
     b, t, _, _ = q.shape
     kh = k.shape[2]
     do = jnp.transpose(dout.reshape(b, t, kh, g.groups, -1), (0, 2, 1, 3, 4))
-    delta = jnp.einsum("bktgv,bktgv->bktg", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = jnp.einsum("bktgv,bktgv->bktg", o.astype(jnp.float32), do.astype(jnp.float32))[..., None]
     dq = _dq(qg, kt, vt, idx, do, lse, delta, g, interpret)
     dk, dv = _dkdv(qg, kt, vt, idx, do, lse, delta, g, interpret)
     dk = jnp.transpose(dk[:, :, : k.shape[1]], (0, 2, 1, 3)).astype(k.dtype)

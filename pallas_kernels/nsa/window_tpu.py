@@ -87,9 +87,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc, *
         q = q_ref[...].astype(jnp.float32) * band.scale
         k = k_ref[...].astype(jnp.float32)
         ok = _mask(band, r * band.tq, c * band.bk)
-        p = jnp.where(ok, jnp.exp(jnp.dot(q, k.T) - lse_ref[...][:, None]), 0.0)
+        p = jnp.where(ok, jnp.exp(jnp.dot(q, k.T) - lse_ref[...]), 0.0)
         dp = jnp.dot(do_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32).T)
-        dq_sc[...] += jnp.dot(p * (dp - delta_ref[...][:, None]), k)
+        dq_sc[...] += jnp.dot(p * (dp - delta_ref[...]), k)
 
     @pl.when(j == nj - 1)
     def _finish():
@@ -111,8 +111,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         k = k_ref[...].astype(jnp.float32)  # [bk,H]
         do = do_ref[...].astype(jnp.float32)  # [R,V]
         ok = _mask(band, r * band.tq, c * band.bk)
-        p = jnp.where(ok, jnp.exp(jnp.dot(q, k.T) - lse_ref[...][:, None]), 0.0)  # [R,bk]
-        ds = p * (jnp.dot(do, v_ref[...].astype(jnp.float32).T) - delta_ref[...][:, None])
+        p = jnp.where(ok, jnp.exp(jnp.dot(q, k.T) - lse_ref[...]), 0.0)  # [R,bk]
+        ds = p * (jnp.dot(do, v_ref[...].astype(jnp.float32).T) - delta_ref[...])
         dk_sc[...] += jnp.dot(ds.T, q)  # q was pre-scaled, so dk already carries the scale
         dv_sc[...] += jnp.dot(p.T, do)
 
@@ -123,10 +123,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
 
 def _tiles(size, d, index):
-    """BlockSpec, on a grid (b, h, x, j), of the [size, d] tile (d None: [size] row) index(x, j)."""
-    if d is None:
-        return pl.BlockSpec((None, None, size), lambda b, h, x, j: (b, h, index(x, j)))
-    return pl.BlockSpec((None, None, size, d), lambda b, h, x, j: (b, h, index(x, j), 0))
+    """BlockSpec, on a grid (b, h, x, j), of the [size, d] tile index(x, j) (d None: a [size, 1]
+    column of log-sum-exp or delta, kept [B,K,rows,1] for Mosaic)."""
+    return pl.BlockSpec((None, None, size, d or 1), lambda b, h, x, j: (b, h, index(x, j), 0))
 
 
 def _own(x, _j):
@@ -138,7 +137,7 @@ def _params():
 
 
 def _forward(qr, k, v, band: Band, interpret):
-    """qr [B,K,Tp*G,H], k/v [B,K,Sp,H|V] -> o [B,K,Tp*G,V], lse [B,K,Tp*G]."""
+    """qr [B,K,Tp*G,H], k/v [B,K,Sp,H|V] -> o [B,K,Tp*G,V], lse [B,K,Tp*G,1]."""
     b, kh, tr, hd = qr.shape
     vd, rows = v.shape[-1], band.rows
     keys = lambda r, j: _key_tile(band, r, j)[0]
@@ -149,7 +148,7 @@ def _forward(qr, k, v, band: Band, interpret):
         out_specs=[_tiles(rows, vd, _own), _tiles(rows, None, _own)],
         out_shape=[
             jax.ShapeDtypeStruct((b, kh, tr, vd), qr.dtype),
-            jax.ShapeDtypeStruct((b, kh, tr), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, tr, 1), jnp.float32),
         ],
         scratch_shapes=[
             pltpu.VMEM((rows, 1), jnp.float32),
@@ -164,6 +163,7 @@ def _forward(qr, k, v, band: Band, interpret):
 
 def _backward(qr, k, v, do, lse, delta, band: Band, interpret):
     b, kh, _, hd = qr.shape
+    delta = delta[..., None]  # [B,K,Tp*G,1] like lse
     vd, rows, bk = v.shape[-1], band.rows, band.bk
     keys = lambda r, j: _key_tile(band, r, j)[0]
     dq = pl.pallas_call(

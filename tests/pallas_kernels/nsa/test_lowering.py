@@ -1,0 +1,72 @@
+"""The NSA kernels lower for the hardware they target, checked on a CPU host.
+
+``jax.export`` for platform "cuda" runs the Pallas Triton lowering and for "tpu" the Mosaic
+lowering, no accelerator needed: it catches a primitive without a lowering rule, a tile that is
+not a power of two (Triton) or an index map Mosaic cannot take, at the production block sizes
+and a shape that is not a tile multiple. What it cannot check is the final compile (Triton to
+PTX, Mosaic to TPU code); the ``gpu``-marked tests do that on a lent GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from pallas_kernels.nsa import NSAShape
+from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
+from pallas_kernels.nsa.compressed_tpu import compressed_attention_tpu
+from pallas_kernels.nsa.select_gpu import select_attention_gpu
+from pallas_kernels.nsa.select_tpu import select_attention_tpu
+from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
+from pallas_kernels.nsa.window_tpu import sliding_window_attention_tpu
+
+SHAPE = NSAShape()  # the paper's l=32, d=16, l'=64, n=16, w=512
+B, T = 1, 1000
+TARGET = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+def _select(kernel):
+    def attend(q, k, v):
+        idx = jnp.zeros((*q.shape[:2], k.shape[2], SHAPE.num_selected), jnp.int32)
+        return kernel(q, k, v, idx, block_size=SHAPE.select_block)
+
+    return attend
+
+
+def _window(kernel):
+    return lambda q, k, v: kernel(q, k, v, window=SHAPE.window)
+
+
+def _compressed(kernel):
+    return lambda q, k, v: kernel(q, k, v, shape=SHAPE, num_select_blocks=-(-T // SHAPE.select_block))
+
+
+CASES = {  # name: (platform, kernel, keys: the sequence's or its compressed blocks)
+    "select_gpu": ("cuda", _select(select_attention_gpu), T),
+    "select_tpu": ("tpu", _select(select_attention_tpu), T),
+    "window_gpu": ("cuda", _window(sliding_window_attention_gpu), T),
+    "window_tpu": ("tpu", _window(sliding_window_attention_tpu), T),
+    "compressed_gpu": ("cuda", _compressed(compressed_attention_gpu), (T - 32) // 16 + 1),
+    "compressed_tpu": ("tpu", _compressed(compressed_attention_tpu), (T - 32) // 16 + 1),
+}
+
+
+@pytest.mark.parametrize(("g", "kh", "h", "dtype"), [(4, 2, 128, jnp.bfloat16), (1, 3, 64, jnp.float32), (16, 1, 128, jnp.bfloat16)])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_and_backward_lower(name, g, kh, h, dtype):
+    platform, attend, s_len = CASES[name]
+
+    def fwd_bwd(q, k, v):
+        out, back = jax.vjp(lambda q, k, v: jax.tree.leaves(attend(q, k, v))[0], q, k, v)
+        return back(out.astype(q.dtype))
+
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((B, T, g * kh, h), (B, s_len, kh, h), (B, s_len, kh, h))]
+    exported = export.export(
+        jax.jit(fwd_bwd),
+        platforms=[platform],
+        # no compatibility promise for kernels serialised into the module; nothing is stored
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(TARGET["cuda"])],
+    )(*args)
+    module = exported.mlir_module()
+    # the forward, and the backward kernels (dQ, dK/dV); the compressed branch also scores
+    assert module.count(TARGET[platform]) >= 3, name
