@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxagent.models.documents import document_layout
-from jaxagent.models.llama import KVCache
+from jaxagent.models.llama import KVCache, backend_name
 from rollouts.kv_store import KVStore
 
 _MAX_STOP_IDS = 8
@@ -114,12 +114,27 @@ def _inverse_cdf_sample(scaled, keys):
     return jnp.where(first < vocab, first, _argmax(scaled))
 
 
-def _argmax(x):
-    """First index of each row's maximum: jnp.argmax's answer from two plain reductions, which
-    XLA:CPU vectorises (its fused value-and-index reduce cost as much as the LM head)."""
-    top = x.max(axis=-1, keepdims=True)
-    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(x == top, index, x.shape[-1] - 1), axis=-1)
+def _argmax(x, chunk=128):
+    """First index of each row's maximum, as jnp.argmax, from plain reductions that XLA:CPU
+    vectorises (its fused value-and-index reduce cost as much as the LM head): the maxima of
+    chunks of the row, the first chunk holding the row's maximum, the first index in it. Only
+    that chunk is compared against the maximum, not the whole [B, V] row (-60 us a step at
+    batch 32, V = 4096)."""
+    b, v = x.shape
+    if v % chunk:
+        chunk = v
+    chunks = x.reshape(b, v // chunk, chunk)
+    chunk_max = chunks.max(axis=-1)  # [B, V/c]
+    top = chunk_max.max(axis=-1, keepdims=True)
+    first = _first_index(chunk_max == top)  # [B]
+    within = jnp.take_along_axis(chunks, first[:, None, None], axis=1)[:, 0]  # [B, c]
+    return first * chunk + _first_index(within == top)
+
+
+def _first_index(hit):
+    """Index of the first True of each row of hit [B, n] (n - 1 if none)."""
+    n = hit.shape[-1]
+    return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n - 1), axis=-1)
 
 
 def _log_softmax_at(x, tokens):
@@ -157,6 +172,10 @@ def _decode_segment(graphdef, params, state, limit, max_new, key, temperature, t
                     mode):
     """Decode until `limit` tokens per row are generated or every row is done."""
     model = nnx.merge(graphdef, params)
+    # A dense model's steps read a transposed copy of the keys, made once per segment.
+    transposed = model.config.attention == "dense" and backend_name(model.config) == "xla"
+    if transposed:
+        state = dict(state, cache=state["cache"].with_keys_transposed())
 
     def cond(s):
         return (s["step"] < limit) & ~jnp.all(s["done"])
@@ -183,7 +202,8 @@ def _decode_segment(graphdef, params, state, limit, max_new, key, temperature, t
             step=step + 1,
         )
 
-    return jax.lax.while_loop(cond, body, state)
+    state = jax.lax.while_loop(cond, body, state)
+    return dict(state, cache=state["cache"].without_keys_transposed()) if transposed else state
 
 
 _grow_cache = jax.jit(KVCache.grow, static_argnames=("cfg", "extra"))

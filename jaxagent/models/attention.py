@@ -70,14 +70,34 @@ def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
 
 
 def _decode_attention(q, k, v, mask):
-    """One query per row (a decode step), mask [B, 1, S]. Both contractions are written as
-    multiply-and-reduce: XLA:CPU vectorises these fusions, while its dot for p·V with a
-    single query ran 2-3x slower (the sampler's step time halved at 512 new tokens)."""
+    """One query per row (a decode step), mask [B, 1, S]. q.K is written as multiply-and-reduce:
+    XLA:CPU vectorises that fusion better than its dot with a single query."""
+    n = q.shape[2]
+    q = _decode_queries(q, k.shape[1])
+    scores = jnp.sum(q[:, :, :, None, :] * k[:, :, None, :, :].astype(jnp.float32), axis=-1)  # [B,K,G,S]
+    return _decode_mix(scores, v, mask, n)
+
+
+def decode_attention_keys_transposed(q, k_t, v, mask):
+    """``_decode_attention`` with the keys laid out [B, K, H, S] (the sampler keeps such a copy
+    during decoding): q.K then reduces over H with S the vectorised minor axis, 3-4x faster on
+    XLA:CPU than reducing the minor H of [B, K, S, H]."""
+    q = _decode_queries(q, k_t.shape[1])
+    scores = jnp.sum(q[..., :, None] * k_t[:, :, None].astype(jnp.float32), axis=-2)
+    return _decode_mix(scores, v, mask, q.shape[1] * q.shape[2])
+
+
+def _decode_queries(q, kv_heads):
+    """[B, 1, N, H] -> scaled float32 [B, K, G, H]."""
     b, _, n, h = q.shape
-    kv_heads = k.shape[1]
+    return q.reshape(b, kv_heads, n // kv_heads, h).astype(jnp.float32) * (h**-0.5)
+
+
+def _decode_mix(scores, v, mask, n):
+    """Masked softmax of scores [B, K, G, S] (one max, one exp, one sum) and p.V as
+    multiply-and-reduce: XLA:CPU's dot for p.V with a single query ran 2-3x slower (the
+    sampler's step time halved at 512 new tokens). -> [B, 1, N, H]."""
     f32 = jnp.float32
-    q = q.reshape(b, kv_heads, n // kv_heads, h).astype(f32) * (h**-0.5)
-    scores = jnp.sum(q[:, :, :, None, :] * k[:, :, None, :, :].astype(f32), axis=-1)  # [B,K,G,S]
     mask = mask[:, None]  # [B, 1, 1, S]
     scores = jnp.where(mask, scores, jnp.finfo(f32).min)
     weights = jnp.where(mask, jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
@@ -85,7 +105,7 @@ def _decode_attention(q, k, v, mask):
     out = jnp.sum(weights[..., None] * v[:, :, None].astype(f32), axis=-2)  # [B, K, G, H]
     # A query that sees nothing (total 0) gives zeros, as in the general path.
     out = out / jnp.where(total > 0, total, 1.0)
-    return out.reshape(b, 1, n, h).astype(v.dtype)
+    return out.reshape(v.shape[0], 1, n, v.shape[-1]).astype(v.dtype)
 
 
 def doc_kernel_attention(q, k, v, **segments):

@@ -73,6 +73,16 @@ def test_argmax_and_log_softmax_at_match_jax():
     tokens = sampler_lib._argmax(jnp.asarray(logits))
     np.testing.assert_array_equal(tokens, np.asarray(jnp.argmax(logits, -1)))
     assert (np.asarray(tokens) == 11).sum() == 6 and int(tokens[3]) == 0
+    # a vocabulary of whole 128-wide chunks: ties across and within chunks, the last index
+    wide = rng.standard_normal((6, 640)).astype(np.float32)
+    top = wide.max(-1) + 1
+    wide[0, [400, 130]] = top[0]  # across chunks
+    wide[1, [261, 260]] = top[1]  # within a chunk
+    wide[2] = 0.0
+    wide[3, 639] = top[3]
+    wide[4, [127, 128]] = top[4]  # across a chunk edge
+    np.testing.assert_array_equal(sampler_lib._argmax(jnp.asarray(wide)), np.argmax(wide, -1))
+    assert np.asarray(sampler_lib._argmax(jnp.asarray(wide)))[:5].tolist() == [130, 260, 0, 639, 127]
     x = logits.astype(np.float64) * 30  # large logits: the max shift must be right
     ref = x - x.max(-1, keepdims=True)
     ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
