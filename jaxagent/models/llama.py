@@ -50,9 +50,9 @@ class KVCache:
     k_cmp: list[jax.Array] | None = None
     v_cmp: list[jax.Array] | None = None
     slot_of: jax.Array | None = None
-    # Within a decode segment of a dense model: the keys again, per layer [B, K, H, S], so a
-    # step's q.K is a reduce over H with S the vectorised minor axis (3-4x faster on XLA:CPU
-    # than over the minor H of [B, K, S, H]). Made by `with_keys_transposed`, dropped after.
+    # Within a decode segment of a dense model on CPU: the keys again, per layer [B, K, H, S],
+    # so a step's q.K is a reduce over H with S the vectorised minor axis (3-4x faster on
+    # XLA:CPU than over the minor H of [B, K, S, H]). Made by `with_keys_transposed`, dropped after.
     k_t: list[jax.Array] | None = None
 
     @classmethod
