@@ -18,6 +18,12 @@ from pallas_kernels.nsa import reference as R
 from pallas_kernels.nsa.compressed_gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
 from pallas_kernels.nsa.compressed_tpu import BlockSizes, compressed_attention_tpu
+from pallas_kernels.nsa.select_gpu import select_attention_gpu
+from pallas_kernels.nsa.select_tpu import select_attention_tpu
+from pallas_kernels.nsa.window_gpu import BlockSizes as WindowGpuBlockSizes
+from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
+from pallas_kernels.nsa.window_tpu import BlockSizes as WindowTpuBlockSizes
+from pallas_kernels.nsa.window_tpu import sliding_window_attention_tpu
 
 FWD_TOL, GRAD_TOL = 2e-3, 5e-3
 
@@ -119,20 +125,43 @@ def test_entry_point_errors_and_short_sequences():
                                  block_sizes=GpuBlockSizes(block_k=6))
 
 
-def test_nsa_layer_with_the_compressed_kernel_equals_the_reference_layer():
-    """nsa_forward(compressed_fn=kernel) against nsa_reference in float64: the kernel's importance
-    drives the selection of the whole layer."""
+@pytest.mark.parametrize("style", ["gpu_style", pytest.param("tpu_style", marks=pytest.mark.slow)])  # TPU interpret: 25 s
+def test_nsa_layer_with_all_three_kernels_equals_the_reference_layer(style):
+    """nsa_forward with the compressed, selected and window kernels (what an accelerator runs)
+    against nsa_reference in float64, values and gradients (q, k, v and the NSA parameters):
+    the kernel's importance drives the selection of the whole layer."""
     shape = NSAShape(compress_block=8, compress_stride=4, select_block=16, num_selected=3, num_local_blocks=1, window=12)
     rng = np.random.default_rng(11)
     b, t, n, kh, h = 1, 83, 4, 2, 16
-    q, k, v = (jnp.asarray(rng.standard_normal((b, t, m, h), np.float32)) for m in (n, kh, kh))
+    q, k, v, do = (jnp.asarray(rng.standard_normal((b, t, m, h), np.float32)) for m in (n, kh, kh, n))
     params = R.init_nsa_params(jax.random.key(2), shape, n, h)
-    kernel = _gpu_style(16, 8, n // kh)
-    got = jax.jit(lambda q, k, v: R.nsa_forward(q, k, v, params, shape, compressed_fn=kernel))(q, k, v)
+    if style == "gpu_style":
+        kernels = dict(
+            compressed_fn=_gpu_style(16, 8, n // kh),
+            select_fn=functools.partial(select_attention_gpu, interpret=True),
+            window_fn=functools.partial(sliding_window_attention_gpu, interpret=True,
+                                        block_sizes=WindowGpuBlockSizes(block_q=16, block_k=16)),
+        )
+    else:
+        kernels = dict(
+            compressed_fn=_tpu_style(8, 8, n // kh),
+            select_fn=functools.partial(select_attention_tpu, interpret=True),
+            window_fn=functools.partial(sliding_window_attention_tpu, interpret=True,
+                                        block_sizes=WindowTpuBlockSizes(block_q=8, block_k=8)),
+        )
+
+    def run(layer, q, k, v, params, do):
+        out, vjp = jax.vjp(lambda *a: layer(*a), q, k, v, params)
+        return out, vjp(do)
+
+    got, got_grads = jax.jit(functools.partial(run, lambda *a: R.nsa_forward(*a, shape, **kernels)))(q, k, v, params, do)
     with jax.enable_x64(True):
         f64 = lambda x: jnp.asarray(np.asarray(x), jnp.float64)
-        want = R.nsa_reference(f64(q), f64(k), f64(v), jax.tree.map(f64, params), shape)
+        want, want_grads = jax.jit(functools.partial(run, lambda *a: R.nsa_reference(*a, shape)))(
+            *jax.tree.map(f64, (q, k, v, params, do)))
     assert _rel(got, want) < FWD_TOL
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
+        assert _rel(g, w) < GRAD_TOL, (jax.tree_util.keystr(path), _rel(g, w))
 
 
 SWEEP = [
