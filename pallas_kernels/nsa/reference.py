@@ -308,6 +308,46 @@ def select_attention_gathered(
     return jnp.moveaxis(out, 0, 1).reshape(b, -1, n, v.shape[-1])[:, :t]
 
 
+def select_attention_masked(q, k, v, block_idx, *, block_size, causal=True, scale=None, offset=0, chunk=256):
+    """select_attention_reference over all S keys with a block mask built by scatter, O(T * S):
+    for short key sequences cheaper than gathering n * l' keys per query (on XLA:CPU a gathered
+    key costs several dense ones). Queries sit at positions offset + t, in chunks of ``chunk``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    num_blocks = -(-s_len // block_size)
+    rows = min(chunk, t)
+    qc = pad_axis(q, 1, rows)
+    idc = pad_axis(block_idx, 1, rows, value=-1)
+    pos = pad_axis(jnp.broadcast_to(positions_of(t, offset), (b, t)), 1, rows)
+    split = lambda x: jnp.moveaxis(x.reshape(b, -1, rows, *x.shape[2:]), 1, 0)
+    key_pos = jnp.arange(s_len)
+
+    def one(args):
+        q_c, idx_c, pos_c = args  # [B,R,N,H], [B,R,K,J], [B,R]
+        idx_c = jnp.where((idx_c >= 0) & (idx_c < num_blocks), idx_c, num_blocks)  # unused: dropped
+        picked = jnp.zeros((*idx_c.shape[:3], num_blocks), bool)
+        picked = picked.at[
+            jnp.arange(b)[:, None, None, None], jnp.arange(rows)[None, :, None, None],
+            jnp.arange(kh)[None, None, :, None], idx_c,
+        ].set(True, mode="drop")  # [B,R,K,P]
+        mask = jnp.repeat(picked, block_size, axis=-1)[..., :s_len]  # [B,R,K,S]
+        if causal:
+            mask &= (key_pos <= pos_c[:, :, None])[:, :, None, :]
+        return attend(q_c, k, v, mask, scale)
+
+    out = jax.lax.map(one, (split(qc), split(idc), split(pos)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, -1, n, v.shape[-1])[:, :t]
+
+
+def select_attention_xla(q, k, v, block_idx, *, block_size, causal=True, scale=None, offset=0):
+    """The plain-XLA selected branch, by cost: the masked form reads all S keys per query, the
+    gathered form n * l' of them at several times the price each; masked up to S = 4 n l'."""
+    dense = k.shape[1] <= 4 * block_idx.shape[-1] * block_size
+    form = select_attention_masked if dense else select_attention_gathered
+    return form(q, k, v, block_idx, block_size=block_size, causal=causal, scale=scale, offset=offset)
+
+
 def sliding_window_banded(q, k, v, *, window, scale=None, offset=None):
     """sliding_window_reference in O(T * 2w): query chunk c of w rows sees key chunks c-1, c.
 
@@ -453,12 +493,13 @@ def nsa_forward(
     """nsa_reference for long sequences: the compressed branch and the block scores come from one
     set of compressed probabilities (``compressed_branch``; ``compressed_fn``, the signature of
     compressed_attention_reference without offset, replaces its chunked form for a whole
-    sequence); the selected branch runs ``select_fn`` (default: the gathered form) and the window
-    ``window_fn`` (default: the banded form). Same result as nsa_reference.
+    sequence); the selected branch runs ``select_fn`` (default: ``select_attention_xla``, masked
+    or gathered by cost) and the window ``window_fn`` (default: the banded form). Same result as
+    nsa_reference.
 
     With ``offset`` (a scalar or [B]) the queries sit at positions offset + t against keys at
-    positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then the
-    gathered form and the window gathers each chunk's keys. ``k_cmp``/``v_cmp`` (a compressed
+    positions 0..S-1 (a KV cache; keys past a query are masked): the selected branch is then
+    ``select_attention_xla`` and the window gathers each chunk's keys. ``k_cmp``/``v_cmp`` (a compressed
     cache, blocks masked by position as usual) replace compressing k and v.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -471,13 +512,11 @@ def nsa_forward(
         q, k_cmp, v_cmp, shape, -(-s_len // shape.select_block), scale, compressed_fn, chunk, offset
     )
     if offset is None:
-        select_fn = select_fn or select_attention_gathered
+        select_fn = select_fn or select_attention_xla
         o_slc = select_fn(q, k, v, block_idx, block_size=shape.select_block, causal=True, scale=scale)
         o_win = (window_fn or sliding_window_banded)(q, k, v, window=shape.window, scale=scale)
     else:
-        o_slc = select_attention_gathered(
-            q, k, v, block_idx, block_size=shape.select_block, scale=scale, offset=base
-        )
+        o_slc = select_attention_xla(q, k, v, block_idx, block_size=shape.select_block, scale=scale, offset=base)
         o_win = sliding_window_banded(q, k, v, window=shape.window, scale=scale, offset=base)
     g = gates(q, params["gate"])
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win

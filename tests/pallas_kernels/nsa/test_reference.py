@@ -125,23 +125,35 @@ def test_nsa_reference_float64_and_gradients():
         assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(grads))
 
 
-@pytest.mark.slow
 def test_gathered_and_banded_match_masked():
+    """The fast selected forms (gathered, masked by scatter) and the banded window against the
+    masked references, whole sequences and queries at offsets."""
     rng = np.random.default_rng(5)
     b, t, n, kh, h, vd = 2, 23, 6, 3, 4, 5
+    reference = jax.jit(R.select_attention_reference, static_argnames=("block_size", "causal"))
+    forms = [jax.jit(f, static_argnames=("block_size", "causal", "chunk"))
+             for f in (R.select_attention_gathered, R.select_attention_masked)]
     with jax.enable_x64(True):
         q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
         idx = jnp.asarray(rng.integers(-1, 6, size=(b, t, kh, 4)), jnp.int32)
         for causal in (True, False):
-            want = R.select_attention_reference(q, k, v, idx, block_size=4, causal=causal)
-            got = R.select_attention_gathered(q, k, v, idx, block_size=4, causal=causal, chunk=7)
-            np.testing.assert_allclose(got, want, atol=1e-12)
-        # one query at position 17 of each row, as in decoding
-        last = R.select_attention_gathered(q[:, 17:18], k, v, idx[:, 17:18], block_size=4, offset=jnp.array([17, 17]))
-        np.testing.assert_allclose(last, R.select_attention_reference(q, k, v, idx, block_size=4)[:, 17:18], atol=1e-12)
+            want = reference(q, k, v, idx, block_size=4, causal=causal)
+            for form in forms:
+                np.testing.assert_allclose(form(q, k, v, idx, block_size=4, causal=causal, chunk=7), want, atol=1e-12)
+        # queries at positions 17.. of row 0 and 9.. of row 1 (a prefill onto a cache), and one
+        # query at position 17, as in decoding
+        full = reference(q, k, v, idx, block_size=4, causal=True)
+        for form in forms:
+            part = form(jnp.stack([q[0, 17:21], q[1, 9:13]]), k, v, jnp.stack([idx[0, 17:21], idx[1, 9:13]]),
+                        block_size=4, offset=jnp.array([17, 9]), chunk=3)
+            np.testing.assert_allclose(part[0], full[0, 17:21], atol=1e-12)
+            np.testing.assert_allclose(part[1], full[1, 9:13], atol=1e-12)
+            last = form(q[:, 17:18], k, v, idx[:, 17:18], block_size=4, offset=jnp.array([17, 17]))
+            np.testing.assert_allclose(last, full[:, 17:18], atol=1e-12)
+        banded = jax.jit(R.sliding_window_banded, static_argnames="window")
+        window = jax.jit(R.sliding_window_reference, static_argnames="window")
         for w in (1, 5, 30):
-            got = R.sliding_window_banded(q, k, v, window=w)
-            np.testing.assert_allclose(got, R.sliding_window_reference(q, k, v, window=w), atol=1e-12)
+            np.testing.assert_allclose(banded(q, k, v, window=w), window(q, k, v, window=w), atol=1e-12)
 
 
 def test_banded_window_at_offsets_matches_the_full_sequence():
