@@ -437,27 +437,65 @@ def append_compressed(cmp, x, slot_of, positions, segment_ids, params, shape: NS
     return cmp.at[jnp.arange(b)[:, None], :, block].set(new.astype(cmp.dtype), mode="drop")
 
 
-def nsa_decode_step(q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSAShape, scale=None, slot_of=None):
+def nsa_decode_step(
+    q, k_cache, v_cache, k_cmp, v_cmp, pos, params, shape: NSAShape, scale=None, slot_of=None, over_slots=None,
+):
     """One decode step of the NSA layer: q[B,1,N,H] at position pos[B] over the slot caches
     k_cache[B,K,S,H], v_cache[B,K,S,V] (slot_of[B,P] maps positions to slots; None: the same)
     and the compressed caches k_cmp[B,K,C,H], v_cmp[B,K,C,V] (block i valid once i*d+l-1 <= pos).
-    Reads O(C + n*l' + w) keys per kv head, never the whole cache."""
+
+    The selected and window branches either gather their O(n*l' + w) keys by position, never
+    reading the whole cache, or (``over_slots``) score every slot once and mask by the position
+    each slot holds: on XLA:CPU a gathered key costs several contiguous ones, so for caches up to
+    S = 2 n l' reading them all is cheaper (None: choose by that size)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     b, _, n, _ = q.shape
-    kh = k_cache.shape[1]
+    kh, s_len = k_cache.shape[1], k_cache.shape[2]
     lp, w = shape.select_block, shape.window
     p_cmp = probs_cached(q, k_cmp, compressed_mask(1, k_cmp.shape[2], shape, pos)[:, 0], scale)  # [B,K,G,C]
     o_cmp = mix_cached(p_cmp, v_cmp)
-    num_pos = k_cache.shape[2] if slot_of is None else slot_of.shape[1]
+    num_pos = s_len if slot_of is None else slot_of.shape[1]
     p_slc = selection_scores(p_cmp.reshape(b, 1, n, -1), -(-num_pos // lp), shape)
     idx = select_blocks(p_slc, kh, shape, pos)[:, 0]  # [B,K,J]
+    g = gates(q, params["gate"])
+    if over_slots is None:
+        over_slots = s_len <= 2 * shape.num_selected * lp
+    if over_slots:
+        return g[..., 0:1] * o_cmp + _selected_and_window_over_slots(q, k_cache, v_cache, idx, pos, slot_of, g, shape, scale)
     sel = (jnp.maximum(idx, 0)[..., None] * lp + jnp.arange(lp)).reshape(b, kh, -1)  # [B,K,J*l']
     sel_ok = jnp.repeat(idx >= 0, lp, axis=-1) & (sel <= pos[:, None, None])
     o_slc = attend_cached(q, cache_keys(k_cache, sel, slot_of), cache_keys(v_cache, sel, slot_of), sel_ok, scale)
     win = (pos - w + 1)[:, None, None] + jnp.arange(w)  # [B,1,w]
     o_win = attend_cached(q, cache_keys(k_cache, win, slot_of), cache_keys(v_cache, win, slot_of), win >= 0, scale)
-    g = gates(q, params["gate"])
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+
+def _selected_and_window_over_slots(q, k_cache, v_cache, idx, pos, slot_of, g, shape: NSAShape, scale):
+    """g_slc * o_slc + g_win * o_win of one decode step from one pass over all S slots: the two
+    branches share q.K, each masks it by the positions the slots hold, and as the output is
+    linear in V their gated probabilities meet in one p.V. -> [B,1,N,V]."""
+    b, _, n, _ = q.shape
+    kh, s_len = k_cache.shape[1], k_cache.shape[2]
+    lp = shape.select_block
+    if slot_of is None:
+        slot_pos = jnp.broadcast_to(jnp.arange(s_len), (b, s_len))
+    else:  # the position each slot holds, -1 if none (empty, padding, or not yet written)
+        p = jnp.arange(slot_of.shape[1], dtype=jnp.int32)
+        at = jnp.where(p[None, :] <= pos[:, None], slot_of, s_len)
+        slot_pos = jnp.full((b, s_len), -1, jnp.int32).at[jnp.arange(b)[:, None], at].set(p, mode="drop")
+    seen = (slot_pos >= 0) & (slot_pos <= pos[:, None])  # [B,S]
+    num_blocks = -(-(slot_of.shape[1] if slot_of is not None else s_len) // lp)
+    picked = jnp.zeros((b, kh, num_blocks + 1), bool)
+    picked = picked.at[jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None],
+                       jnp.where(idx >= 0, idx, num_blocks)].set(True)[..., :num_blocks]  # [B,K,P]
+    block = jnp.broadcast_to(jnp.clip(slot_pos // lp, 0, num_blocks - 1)[:, None], (b, kh, s_len))
+    sel_ok = jnp.take_along_axis(picked, block, axis=-1) & seen[:, None]  # [B,K,S]
+    win_ok = (seen & (slot_pos > (pos - shape.window)[:, None]))[:, None]  # [B,1,S]
+    s = jnp.einsum("bkgh,bksh->bkgs", q.reshape(b, kh, n // kh, -1), k_cache) * scale  # q.K once for both
+    gk = g.reshape(b, kh, n // kh, 3)[..., None]  # [B,K,G,3,1]
+    weights = (gk[..., 1, :] * masked_softmax(s, sel_ok[:, :, None])
+               + gk[..., 2, :] * masked_softmax(s, win_ok[:, :, None]))  # [B,K,G,S]
+    return mix_cached(weights, v_cache)
 
 
 def compressed_branch(q, k_cmp, v_cmp, shape: NSAShape, num_blocks, scale, compressed_fn=None, chunk=1024, offset=None):

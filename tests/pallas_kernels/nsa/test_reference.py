@@ -198,14 +198,15 @@ def _scattered_slots(rng, b, t, size):
 
 
 @pytest.mark.parametrize("scattered", [False, True])
-def test_decode_steps_match_teacher_forced_layer(scattered):
+@pytest.mark.parametrize("over_slots", [False, True], ids=["gathered", "over_slots"])
+def test_decode_steps_match_teacher_forced_layer(scattered, over_slots):
     shape, b, t = SMALL, 2, 27
     with jax.enable_x64(True):
         q, k, v, params = _layer_inputs(6, b, t)
         full = jax.jit(R.nsa_reference, static_argnums=4)(q, k, v, params, shape)
         k_cmp = R.compress_blocks(k, params["compress_k"], shape)
         v_cmp = R.compress_blocks(v, params["compress_v"], shape)
-        decode_step = jax.jit(R.nsa_decode_step, static_argnums=7)  # eager float64 ops are slow
+        decode_step = jax.jit(functools.partial(R.nsa_decode_step, over_slots=over_slots), static_argnums=7)
         size = 40 if scattered else t
         slot_of = _scattered_slots(np.random.default_rng(1), b, t, size) if scattered else None
         place = lambda x: _slot_cache(x, slot_of if scattered else jnp.broadcast_to(jnp.arange(t), (b, t)), size)
