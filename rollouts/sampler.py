@@ -118,8 +118,8 @@ def _argmax(x, chunk=128):
     """First index of each row's maximum, as jnp.argmax, from plain reductions that XLA:CPU
     vectorises (its fused value-and-index reduce cost as much as the LM head): the maxima of
     chunks of the row, the first chunk holding the row's maximum, the first index in it. Only
-    that chunk is compared against the maximum, not the whole [B, V] row (-60 us a step at
-    batch 32, V = 4096)."""
+    that chunk is compared against the maximum, not the whole [B, V] row (190 -> 50 us at
+    [32, 4096] on a 2-core VM)."""
     b, v = x.shape
     if v % chunk:
         chunk = v
