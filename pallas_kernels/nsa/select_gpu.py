@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.nsa import select_mgpu
 from pallas_kernels.nsa._index import (
     Geometry,
     clean_block_idx,
@@ -43,6 +44,10 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     dkdv_queries: int = 128  # most queries one dK/dV program walks (longer lists are split)
+    # "mosaic": the forward runs select_mgpu's Hopper kernel (TMA + wgmma) where it takes the
+    # inputs (bf16/f16, head dims of 128 bytes, blocks of 64), else this file's. Opt-in until
+    # a lent H100 has compiled and timed it.
+    forward: str = "triton"
 
 
 def _pow2(n, lo=1):
@@ -281,26 +286,43 @@ def _unpad_q(x, q_shape, g: Geometry):
     return x[:, :, :, : g.groups].reshape(b, t, n, -1)
 
 
+def _pad_rows(x, q_shape, g: Geometry, gp, width):
+    """[B,T,N,X] -> the kernels' [B,T,K,Gp,width] (zero rows and columns)."""
+    b, t, n, _ = q_shape
+    x = x.reshape(b, t, n // g.groups, g.groups, -1)
+    return pad_axis(pad_axis(x, 3, gp), 4, width)
+
+
+def _forward_any(q, k, v, block_idx, g: Geometry, interpret):
+    """-> (out [B,T,N,V], lse [B,K,T,G]) from the forward kernel BlockSizes.forward picks."""
+    if g.block_sizes.forward == "mosaic" and select_mgpu.supports(q, k, v, g.block_size) is None:
+        if interpret:
+            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+            interpret = InterpretGPUParams()
+        return select_mgpu.select_forward_mgpu(q, k, v, block_idx, g, interpret)
+    qg, kp, vp, idx = _to_kernel_layout(q, k, v, block_idx, g)
+    o, lse = _forward(qg, kp, vp, idx, g, interpret)
+    return _unpad_q(o, q.shape, g)[..., : v.shape[-1]], lse[..., : g.groups]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _select(q, k, v, block_idx, g: Geometry, interpret):
-    qg, kp, vp, idx = _to_kernel_layout(q, k, v, block_idx, g)
-    o, _ = _forward(qg, kp, vp, idx, g, interpret)
-    return _unpad_q(o, q.shape, g)[..., : v.shape[-1]]
+    return _forward_any(q, k, v, block_idx, g, interpret)[0]
 
 
 def _select_fwd(q, k, v, block_idx, g, interpret):
-    qg, kp, vp, idx = _to_kernel_layout(q, k, v, block_idx, g)
-    o, lse = _forward(qg, kp, vp, idx, g, interpret)
-    out = _unpad_q(o, q.shape, g)[..., : v.shape[-1]]
-    return out, (q, k, v, block_idx, o, lse)
+    out, lse = _forward_any(q, k, v, block_idx, g, interpret)
+    return out, (q, k, v, block_idx, out, lse)
 
 
 def _select_bwd(g, interpret, res, dout):
-    q, k, v, block_idx, o, lse = res
+    q, k, v, block_idx, out, lse = res
     qg, kp, vp, idx = _to_kernel_layout(q, k, v, block_idx, g)
-    b, t, _n, _ = q.shape
-    do = dout.reshape(b, t, k.shape[2], g.groups, -1)
-    do = pad_axis(pad_axis(do, 3, qg.shape[3]), 4, vp.shape[-1])
+    gp, width = qg.shape[3], vp.shape[-1]
+    o = _pad_rows(out, q.shape, g, gp, width)
+    do = _pad_rows(dout, q.shape, g, gp, width)
+    lse = pad_axis(lse, 3, gp, value=jnp.inf)  # padded rows see nothing
     dq, dk, dv = _backward(qg, kp, vp, idx, o, lse, do, g, interpret)
     dq = _unpad_q(dq, q.shape, g)[..., : q.shape[-1]]
     dk = dk[:, : k.shape[1], :, : k.shape[-1]]

@@ -1,11 +1,13 @@
 """The NSA kernels lower for the hardware they target, checked on a CPU host.
 
-``jax.export`` for platform "cuda" runs the Pallas Triton lowering and for "tpu" the Mosaic
-lowering, no accelerator needed: it catches a primitive without a lowering rule, a tile that is
+``jax.export`` for platform "cuda" runs the Pallas Triton (or Mosaic GPU) lowering and for
+"tpu" the Mosaic lowering, no accelerator needed: it catches a primitive without a lowering rule, a tile that is
 not a power of two (Triton) or an index map Mosaic cannot take, at the production block sizes
 and a shape that is not a tile multiple. What it cannot check is the final compile (Triton to
 PTX, Mosaic to TPU code); the ``gpu``-marked tests do that on a lent GPU.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ from jax import export
 from pallas_kernels.nsa import NSAShape
 from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
 from pallas_kernels.nsa.compressed_tpu import compressed_attention_tpu
-from pallas_kernels.nsa.select_gpu import select_attention_gpu
+from pallas_kernels.nsa.select_gpu import BlockSizes, select_attention_gpu
 from pallas_kernels.nsa.select_tpu import select_attention_tpu
 from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
 from pallas_kernels.nsa.window_tpu import sliding_window_attention_tpu
@@ -44,6 +46,8 @@ def _compressed(kernel):
 CASES = {  # name: (platform, kernel, keys: the sequence's or its compressed blocks)
     "select_gpu": ("cuda", _select(select_attention_gpu), T),
     "select_tpu": ("tpu", _select(select_attention_tpu), T),
+    # the Hopper forward (Mosaic GPU) where the dtype allows, the Triton backward
+    "select_mosaic_gpu": ("cuda", _select(functools.partial(select_attention_gpu, block_sizes=BlockSizes(forward="mosaic"))), T),
     "window_gpu": ("cuda", _window(sliding_window_attention_gpu), T),
     "window_tpu": ("tpu", _window(sliding_window_attention_tpu), T),
     "compressed_gpu": ("cuda", _compressed(compressed_attention_gpu), (T - 32) // 16 + 1),
@@ -70,3 +74,5 @@ def test_forward_and_backward_lower(name, g, kh, h, dtype):
     module = exported.mlir_module()
     # the forward, and the backward kernels (dQ, dK/dV); the compressed branch also scores
     assert module.count(TARGET[platform]) >= 3, name
+    if "mosaic" in name:
+        assert ("mosaic_gpu" in module) == (dtype == jnp.bfloat16), name

@@ -13,11 +13,14 @@ import pytest
 
 from pallas_kernels.nsa import NSAShape, select_attention, select_attention_reference
 from pallas_kernels.nsa import reference as R
+from pallas_kernels.nsa._index import clean_block_idx
 from pallas_kernels.nsa.select_gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
+from pallas_kernels.nsa.select_mgpu import union_blocks
 from pallas_kernels.nsa.select_tpu import BlockSizes, select_attention_tpu
 
 FWD_TOL, GRAD_TOL = 2e-3, 5e-3
+BF16_TOL = (1e-2, 1.5e-2)  # measured 3.3e-3 / 3.4e-3: bf16 rounding of p and the output
 
 
 def _rel(a, b):
@@ -25,17 +28,17 @@ def _rel(a, b):
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def _inputs(seed, b, t, n, kh, h, vd, s=None):
+def _inputs(seed, b, t, n, kh, h, vd, s=None, dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(seed), 4)
     s = s or t
-    q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32)
-    k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32)
-    v = jax.random.normal(ks[2], (b, s, kh, vd), jnp.float32)
-    do = jax.random.normal(ks[3], (b, t, n, vd), jnp.float32)
+    q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+    k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
+    v = jax.random.normal(ks[2], (b, s, kh, vd), dtype)
+    do = jax.random.normal(ks[3], (b, t, n, vd), dtype)
     return q, k, v, do
 
 
-def _check(kernel, q, k, v, do, idx, block_size, causal=True, scale=None):
+def _check(kernel, q, k, v, do, idx, block_size, causal=True, scale=None, tol=(FWD_TOL, GRAD_TOL)):
     @jax.jit
     def run(q, k, v):
         out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, idx, block_size=block_size, causal=causal, scale=scale), q, k, v)
@@ -51,15 +54,19 @@ def _check(kernel, q, k, v, do, idx, block_size, causal=True, scale=None):
         want_grads = vjp(f64[3])
         want, want_grads = np.asarray(want), [np.asarray(g) for g in want_grads]
     assert out.shape == want.shape and out.dtype == q.dtype
-    assert _rel(out, want) < FWD_TOL, ("forward", _rel(out, want))
+    assert _rel(out, want) < tol[0], ("forward", _rel(out, want))
     for name, g, w in zip("qkv", grads, want_grads):
         assert g.shape == w.shape
-        assert _rel(g, w) < GRAD_TOL, (f"d{name}", _rel(g, w))
+        assert _rel(g, w) < tol[1], (f"d{name}", _rel(g, w))
 
 
 # dK/dV lists of more than 5 queries are split, so the segment sums are exercised
 GPU_STYLE = functools.partial(select_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(dkdv_queries=5))
 TPU_STYLE = functools.partial(select_attention_tpu, interpret=True, block_sizes=BlockSizes(max_scalar_prefetch=40))
+# Hopper forward (TMA + wgmma) in GPU interpret mode; its backward is the GPU-style one
+MOSAIC = functools.partial(
+    select_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(dkdv_queries=5, forward="mosaic")
+)
 
 
 @pytest.mark.parametrize("kernel", [GPU_STYLE, TPU_STYLE], ids=["gpu_style", "tpu_style"])
@@ -100,6 +107,39 @@ def test_select_attention_entry_point_and_errors():
         select_attention(q[:, :, :1].repeat(3, 2), k.repeat(2, 2), v.repeat(2, 2), idx, block_size=4, interpret=True)
 
 
+def test_union_blocks_against_sets():
+    """A tile's union lists each block any of its positions picked, once, ascending, with one
+    bit per position that picked it."""
+    idx = np.array(jax.random.randint(jax.random.key(5), (2, 12, 3, 4), -1, 6), np.int32)
+    idx[0, :4, 0] = 2  # four positions of one tile pick the same block, each four times
+    clean = np.asarray(clean_block_idx(jnp.asarray(idx), block_size=1, s_len=6, causal=False))
+    blocks, bits, count = map(np.asarray, union_blocks(jnp.asarray(clean), 4))
+    assert blocks.shape == bits.shape == (2, 3, 3, 16) and count.shape == (2, 3, 3)
+    for b, kh, tile in np.ndindex(2, 3, 3):
+        lists = [set(clean[b, tile * 4 + r, kh]) - {-1} for r in range(4)]
+        want = sorted(set().union(*lists))
+        c = count[b, kh, tile]
+        assert c == len(want) and list(blocks[b, kh, tile, :c]) == want
+        assert (blocks[b, kh, tile, c:] == -1).all()
+        for u, blk in enumerate(want):
+            assert bits[b, kh, tile, u] == sum(1 << r for r in range(4) if blk in lists[r])
+
+
+def test_mosaic_forward_bf16_gqa3_partial_tiles():
+    # Gp=4 -> 16 positions a tile, 83 = 5 tiles + 3; S=83 is not a multiple of the block (64);
+    # slots hold -1, repeats and future blocks.
+    q, k, v, do = _inputs(3, 1, 83, 6, 2, 64, 64, dtype=jnp.bfloat16)
+    idx = jax.random.randint(jax.random.key(83), (1, 83, 2, 3), -1, 3)
+    _check(MOSAIC, q, k, v, do, idx, block_size=64, tol=BF16_TOL)
+
+
+@pytest.mark.slow
+def test_mosaic_forward_bf16_g16_non_causal_longer_keys():
+    q, k, v, do = _inputs(16, 1, 21, 16, 1, 128, 128, s=150, dtype=jnp.bfloat16)
+    idx = jax.random.randint(jax.random.key(21), (1, 21, 1, 2), -1, 4)
+    _check(MOSAIC, q, k, v, do, idx, block_size=64, causal=False, scale=0.2, tol=BF16_TOL)
+
+
 SWEEP = [
     # (G, H, block_size, n, T)
     (1, 64, 32, 1, 45),
@@ -129,3 +169,13 @@ def test_compiled_gpu(g, h, bs, n, t):
     q, k, v, do = _inputs(g * 7 + n, 2, t, 2 * g, 2, h, h)
     idx = jax.random.randint(jax.random.key(t), (2, t, 2, n), -1, -(-t // bs))
     _check(select_attention_gpu, q, k, v, do, idx, block_size=bs)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("g", "h", "n", "t"), [(1, 64, 4, 300), (4, 128, 16, 4100), (16, 128, 16, 2000)])
+def test_compiled_mosaic_forward(g, h, n, t):
+    q, k, v, do = _inputs(g + n, 2, t, 2 * g, 2, h, h, dtype=jnp.bfloat16)
+    idx = jax.random.randint(jax.random.key(t), (2, t, 2, n), -1, -(-t // 64))
+    kernel = functools.partial(select_attention_gpu, block_sizes=GpuBlockSizes(forward="mosaic"))
+    _check(kernel, q, k, v, do, idx, block_size=64, tol=BF16_TOL)
