@@ -8,7 +8,7 @@ flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); `nsa_layer` runs
 selected-block kernel (`pallas_kernels.nsa.select_attention`), cuDNN's sliding window and the
 compressed branch in XLA, `nsa_layer_kernels` all three Pallas kernels; each branch is also
 timed alone, kernel vs XLA/cuDNN (`nsa_compressed_*` includes the compression MLPs and the
-top-n). On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
+top-n), and `nsa_selected_mosaic` is the selected branch with its Hopper (Mosaic GPU) forward. On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
 plain-JAX NSA (`nsa_forward`: gathered selected blocks, banded window). Each number is the best
 of --repeats timed runs after a compile run; FLOP counts are analytic (matmuls only, causal
 halves).
@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.nsa import compressed_attention, select_attention, sliding_window_attention
+from pallas_kernels.nsa.select_gpu import BlockSizes as SelectBlockSizes
+from pallas_kernels.nsa.select_gpu import select_attention_gpu
 from pallas_kernels.nsa import reference as R
 
 
@@ -124,6 +126,11 @@ def main():
                 q, k, v, params, shape, select_fn=select_attention, window_fn=sliding_window_attention,
                 compressed_fn=compressed_attention,
             )
+            # the Hopper forward (Mosaic GPU: TMA + wgmma over a tile's block union), same backward;
+            # last, as it has not run on hardware yet and a fault must not take the others with it
+            cases["nsa_selected_mosaic"] = lambda q, k, v, idx: select_attention_gpu(
+                q, k, v, idx, block_size=shape.select_block, block_sizes=SelectBlockSizes(forward="mosaic")
+            )
         else:
             cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
             cases["nsa_selected_gathered"] = lambda q, k, v, idx: R.select_attention_gathered(
@@ -179,6 +186,9 @@ def main():
                 a, c = ms.get(f"{dense}/{kind}"), ms.get(f"{nsa}/{kind}")
                 if isinstance(a, float) and isinstance(c, float):
                     print(f"  {kind:8s} {dense} / {nsa} = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
+            a, c = ms.get(f"nsa_selected_kernel/{kind}"), ms.get(f"nsa_selected_mosaic/{kind}")
+            if isinstance(a, float) and isinstance(c, float):
+                print(f"  {kind:8s} selected branch Triton / Mosaic GPU = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
             a, c = ms.get(f"nsa_compressed_xla/{kind}"), ms.get(f"nsa_compressed_kernel/{kind}")
             if isinstance(a, float) and isinstance(c, float):
                 print(f"  {kind:8s} compressed branch XLA / kernel = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
