@@ -129,7 +129,7 @@ def main():
             # the Hopper forward (Mosaic GPU: TMA + wgmma over a tile's block union), same backward;
             # last, as it has not run on hardware yet and a fault must not take the others with it
             cases["nsa_selected_mosaic"] = lambda q, k, v, idx: select_attention_gpu(
-                q, k, v, idx, block_size=shape.select_block, block_sizes=SelectBlockSizes(forward="mosaic")
+                q, k, v, idx, block_size=shape.select_block, block_sizes=SelectBlockSizes(backend="mosaic")
             )
         else:
             cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")

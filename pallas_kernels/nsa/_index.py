@@ -56,10 +56,11 @@ def clean_block_idx(block_idx, *, block_size, s_len, causal):
 
 
 def invert_block_idx(block_idx, num_blocks):
-    """The inverted (CSR) index: for each key block, the queries that selected it.
+    """The inverted (CSR) index: for each key block, the entries that list it.
 
-    block_idx [B,T,K,J] (clean) -> query [B,K,T*J] (query positions grouped by block, ascending
-    within a block), start [B,K,P], end [B,K,P]: block p was selected by query[start:end].
+    block_idx [B,T,K,J] (clean) -> entry [B,K,T*J] (flat indices t*J + j grouped by block,
+    ascending within a block; entry // J is the query), start [B,K,P], end [B,K,P]: block p is
+    listed by entry[start:end].
     """
     b, t, k, j = block_idx.shape
     flat = jnp.transpose(block_idx, (0, 2, 1, 3)).reshape(b, k, t * j)
@@ -71,7 +72,7 @@ def invert_block_idx(block_idx, num_blocks):
         blocks = jnp.arange(num_blocks)
         start = jnp.searchsorted(sorted_key, blocks, side="left")
         end = jnp.searchsorted(sorted_key, blocks, side="right")
-        return (order // j).astype(jnp.int32), start.astype(jnp.int32), end.astype(jnp.int32)
+        return order.astype(jnp.int32), start.astype(jnp.int32), end.astype(jnp.int32)
 
     return jax.vmap(jax.vmap(one))(key)
 

@@ -44,10 +44,11 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     dkdv_queries: int = 128  # most queries one dK/dV program walks (longer lists are split)
-    # "mosaic": the forward runs select_mgpu's Hopper kernel (TMA + wgmma) where it takes the
-    # inputs (bf16/f16, head dims of 128 bytes, blocks of 64), else this file's. Opt-in until
-    # a lent H100 has compiled and timed it.
-    forward: str = "triton"
+    # "mosaic": select_mgpu's Hopper kernels (TMA + wgmma) where they take the inputs (bf16/f16,
+    # head dims of 128 bytes, blocks of 64), else this file's. Opt-in until a lent H100 has
+    # compiled and timed them.
+    backend: str = "triton"
+    mosaic: select_mgpu.BlockSizes = select_mgpu.BlockSizes()
 
 
 def _pow2(n, lo=1):
@@ -221,7 +222,8 @@ def _backward(qg, k, v, idx, o, lse, do, g: Geometry, interpret):
         name="nsa_select_dq",
     )(qg, k, v, idx, do, lse, delta)
 
-    query, start, end = invert_block_idx(idx, g.num_blocks)
+    entry, start, end = invert_block_idx(idx, g.num_blocks)
+    query = entry // jp
     seg_len = g.block_sizes.dkdv_queries
     n_seg = -(-t * jp // seg_len) + g.num_blocks  # every block may end in a partial segment
     seg_block, seg_lo, seg_hi, seg_first, seg_count = split_csr(start, end, seg_len, n_seg)
@@ -293,14 +295,21 @@ def _pad_rows(x, q_shape, g: Geometry, gp, width):
     return pad_axis(pad_axis(x, 3, gp), 4, width)
 
 
-def _forward_any(q, k, v, block_idx, g: Geometry, interpret):
-    """-> (out [B,T,N,V], lse [B,K,T,G]) from the forward kernel BlockSizes.forward picks."""
-    if g.block_sizes.forward == "mosaic" and select_mgpu.supports(q, k, v, g.block_size) is None:
-        if interpret:
-            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+def _mosaic(q, k, v, g: Geometry, interpret):
+    """The Mosaic GPU kernels' interpret argument when they take these inputs, else None."""
+    if g.block_sizes.backend != "mosaic" or select_mgpu.supports(q, k, v, g.block_size, g.block_sizes.mosaic):
+        return None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-            interpret = InterpretGPUParams()
-        return select_mgpu.select_forward_mgpu(q, k, v, block_idx, g, interpret)
+        return InterpretGPUParams()
+    return False
+
+
+def _forward_any(q, k, v, block_idx, g: Geometry, interpret):
+    """-> (out [B,T,N,V], lse [B,K,T,G]) from the kernels BlockSizes.backend picks."""
+    if (mosaic := _mosaic(q, k, v, g, interpret)) is not None:
+        return select_mgpu.select_forward_mgpu(q, k, v, block_idx, g, mosaic, g.block_sizes.mosaic)
     qg, kp, vp, idx = _to_kernel_layout(q, k, v, block_idx, g)
     o, lse = _forward(qg, kp, vp, idx, g, interpret)
     return _unpad_q(o, q.shape, g)[..., : v.shape[-1]], lse[..., : g.groups]
@@ -318,6 +327,9 @@ def _select_fwd(q, k, v, block_idx, g, interpret):
 
 def _select_bwd(g, interpret, res, dout):
     q, k, v, block_idx, out, lse = res
+    if (mosaic := _mosaic(q, k, v, g, interpret)) is not None:
+        grads = select_mgpu.select_backward_mgpu(q, k, v, block_idx, out, lse, dout, g, mosaic, g.block_sizes.mosaic)
+        return (*grads, None)
     qg, kp, vp, idx = _to_kernel_layout(q, k, v, block_idx, g)
     gp, width = qg.shape[3], vp.shape[-1]
     o = _pad_rows(out, q.shape, g, gp, width)

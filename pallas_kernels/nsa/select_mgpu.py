@@ -1,4 +1,4 @@
-"""Selected-block attention forward for Hopper, Pallas' Mosaic GPU backend (TMA + wgmma).
+"""Selected-block attention for Hopper, Pallas' Mosaic GPU backend (TMA + wgmma), forward and backward.
 
 A wgmma takes 64 rows, and one position's GQA group has G <= 16 heads, so the paper's
 one-position-per-program design would waste 4x the tensor core and reload the same key blocks
@@ -7,8 +7,10 @@ blocks and top-scoring ones agree), so a program here owns a tile of R = 64 / Gp
 positions x Gp heads and walks the *union* of their selected blocks once, each row masked to
 the blocks its own position picked (a bit per position, precomputed with the union). A memory
 warpgroup streams the union's key/value blocks through ``stages`` shared-memory slots with TMA
-while the compute warpgroup runs the online softmax over them. The backward stays in
-``select_gpu`` (it reads this kernel's lse).
+while the compute warpgroup runs the online softmax over them; dQ walks the same unions. dK/dV
+invert them: for each key block, the tiles whose union holds it (CSR), cut into segments of at
+most ``dkdv_tiles`` whose partial sums a last kernel adds in order (deterministic, no atomics).
+Transposed products (S^T = K Q^T, dP^T = V dO^T) keep every wgmma at 64 rows.
 
 Letters: B batch, T query time, K kv heads, G heads per kv head (Gp padded to a power of two),
 H key head dim, V value head dim, J selected-block slots, R positions per tile, U union slots.
@@ -25,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.nsa._index import Geometry, clean_block_idx, pad_axis
+from pallas_kernels.nsa._index import Geometry, clean_block_idx, invert_block_idx, pad_axis, split_csr
 
 ROWS = 64  # one warpgroup's wgmma M
 LANE_BYTES = 128  # swizzle width: the head dims must fill whole 128-byte rows
@@ -33,11 +35,24 @@ LANE_BYTES = 128  # swizzle width: the head dims must fill whole 128-byte rows
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    stages: int = 3  # key/value blocks in flight (shared-memory slots)
+    stages: int = 3  # key/value blocks (forward, dQ) or query tiles (dK/dV) in flight
+    dkdv_tiles: int = 64  # most query tiles one dK/dV program walks (longer lists are split)
 
 
-def supports(q, k, v, block_size) -> str | None:
-    """Why this kernel cannot take these inputs, or None when it can."""
+SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
+
+
+def smem_bytes(h, vd, block_size, stages, itemsize=2):
+    """Shared memory of the hungriest of the four kernels (dK/dV, usually)."""
+    bs, hv = block_size, h + vd
+    forward = (ROWS * (h + vd + bs) + stages * bs * hv) * itemsize + ROWS * 4
+    dq = (ROWS * (hv + bs) + stages * bs * hv) * itemsize + 2 * ROWS * 4
+    dkdv = (bs * hv + stages * ROWS * hv + 2 * bs * ROWS) * itemsize + stages * 2 * ROWS * 4 + bs * hv * 4
+    return max(forward, dq, dkdv, bs * hv * (4 + itemsize))
+
+
+def supports(q, k, v, block_size, block_sizes=BlockSizes()) -> str | None:
+    """Why these kernels cannot take these inputs, or None when they can."""
     groups = q.shape[2] // k.shape[2]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or not (q.dtype == k.dtype == v.dtype):
         return f"dtype {q.dtype}/{k.dtype}/{v.dtype} (wgmma takes bf16 or f16)"
@@ -48,6 +63,9 @@ def supports(q, k, v, block_size) -> str | None:
         return f"block_size {block_size} is not a multiple of {ROWS}"
     if groups > ROWS // 2:
         return f"{groups} heads per kv head (at most {ROWS // 2})"
+    need = smem_bytes(q.shape[-1], v.shape[-1], block_size, block_sizes.stages, q.dtype.itemsize)
+    if need > SMEM_BYTES:
+        return f"{need} bytes of shared memory (at most {SMEM_BYTES}; fewer stages may fit)"
     return None
 
 
@@ -56,12 +74,12 @@ def group_rows(groups):
     return max(2, pl.next_power_of_2(groups))
 
 
-def union_blocks(idx, positions):
+def union_blocks(idx, positions, num_blocks):
     """Per tile of `positions` consecutive queries, the union of their block lists.
 
     idx [B,T,K,J] (clean, T a multiple of positions) -> blocks [B,K,T/R,U] (ascending, -1 past
     the count), bits [B,K,T/R,U] int32 (bit r: position r of the tile selected that block),
-    count [B,K,T/R]; U = R*J.
+    count [B,K,T/R]; U = min(R*J, num_blocks).
     """
     b, t, kh, j = idx.shape
     r = positions
@@ -88,30 +106,99 @@ def union_blocks(idx, positions):
     flat = lambda x: x.reshape(-1, x.shape[-1])
     blocks, bits = jax.vmap(scatter)(*(flat(x) for x in (slot, first, used, blk, who)))
     shape = (b, kh, t // r, r * j)
-    return blocks.reshape(shape), bits.reshape(shape), jnp.sum(first, axis=-1, dtype=jnp.int32)
+    u = min(r * j, num_blocks)  # a union has at most every block
+    blocks, bits = blocks.reshape(shape)[..., :u], bits.reshape(shape)[..., :u]
+    return blocks, bits, jnp.sum(first, axis=-1, dtype=jnp.int32)
+
+def _mma(shape, a, b, *, transpose_b=False, scratch=None):
+    """a[M,K] @ b[K,N] (b[N,K]^T when transpose_b) on the tensor core -> float32 [M,N]; a and b
+    are shared-memory refs. GPU interpret mode reads operands as stored, so there (scratch given)
+    the transpose is written out first; compiled, wgmma reads the transposed ref directly."""
+    if transpose_b:
+        if scratch is not None:
+            scratch[...] = b[...].T
+            b = scratch
+        else:
+            b = plgpu.transpose_ref(b, (1, 0))
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def _kernel(
+class _Regs:
+    """Register layouts: they steer the compiler, and GPU interpret mode has no rule for them."""
+
+    def __init__(self, interpret):
+        self.interpret = interpret
+
+    def cast(self, x, layout=plgpu.Layout.WGMMA):
+        return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def iota(self, shape, dim):
+        return self.cast(lax.broadcasted_iota(jnp.int32, shape, dim))
+
+    def load(self, ref, layout=plgpu.Layout.WGMMA, optimized=True):
+        return ref[...] if self.interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
+
+    def vector(self, ref, axis):
+        """A [64] ref as the per-row (axis 0) or per-column (axis 1) vector of a wgmma tile."""
+        return self.load(ref, plgpu.Layout.WGMMA.reduce(1 - axis))
+
+
+def _visible(bits, owner, pos, key, s_len, causal):
+    """Tile row of position `pos` (the tile's `owner`-th) may see key `key` of a union block."""
+    ok = ((lax.shift_right_logical(bits, owner) & 1) == 1) & (key < s_len)
+    return ok & (key <= pos) if causal else ok
+
+
+def _grid_ids():
+    return lax.axis_index("batch"), lax.axis_index("kv_head"), lax.axis_index("tile")
+
+
+def _stream(count, stages, fetch, free):
+    """The memory warpgroup's loop: fill the slots, then refill each once its step is done."""
+    for u in range(stages):
+        pl.when(u < count)(functools.partial(fetch, u, u))
+
+    @pl.loop(stages, jnp.maximum(count, stages))
+    def _(u):
+        slot = lax.rem(u, stages)
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[slot])
+        fetch(u, slot)
+
+    # Wait out the last steps' releases too: GPU interpret mode checks that a thread waiting on a
+    # barrier sees every phase of it.
+    for j in range(stages):
+        step = count - stages + j
+
+        @pl.when(step >= 0)
+        def _():
+            for barrier in free:
+                plgpu.barrier_wait(barrier.at[lax.rem(step, stages)])
+
+
+def _fwd_kernel(
     q_ref, k_ref, v_ref, blocks_ref, bits_ref, count_ref, o_ref, lse_ref, scoped,
     *, gp, block_size, s_len, causal, stages, interpret,
 ):
-    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
-    tile, kh, b = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("batch")
+    (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, kt), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
+    b, kh, tile = _grid_ids()
     count = count_ref[b, kh, tile]
     rows = pl.ds(tile * ROWS, ROWS)
-    positions = ROWS // gp
 
     @pl.when(lax.axis_index("wg") == 0)
     def _compute():
         plgpu.copy_gmem_to_smem(q_ref.at[b, kh, rows], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
-        # Register layouts steer the compiler; GPU interpret mode has no rule for them.
-        cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+        regs = _Regs(interpret)
         shape = (ROWS, block_size)
-        row = cast(lax.broadcasted_iota(jnp.int32, shape, 0), plgpu.Layout.WGMMA)
-        col = cast(lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
-        owner = lax.shift_right_logical(row, gp.bit_length() - 1)  # row // Gp
-        pos = tile * positions + owner
+        owner = lax.shift_right_logical(regs.iota(shape, 0), gp.bit_length() - 1)  # row // Gp
+        pos = tile * (ROWS // gp) + owner
+        col = regs.iota(shape, 1)
         wide = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
         def step(u, carry):
@@ -119,44 +206,29 @@ def _kernel(
             slot = lax.rem(u, stages)
             blk = blocks_ref[b, kh, tile, u]
             plgpu.barrier_wait(k_bar.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot])  # [R*Gp,H] @ [H,bs]
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+            s = _mma(shape, q_smem, k_smem.at[slot], transpose_b=True, scratch=kt)  # [R*Gp,bs]
             plgpu.barrier_arrive(k_free.at[slot])
-            key = blk * block_size + col
-            ok = (lax.shift_right_logical(bits_ref[b, kh, tile, u], owner) & 1) == 1
-            ok = ok & (key < s_len)
-            if causal:
-                ok = ok & (key <= pos)
+            ok = _visible(bits_ref[b, kh, tile, u], owner, pos, blk * block_size + col, s_len, causal)
             s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw nothing yet
             p = jnp.where(ok, jnp.exp(s - wide(m_safe)), 0.0)
             alpha = jnp.exp(m - m_safe)
             l = alpha * l + p.sum(axis=1)
-            # p goes through shared memory and the accumulator starts fresh (rather than a
-            # register operand and ACC.init(acc)): that is what GPU interpret mode can check.
+            # p goes through shared memory and each p.V starts a fresh accumulator (rather than
+            # a register operand and ACC.init(acc)): that is what GPU interpret mode can check.
             p_smem[...] = p.astype(p_smem.dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])  # [R*Gp,bs] @ [bs,V]
-                return acc_ref[...]
-
-            pv = pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+            pv = _mma(o_smem.shape, p_smem, v_smem.at[slot])  # [R*Gp,bs] @ [bs,V]
             plgpu.barrier_arrive(v_free.at[slot])
-            return m_new, l, acc
+            return m_new, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
 
         reduced = plgpu.Layout.WGMMA.reduce(1)
         init = (
-            cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), reduced),
-            cast(jnp.zeros((ROWS,), jnp.float32), reduced),
-            cast(jnp.zeros((ROWS, o_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
+            regs.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), reduced),
+            regs.cast(jnp.zeros((ROWS,), jnp.float32), reduced),
+            regs.cast(jnp.zeros(o_smem.shape, jnp.float32)),
         )
         m, l, acc = lax.fori_loop(0, count, step, init)
         seen = l > 0
@@ -173,69 +245,319 @@ def _kernel(
     def _memory():
         def fetch(u, slot):
             keys = pl.ds(blocks_ref[b, kh, tile, u] * block_size, block_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, kh, :, keys], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[b, kh, keys], k_smem.at[slot], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[b, kh, keys], v_smem.at[slot], v_bar.at[slot])
 
-        for u in range(stages):
-            pl.when(u < count)(functools.partial(fetch, u, u))
+        _stream(count, stages, fetch, (k_free, v_free))
 
-        @pl.loop(stages, jnp.maximum(count, stages))
-        def _(u):
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, blocks_ref, bits_ref, count_ref, dq_ref, scoped,
+    *, gp, block_size, s_len, causal, stages, interpret, scale,
+):
+    (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kt, vt), tile_bar, (k_bar, v_bar), (k_free, v_free) = scoped
+    b, kh, tile = _grid_ids()
+    count = count_ref[b, kh, tile]
+    rows = pl.ds(tile * ROWS, ROWS)
+
+    @pl.when(lax.axis_index("wg") == 0)
+    def _compute():
+        for i, (ref, smem) in enumerate(((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem), (delta_ref, delta_smem))):
+            plgpu.copy_gmem_to_smem(ref.at[b, kh, rows], smem, tile_bar.at[i])
+        for i in range(4):
+            plgpu.barrier_wait(tile_bar.at[i])
+        regs = _Regs(interpret)
+        shape = (ROWS, block_size)
+        owner = lax.shift_right_logical(regs.iota(shape, 0), gp.bit_length() - 1)
+        pos = tile * (ROWS // gp) + owner
+        col = regs.iota(shape, 1)
+        lse = lax.broadcast_in_dim(regs.vector(lse_smem, 0), shape, [0])
+        delta = lax.broadcast_in_dim(regs.vector(delta_smem, 0), shape, [0])
+
+        def step(u, dq):
             slot = lax.rem(u, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            fetch(u, slot)
+            blk = blocks_ref[b, kh, tile, u]
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = _mma(shape, q_smem, k_smem.at[slot], transpose_b=True, scratch=kt)
+            ok = _visible(bits_ref[b, kh, tile, u], owner, pos, blk * block_size + col, s_len, causal)
+            p = jnp.where(ok, jnp.exp(s - lse), 0.0)
+            plgpu.barrier_wait(v_bar.at[slot])
+            dp = _mma(shape, do_smem, v_smem.at[slot], transpose_b=True, scratch=vt)
+            plgpu.barrier_arrive(v_free.at[slot])
+            ds_smem[...] = (p * (dp - delta)).astype(ds_smem.dtype)
+            plgpu.commit_smem()
+            dq = dq + _mma(q_smem.shape, ds_smem, k_smem.at[slot])  # [R*Gp,bs] @ [bs,H]
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        dq = lax.fori_loop(0, count, step, regs.cast(jnp.zeros(q_smem.shape, jnp.float32)))
+        q_smem[...] = (dq * scale).astype(q_smem.dtype)  # q was pre-scaled: d(q*scale)/dq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, kh, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(lax.axis_index("wg") == 1)
+    def _memory():
+        def fetch(u, slot):
+            keys = pl.ds(blocks_ref[b, kh, tile, u] * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, kh, keys], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, kh, keys], v_smem.at[slot], v_bar.at[slot])
+
+        _stream(count, stages, fetch, (k_free, v_free))
+
+
+def _dkdv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tile_ref, bits_ref, block_ref, lo_ref, hi_ref,
+    dk_ref, dv_ref, scoped, *, gp, block_size, s_len, causal, stages, interpret,
+):
+    """One segment of one key block's tile list -> that segment's partial dK, dV (float32)."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, dk_smem, dv_smem, qt, dot), kv_bar, loaded, (free,) = scoped
+    b, kh, z = _grid_ids()
+    c, lo = block_ref[b, kh, z], lo_ref[b, kh, z]
+    count = hi_ref[b, kh, z] - lo
+    keys = pl.ds(c * block_size, block_size)
+    q_bar, do_bar, lse_bar, delta_bar = loaded
+
+    @pl.when((lax.axis_index("wg") == 0) & (count > 0))
+    def _compute():
+        plgpu.copy_gmem_to_smem(k_ref.at[b, kh, keys], k_smem, kv_bar.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, kh, keys], v_smem, kv_bar.at[1])
+        plgpu.barrier_wait(kv_bar.at[0])
+        plgpu.barrier_wait(kv_bar.at[1])
+        regs = _Regs(interpret)
+        shape = (block_size, ROWS)  # transposed: a key per row, a tile row per column
+        key = c * block_size + regs.iota(shape, 0)
+        owner = lax.shift_right_logical(regs.iota(shape, 1), gp.bit_length() - 1)
+        col = lambda x: lax.broadcast_in_dim(x, shape, [1])
+
+        def step(i, carry):
+            dk, dv = carry
+            slot = lax.rem(i, stages)
+            tile = tile_ref[b, kh, lo + i]
+            plgpu.barrier_wait(q_bar.at[slot])
+            st = _mma(shape, k_smem, q_smem.at[slot], transpose_b=True, scratch=qt)  # [bs,R*Gp]
+            plgpu.barrier_wait(lse_bar.at[slot])
+            ok = _visible(bits_ref[b, kh, lo + i], owner, tile * (ROWS // gp) + owner, key, s_len, causal)
+            pt = jnp.where(ok, jnp.exp(st - col(regs.vector(lse_smem.at[slot], 1))), 0.0)
+            pt_smem[...] = pt.astype(pt_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(do_bar.at[slot])
+            dv = dv + _mma(dv.shape, pt_smem, do_smem.at[slot])  # [bs,R*Gp] @ [R*Gp,V]
+            dpt = _mma(shape, v_smem, do_smem.at[slot], transpose_b=True, scratch=dot)
+            plgpu.barrier_wait(delta_bar.at[slot])
+            dst_smem[...] = (pt * (dpt - col(regs.vector(delta_smem.at[slot], 1)))).astype(dst_smem.dtype)
+            plgpu.commit_smem()
+            dk = dk + _mma(dk.shape, dst_smem, q_smem.at[slot])  # q was pre-scaled: dk has the scale
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv
+
+        init = (regs.cast(jnp.zeros(dk_smem.shape, jnp.float32)), regs.cast(jnp.zeros(dv_smem.shape, jnp.float32)))
+        dk, dv = lax.fori_loop(0, count, step, init)
+        dk_smem[...] = dk
+        dv_smem[...] = dv
+        plgpu.commit_smem()
+        part = pl.ds(z * block_size, block_size)
+        plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, kh, part])
+        plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, kh, part])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(lax.axis_index("wg") == 1)
+    def _memory():
+        def fetch(i, slot):
+            rows = pl.ds(tile_ref[b, kh, lo + i] * ROWS, ROWS)
+            for ref, smem, bar in ((q_ref, q_smem, q_bar), (do_ref, do_smem, do_bar), (lse_ref, lse_smem, lse_bar), (delta_ref, delta_smem, delta_bar)):
+                plgpu.copy_gmem_to_smem(ref.at[b, kh, rows], smem.at[slot], bar.at[slot])
+
+        _stream(count, stages, fetch, (free,))
+
+
+def _sum_kernel(dk_part_ref, dv_part_ref, first_ref, count_ref, dk_ref, dv_ref, scoped, *, block_size, interpret):
+    """dK, dV of one key block: its segments' partial sums, added in order (deterministic)."""
+    (dk_in, dv_in, dk_out, dv_out), bars = scoped
+    b, kh, c = _grid_ids()
+    first = first_ref[b, kh, c]
+
+    def step(z, carry):
+        plgpu.commit_smem()  # the last step's reads of dk_in/dv_in come before TMA rewrites them
+        part = pl.ds(z * block_size, block_size)
+        plgpu.copy_gmem_to_smem(dk_part_ref.at[b, kh, part], dk_in, bars.at[0])
+        plgpu.copy_gmem_to_smem(dv_part_ref.at[b, kh, part], dv_in, bars.at[1])
+        plgpu.barrier_wait(bars.at[0])
+        plgpu.barrier_wait(bars.at[1])
+        # unswizzled float32 tiles: some bank conflicts, on a pass that is a small part of the total
+        add = lambda acc, ref: acc + regs.load(ref, optimized=False)
+        return add(carry[0], dk_in), add(carry[1], dv_in)
+
+    regs = _Regs(interpret)
+    init = (regs.cast(jnp.zeros(dk_in.shape, jnp.float32)), regs.cast(jnp.zeros(dv_in.shape, jnp.float32)))
+    dk, dv = lax.fori_loop(first, first + count_ref[b, kh, c], step, init)
+    dk_out[...] = dk.astype(dk_out.dtype)
+    dv_out[...] = dv.astype(dv_out.dtype)
+    plgpu.commit_smem()
+    keys = pl.ds(c * block_size, block_size)
+    plgpu.copy_smem_to_gmem(dk_out, dk_ref.at[b, kh, keys])
+    plgpu.copy_smem_to_gmem(dv_out, dv_ref.at[b, kh, keys])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The row layout [B,K,Tp*Gp,.] (a tile = 64 contiguous rows: R positions x Gp heads), the
+    padded key layout [B,K,Sp,.] (a block = one TMA box) and the tiles' block unions."""
+
+    g: Geometry
+    gp: int
+    t_pad: int
+
+    @classmethod
+    def of(cls, g: Geometry):
+        gp = group_rows(g.groups)
+        return cls(g, gp, -(-g.t_len // (ROWS // gp)) * (ROWS // gp))
+
+    @property
+    def tiles(self):
+        return self.t_pad * self.gp // ROWS
+
+    def rows(self, x, pad=0):
+        """[B,T,N,...] -> [B,K,Tp*Gp,...]."""
+        b, t, n = x.shape[:3]
+        x = x.reshape(b, t, n // self.g.groups, self.g.groups, *x.shape[3:])
+        x = pad_axis(pad_axis(x, 1, self.t_pad, value=pad), 3, self.gp, value=pad)
+        x = jnp.moveaxis(x, 2, 1)
+        return x.reshape(b, x.shape[1], self.t_pad * self.gp, *x.shape[4:])
+
+    def unrows(self, x, n):
+        """[B,K,Tp*Gp,...] -> [B,T,N,...]."""
+        b, kh = x.shape[:2]
+        x = x.reshape(b, kh, self.t_pad, self.gp, *x.shape[3:])[:, :, : self.g.t_len, : self.g.groups]
+        return jnp.moveaxis(x, 1, 2).reshape(b, self.g.t_len, n, *x.shape[4:])
+
+    def keys(self, x):
+        """[B,S,K,X] -> [B,K,Sp,X]."""
+        return jnp.transpose(pad_axis(x, 1, self.g.block_size), (0, 2, 1, 3))
+
+    def unions(self, block_idx):
+        g = self.g
+        idx = clean_block_idx(block_idx, block_size=g.block_size, s_len=g.s_len, causal=g.causal)
+        return union_blocks(pad_axis(idx, 1, ROWS // self.gp, value=-1), ROWS // self.gp, g.num_blocks)
+
+    def scaled_q(self, q):
+        return self.rows((q.astype(jnp.float32) * self.g.scale).astype(q.dtype))
+
+
+def _swizzled(dtype):
+    return (plgpu.TilingTransform((8, LANE_BYTES // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(LANE_BYTES))
+
+
+def _smem(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype))
+
+
+def _call(body, out_type, grid, num_threads, scratch, args):
+    names = ("tile", "kv_head", "batch")
+    return plgpu.kernel(
+        lambda *refs: pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg"),
+        out_type=out_type,
+        grid=grid,
+        grid_names=names,
+        num_threads=num_threads,
+        thread_name="wg",
+        interpret=args[1],
+    )(*args[0])
 
 
 def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_sizes=BlockSizes()):
-    """-> (o [B,T,N,V], lse [B,K,T,G] float32), the scale already applied."""
-    b, t, n, h = q.shape
-    kh, vd = k.shape[2], v.shape[-1]
-    gp = group_rows(g.groups)
-    r = ROWS // gp
-    idx = clean_block_idx(block_idx, block_size=g.block_size, s_len=g.s_len, causal=g.causal)
-    idx = pad_axis(idx, 1, r, value=-1)
-    tp = idx.shape[1]
-    blocks, bits, count = union_blocks(idx, r)
-    # Row layout [B,K,T*Gp,.]: a tile is 64 contiguous rows (R positions x Gp heads).
-    qg = (q.astype(jnp.float32) * g.scale).astype(q.dtype).reshape(b, t, kh, g.groups, h)
-    qg = pad_axis(pad_axis(qg, 1, r), 3, gp)
-    qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, kh, tp * gp, h)
-    # K^T [B,K,H,S] and V [B,K,S,V]: a block is one TMA box and both wgmmas take plain operands.
-    kt = jnp.transpose(pad_axis(k, 1, g.block_size), (0, 2, 3, 1))
-    vt = jnp.transpose(pad_axis(v, 1, g.block_size), (0, 2, 1, 3))
-    stages = block_sizes.stages
-    swizzled = (plgpu.TilingTransform((8, LANE_BYTES // q.dtype.itemsize)), plgpu.SwizzleTransform(LANE_BYTES))
-
-    def entry(q_ref, k_ref, v_ref, blocks_ref, bits_ref, count_ref, o_ref, lse_ref):
-        smem = (
-            plgpu.SMEM((ROWS, h), q.dtype, transforms=swizzled),
-            plgpu.SMEM((stages, h, g.block_size), k.dtype, transforms=swizzled),
-            plgpu.SMEM((stages, g.block_size, vd), v.dtype, transforms=swizzled),
-            plgpu.SMEM((ROWS, g.block_size), q.dtype, transforms=swizzled),
-            plgpu.SMEM((ROWS, vd), q.dtype, transforms=swizzled),
-            plgpu.SMEM((ROWS,), jnp.float32),
-        )
-        loaded = (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages))
-        freed = (plgpu.Barrier(num_barriers=stages),) * 2
-        body = functools.partial(
-            _kernel, q_ref, k_ref, v_ref, blocks_ref, bits_ref, count_ref, o_ref, lse_ref,
-            gp=gp, block_size=g.block_size, s_len=g.s_len, causal=g.causal, stages=stages,
-            interpret=bool(interpret),
-        )
-        pl.run_scoped(lambda *scoped: body(scoped), smem, loaded, freed, collective_axes="wg")
-
-    o, lse = plgpu.kernel(
-        entry,
-        out_type=(
-            jax.ShapeDtypeStruct((b, kh, tp * gp, vd), q.dtype),
-            jax.ShapeDtypeStruct((b, kh, tp * gp), jnp.float32),
+    """-> (o [B,T,N,V], lse [B,K,T,G] float32 of the scaled scores)."""
+    b, _, n, h = q.shape
+    kh, vd, bs = k.shape[2], v.shape[-1], g.block_size
+    lay = _Layout.of(g)
+    blocks, bits, count = lay.unions(block_idx)
+    stages, dtype = block_sizes.stages, q.dtype
+    scratch = (
+        (
+            _smem((ROWS, h), dtype), _smem((stages, bs, h), dtype), _smem((stages, bs, vd), dtype),
+            _smem((ROWS, bs), dtype), _smem((ROWS, vd), dtype), plgpu.SMEM((ROWS,), jnp.float32),
+            _smem((h, bs), dtype) if interpret else None,
         ),
-        grid=(tp // r, kh, b),
-        grid_names=("tile", "kv_head", "batch"),
-        num_threads=2,
-        thread_name="wg",
-        interpret=interpret,
-    )(qg, kt, vt, blocks, bits, count)
-    o = jnp.transpose(o.reshape(b, kh, tp, gp, vd)[:, :, :t, : g.groups], (0, 2, 1, 3, 4))
-    return o.reshape(b, t, n, vd), lse.reshape(b, kh, tp, gp)[:, :, :t, : g.groups]
+        (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+        (plgpu.Barrier(num_barriers=stages),) * 2,
+    )
+    body = functools.partial(
+        _fwd_kernel, gp=lay.gp, block_size=bs, s_len=g.s_len, causal=g.causal, stages=stages, interpret=bool(interpret)
+    )
+    rows = lay.t_pad * lay.gp
+    o, lse = _call(
+        body,
+        (jax.ShapeDtypeStruct((b, kh, rows, vd), dtype), jax.ShapeDtypeStruct((b, kh, rows), jnp.float32)),
+        (lay.tiles, kh, b), 2, scratch,
+        ((lay.scaled_q(q), lay.keys(k), lay.keys(v), blocks, bits, count), interpret),
+    )
+    lse = lse.reshape(b, kh, lay.t_pad, lay.gp)[:, :, : g.t_len, : g.groups]
+    return lay.unrows(o, n), lse
+
+
+def select_backward_mgpu(q, k, v, block_idx, out, lse, dout, g: Geometry, interpret=False, block_sizes=BlockSizes()):
+    """lse [B,K,T,G] from select_forward_mgpu, dout [B,T,N,V] -> dq, dk, dv."""
+    b, _, n, h = q.shape
+    kh, vd, bs = k.shape[2], v.shape[-1], g.block_size
+    lay = _Layout.of(g)
+    blocks, bits, count = lay.unions(block_idx)
+    stages, dtype = block_sizes.stages, q.dtype
+    statics = dict(gp=lay.gp, block_size=bs, s_len=g.s_len, causal=g.causal, stages=stages, interpret=bool(interpret))
+    qs, kp, vp, do = lay.scaled_q(q), lay.keys(k), lay.keys(v), lay.rows(dout)
+    delta = lay.rows(jnp.einsum("btnv,btnv->btn", out.astype(jnp.float32), dout.astype(jnp.float32)))
+    lse = pad_axis(pad_axis(lse, 2, lay.t_pad, value=jnp.inf), 3, lay.gp, value=jnp.inf)  # padded rows see nothing
+    lse = lse.reshape(b, kh, lay.t_pad * lay.gp)
+    transposed = lambda *shapes: tuple(_smem(s, dtype) if interpret else None for s in shapes)
+
+    scratch = (
+        (
+            _smem((ROWS, h), dtype), _smem((ROWS, vd), dtype), plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.SMEM((ROWS,), jnp.float32), _smem((stages, bs, h), dtype), _smem((stages, bs, vd), dtype),
+            _smem((ROWS, bs), dtype), *transposed((h, bs), (vd, bs)),
+        ),
+        plgpu.Barrier(num_barriers=4),
+        (plgpu.Barrier(num_barriers=stages),) * 2,
+        (plgpu.Barrier(num_barriers=stages),) * 2,
+    )
+    dq = _call(
+        functools.partial(_dq_kernel, **statics, scale=g.scale),
+        jax.ShapeDtypeStruct(qs.shape, dtype), (lay.tiles, kh, b), 2, scratch,
+        ((qs, kp, vp, do, lse, delta, blocks, bits, count), interpret),
+    )
+
+    # dK/dV: each key block's tiles (the inverted unions), in segments of at most dkdv_tiles
+    u = blocks.shape[-1]
+    entry, start, end = invert_block_idx(jnp.moveaxis(blocks, 2, 1), g.num_blocks)
+    tile_of = entry // u
+    bits_of = jnp.take_along_axis(bits.reshape(b, kh, -1), entry, axis=-1)
+    seg_len = block_sizes.dkdv_tiles
+    n_seg = -(-lay.tiles * u // seg_len) + g.num_blocks  # every block may end in a partial segment
+    seg_block, seg_lo, seg_hi, seg_first, seg_count = split_csr(start, end, seg_len, n_seg)
+    f32 = lambda shape: plgpu.SMEM(shape, jnp.float32)
+    scratch = (
+        (
+            _smem((bs, h), dtype), _smem((bs, vd), dtype), _smem((stages, ROWS, h), dtype),
+            _smem((stages, ROWS, vd), dtype), f32((stages, ROWS)), f32((stages, ROWS)),
+            _smem((bs, ROWS), dtype), _smem((bs, ROWS), dtype), f32((bs, h)), f32((bs, vd)),
+            *transposed((h, ROWS), (vd, ROWS)),
+        ),
+        plgpu.Barrier(num_barriers=2),
+        (plgpu.Barrier(num_barriers=stages),) * 4,
+        (plgpu.Barrier(num_barriers=stages),),
+    )
+    dk_part, dv_part = _call(
+        functools.partial(_dkdv_kernel, **statics),
+        (jax.ShapeDtypeStruct((b, kh, n_seg * bs, h), jnp.float32), jax.ShapeDtypeStruct((b, kh, n_seg * bs, vd), jnp.float32)),
+        (n_seg, kh, b), 2, scratch,
+        ((qs, kp, vp, do, lse, delta, tile_of, bits_of, seg_block, seg_lo, seg_hi), interpret),
+    )
+    scratch = ((f32((bs, h)), f32((bs, vd)), plgpu.SMEM((bs, h), dtype), plgpu.SMEM((bs, vd), dtype)), plgpu.Barrier(num_barriers=2))
+    dk, dv = _call(
+        functools.partial(_sum_kernel, block_size=bs, interpret=bool(interpret)),
+        (jax.ShapeDtypeStruct(kp.shape, dtype), jax.ShapeDtypeStruct(vp.shape, dtype)),
+        (g.num_blocks, kh, b), 1, scratch,
+        ((dk_part, dv_part, seg_first, seg_count), interpret),
+    )
+    unkeys = lambda x: jnp.transpose(x, (0, 2, 1, 3))[:, : g.s_len]
+    return lay.unrows(dq, n), unkeys(dk), unkeys(dv)

@@ -16,6 +16,7 @@ from pallas_kernels.nsa import reference as R
 from pallas_kernels.nsa._index import clean_block_idx
 from pallas_kernels.nsa.select_gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
+from pallas_kernels.nsa.select_mgpu import BlockSizes as MosaicBlockSizes
 from pallas_kernels.nsa.select_mgpu import union_blocks
 from pallas_kernels.nsa.select_tpu import BlockSizes, select_attention_tpu
 
@@ -63,9 +64,9 @@ def _check(kernel, q, k, v, do, idx, block_size, causal=True, scale=None, tol=(F
 # dK/dV lists of more than 5 queries are split, so the segment sums are exercised
 GPU_STYLE = functools.partial(select_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(dkdv_queries=5))
 TPU_STYLE = functools.partial(select_attention_tpu, interpret=True, block_sizes=BlockSizes(max_scalar_prefetch=40))
-# Hopper forward (TMA + wgmma) in GPU interpret mode; its backward is the GPU-style one
+# the Hopper kernels (TMA + wgmma) in GPU interpret mode; dK/dV tile lists of more than 2 are split
 MOSAIC = functools.partial(
-    select_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(dkdv_queries=5, forward="mosaic")
+    select_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(backend="mosaic", mosaic=MosaicBlockSizes(dkdv_tiles=2))
 )
 
 
@@ -113,8 +114,8 @@ def test_union_blocks_against_sets():
     idx = np.array(jax.random.randint(jax.random.key(5), (2, 12, 3, 4), -1, 6), np.int32)
     idx[0, :4, 0] = 2  # four positions of one tile pick the same block, each four times
     clean = np.asarray(clean_block_idx(jnp.asarray(idx), block_size=1, s_len=6, causal=False))
-    blocks, bits, count = map(np.asarray, union_blocks(jnp.asarray(clean), 4))
-    assert blocks.shape == bits.shape == (2, 3, 3, 16) and count.shape == (2, 3, 3)
+    blocks, bits, count = map(np.asarray, union_blocks(jnp.asarray(clean), 4, 6))
+    assert blocks.shape == bits.shape == (2, 3, 3, 6) and count.shape == (2, 3, 3)
     for b, kh, tile in np.ndindex(2, 3, 3):
         lists = [set(clean[b, tile * 4 + r, kh]) - {-1} for r in range(4)]
         want = sorted(set().union(*lists))
@@ -125,16 +126,23 @@ def test_union_blocks_against_sets():
             assert bits[b, kh, tile, u] == sum(1 << r for r in range(4) if blk in lists[r])
 
 
-def test_mosaic_forward_bf16_gqa3_partial_tiles():
-    # Gp=4 -> 16 positions a tile, 83 = 5 tiles + 3; S=83 is not a multiple of the block (64);
-    # slots hold -1, repeats and future blocks.
-    q, k, v, do = _inputs(3, 1, 83, 6, 2, 64, 64, dtype=jnp.bfloat16)
+def test_mosaic_bf16_two_kv_heads_partial_tiles():
+    # G=1 pads to Gp=2 -> 32 positions a tile (bit 31 is the sign bit), 70 = 2 tiles + 6; S=70
+    # is not a multiple of the block (64); slots hold -1, repeats and future blocks.
+    q, k, v, do = _inputs(3, 1, 70, 2, 2, 64, 64, dtype=jnp.bfloat16)
+    idx = jax.random.randint(jax.random.key(70), (1, 70, 2, 2), -1, 3)
+    _check(MOSAIC, q, k, v, do, idx, block_size=64, tol=BF16_TOL)
+
+
+@pytest.mark.slow
+def test_mosaic_bf16_gqa3():
+    q, k, v, do = _inputs(4, 1, 83, 6, 2, 64, 64, dtype=jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(83), (1, 83, 2, 3), -1, 3)
     _check(MOSAIC, q, k, v, do, idx, block_size=64, tol=BF16_TOL)
 
 
 @pytest.mark.slow
-def test_mosaic_forward_bf16_g16_non_causal_longer_keys():
+def test_mosaic_bf16_g16_non_causal_longer_keys():
     q, k, v, do = _inputs(16, 1, 21, 16, 1, 128, 128, s=150, dtype=jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(21), (1, 21, 1, 2), -1, 4)
     _check(MOSAIC, q, k, v, do, idx, block_size=64, causal=False, scale=0.2, tol=BF16_TOL)
@@ -174,8 +182,8 @@ def test_compiled_gpu(g, h, bs, n, t):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize(("g", "h", "n", "t"), [(1, 64, 4, 300), (4, 128, 16, 4100), (16, 128, 16, 2000)])
-def test_compiled_mosaic_forward(g, h, n, t):
+def test_compiled_mosaic(g, h, n, t):
     q, k, v, do = _inputs(g + n, 2, t, 2 * g, 2, h, h, dtype=jnp.bfloat16)
     idx = jax.random.randint(jax.random.key(t), (2, t, 2, n), -1, -(-t // 64))
-    kernel = functools.partial(select_attention_gpu, block_sizes=GpuBlockSizes(forward="mosaic"))
+    kernel = functools.partial(select_attention_gpu, block_sizes=GpuBlockSizes(backend="mosaic"))
     _check(kernel, q, k, v, do, idx, block_size=64, tol=BF16_TOL)
