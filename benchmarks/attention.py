@@ -8,7 +8,7 @@ flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); `nsa_layer` runs
 selected-block kernel (`pallas_kernels.nsa.select_attention`), cuDNN's sliding window and the
 compressed branch in XLA, `nsa_layer_kernels` all three Pallas kernels; each branch is also
 timed alone, kernel vs XLA/cuDNN (`nsa_compressed_*` includes the compression MLPs and the
-top-n), and `nsa_selected_mosaic` is the selected branch with its Hopper (Mosaic GPU) forward. On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
+top-n), and `nsa_selected_mosaic` is the selected branch with its Hopper (Mosaic GPU) kernels. On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
 plain-JAX NSA (`nsa_forward`: gathered selected blocks, banded window). Each number is the best
 of --repeats timed runs after a compile run; FLOP counts are analytic (matmuls only, causal
 halves).
@@ -126,8 +126,8 @@ def main():
                 q, k, v, params, shape, select_fn=select_attention, window_fn=sliding_window_attention,
                 compressed_fn=compressed_attention,
             )
-            # the Hopper forward (Mosaic GPU: TMA + wgmma over a tile's block union), same backward;
-            # last, as it has not run on hardware yet and a fault must not take the others with it
+            # the Hopper kernels (Mosaic GPU: TMA + wgmma over a tile's block union); last, as they
+            # have not run on hardware yet and a fault must not take the others with it
             cases["nsa_selected_mosaic"] = lambda q, k, v, idx: select_attention_gpu(
                 q, k, v, idx, block_size=shape.select_block, block_sizes=SelectBlockSizes(backend="mosaic")
             )

@@ -23,7 +23,7 @@ python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/de
 # 1. every kernel compiled against its float64 reference (NSA: selected, window, compressed;
 #    document attention), forward and gradients
 timeout 240 python3 -m pytest -q -m gpu -k "not mosaic" -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests.log"
-#    the Mosaic GPU (Hopper) forward has never run on hardware: alone, so a fault stops nothing else
+#    the Mosaic GPU (Hopper) kernels have never run on hardware: alone, so a fault stops nothing else
 timeout 120 python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
 [ "${1:-all}" = tests ] && exit 0
 
