@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.nsa import compressed_attention, select_attention, sliding_window_attention
+from pallas_kernels.nsa import select_mgpu
+from pallas_kernels.nsa._index import clean_block_idx
 from pallas_kernels.nsa.select_gpu import BlockSizes as SelectBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
 from pallas_kernels.nsa import reference as R
@@ -49,6 +51,19 @@ def random_selection(key, b, t, kh, shape: R.NSAShape):
     local = own - jnp.arange(shape.num_local_blocks)
     zero = jnp.zeros_like(own)
     return jnp.concatenate([zero, jnp.broadcast_to(local, (b, t, kh, shape.num_local_blocks)), rand], -1).astype(jnp.int32)
+
+
+def block_loads(idx, groups, shape: R.NSAShape):
+    """Key/value block loads of the selected branch: the per-position kernels load every pick of
+    every position; the Mosaic GPU kernels load each block of a tile's union once."""
+    t = idx.shape[1]
+    clean = clean_block_idx(idx, block_size=shape.select_block, s_len=t, causal=True)
+    r = select_mgpu.ROWS // select_mgpu.group_rows(groups)
+    per_position = int(jnp.sum(clean >= 0))
+    clean = jnp.pad(clean, ((0, 0), (0, -t % r), (0, 0), (0, 0)), constant_values=-1)
+    _, _, count = select_mgpu.union_blocks(clean, r, -(-t // shape.select_block))
+    union = int(jnp.sum(count))
+    return {"positions_per_tile": r, "per_position": per_position, "union": union, "ratio": per_position / union}
 
 
 def flops(t, n, h, shape: R.NSAShape):
@@ -139,7 +154,8 @@ def main():
             cases["nsa_layer"] = lambda q, k, v, idx: R.nsa_forward(q, k, v, params, shape)
 
         dense_f, nsa_f = flops(t, n, h, shape)
-        row = {"seq": t, "dense_gflop": dense_f / 1e9, "nsa_gflop": nsa_f / 1e9, "ms": {}}
+        row = {"seq": t, "dense_gflop": dense_f / 1e9, "nsa_gflop": nsa_f / 1e9, "ms": {},
+               "mosaic_block_loads": block_loads(idx, n // kh, shape)}
         for name, fn in cases.items():
             if name in args.skip:
                 continue
@@ -181,6 +197,9 @@ def main():
         ms = row["ms"]
         dense = "dense_cudnn" if on_gpu else "dense_xla"
         print(f"T={row['seq']}: FLOP ratio dense/NSA = {row['dense_gflop'] / row['nsa_gflop']:.2f}")
+        loads = row["mosaic_block_loads"]
+        print(f"  selected-branch key/value block loads, one per position's pick / one per tile union "
+              f"(R={loads['positions_per_tile']}) = {loads['ratio']:.2f}x")
         for kind in ("fwd", "fwd+bwd"):
             for nsa in ("nsa_selected_kernel", "nsa_selected_gathered", "nsa_layer", "nsa_layer_kernels"):
                 a, c = ms.get(f"{dense}/{kind}"), ms.get(f"{nsa}/{kind}")

@@ -45,6 +45,14 @@ class NSAConfig:
     num_selected: int = 16  # n: selected blocks per query (incl. block 0 and the local ones)
     num_local_blocks: int = 2  # selection blocks ending at the query, always selected
     window: int = 512  # w: sliding-window length
+    # Branches run as Pallas kernels (training and prefill; decoding stays XLA): "auto" is the
+    # selected branch on GPU/TPU and none on CPU; "select"; "all" adds the window and the
+    # compressed branch with block scoring; "xla" none. On CPU kernels run interpreted (slow:
+    # for checks).
+    kernels: Literal["auto", "xla", "select", "all"] = "auto"
+    # GPU selected-branch kernels: Triton, or Mosaic GPU for Hopper (TMA + wgmma; bf16, head dims
+    # of 64/128, blocks of 64, else Triton). Not yet compiled on hardware.
+    gpu_select: Literal["triton", "mosaic"] = "triton"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling (Llama 3.1), sparse 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -28,8 +29,10 @@ from jaxagent.models.attention import (
 )
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import param as _param
+from pallas_kernels.nsa import compressed_attention, select_attention, sliding_window_attention
 from pallas_kernels.nsa import reference as nsa_ref
-from pallas_kernels.nsa.select import select_attention
+from pallas_kernels.nsa.select_gpu import BlockSizes as SelectGpuBlockSizes
+from pallas_kernels.nsa.select_gpu import select_attention_gpu
 
 _BTD = ("batch", "length", "embed")  # logical names of the residual stream
 
@@ -151,10 +154,34 @@ class RMSNorm(nnx.Module):
 
 
 def nsa_shape(cfg: ModelConfig) -> nsa_ref.NSAShape:
+    fields = {f.name for f in dataclasses.fields(nsa_ref.NSAShape)}
     try:
-        return nsa_ref.NSAShape(**dataclasses.asdict(cfg.nsa))
+        return nsa_ref.NSAShape(**{k: v for k, v in dataclasses.asdict(cfg.nsa).items() if k in fields})
     except ValueError as e:
         raise ValueError(f"model.nsa: {e}") from None
+
+
+def nsa_kernels(kernels: str, gpu_select: str):
+    """(select_fn, window_fn, compressed_fn) for nsa_forward, per `model.nsa.kernels`; None is
+    the branch's plain-XLA form. Decided at trace time, from the backend."""
+    backend = jax.default_backend()
+    on_accelerator = backend in ("gpu", "tpu")
+    if kernels == "auto":
+        kernels = "select" if on_accelerator else "xla"
+    if kernels == "xla":
+        return None, None, None
+    interpret = not on_accelerator
+    if backend == "gpu":
+        select = functools.partial(select_attention_gpu, block_sizes=SelectGpuBlockSizes(backend=gpu_select))
+    else:
+        select = functools.partial(select_attention, interpret=interpret)
+    if kernels == "select":
+        return select, None, None
+    return (
+        select,
+        functools.partial(sliding_window_attention, interpret=interpret),
+        functools.partial(compressed_attention, interpret=interpret),
+    )
 
 
 class NSA(nnx.Module):
@@ -170,6 +197,7 @@ class NSA(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.shape = nsa_shape(cfg)
+        self.kernels = (cfg.nsa.kernels, cfg.nsa.gpu_select)
         l, h, n, pd = self.shape.compress_block, cfg.head_dim, cfg.num_heads, cfg.param_dtype
 
         def mlp():
@@ -200,9 +228,9 @@ class NSA(nnx.Module):
         params = self._params(q.dtype)
         if cache is None:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,S,K,H], the kernels' layout
-            on_accelerator = jax.default_backend() in ("gpu", "tpu")
-            return nsa_ref.nsa_forward(q, k, v, params, self.shape,
-                                       select_fn=select_attention if on_accelerator else None)
+            select_fn, window_fn, compressed_fn = nsa_kernels(*self.kernels)
+            return nsa_ref.nsa_forward(q, k, v, params, self.shape, select_fn=select_fn, window_fn=window_fn,
+                                       compressed_fn=compressed_fn)
         k_cmp, v_cmp, slot_of = cache
         k_cmp = nsa_ref.append_compressed(k_cmp, k, slot_of, positions, segment_ids, params["compress_k"], self.shape)
         v_cmp = nsa_ref.append_compressed(v_cmp, v, slot_of, positions, segment_ids, params["compress_v"], self.shape)

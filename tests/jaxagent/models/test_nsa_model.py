@@ -36,6 +36,20 @@ def test_nsa_parameters_carry_logical_axes():
         init_model(dataclasses.replace(CFG, nsa=NSAConfig(compress_block=10, compress_stride=4)))
 
 
+def test_kernels_config_runs_the_pallas_branches():
+    """`model.nsa.kernels: all` (the three Pallas kernels, interpreted on CPU) gives the plain-XLA
+    model's logits: the wiring hands the kernels q, k, v in their layout."""
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 200, (2, 37)), jnp.int32)
+    xla = init_model(CFG, seed=4)
+    kernels = init_model(dataclasses.replace(CFG, nsa=dataclasses.replace(CFG.nsa, kernels="all")), seed=4)
+    forward = lambda m, t: m(t)
+    assert "pallas_call" not in str(jax.make_jaxpr(forward)(xla, tokens))
+    # per layer: selected, window, compressed attention and block scoring
+    assert str(jax.make_jaxpr(forward)(kernels, tokens)).count("pallas_call") == 2 * 4
+    want = jax.jit(forward)(xla, tokens)
+    np.testing.assert_allclose(jax.jit(forward)(kernels, tokens), want, atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.slow
 def test_nsa_model_differs_from_dense_and_trains():
     model = init_model(CFG, seed=0)
