@@ -25,12 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.nsa import compressed_attention, select_attention, sliding_window_attention
-from pallas_kernels.nsa import select_mgpu
+from pallas_kernels.nsa import (
+    compressed_attention,
+    select_attention,
+    select_mgpu,
+    sliding_window_attention,
+)
+from pallas_kernels.nsa import reference as R
 from pallas_kernels.nsa._index import clean_block_idx
 from pallas_kernels.nsa.select_gpu import BlockSizes as SelectBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
-from pallas_kernels.nsa import reference as R
 
 
 def timed(fn, *args, repeats):

@@ -29,7 +29,11 @@ from jaxagent.models.attention import (
 )
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import param as _param
-from pallas_kernels.nsa import compressed_attention, select_attention, sliding_window_attention
+from pallas_kernels.nsa import (
+    compressed_attention,
+    select_attention,
+    sliding_window_attention,
+)
 from pallas_kernels.nsa import reference as nsa_ref
 from pallas_kernels.nsa.select_gpu import BlockSizes as SelectGpuBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu

@@ -27,7 +27,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.nsa._index import Geometry, clean_block_idx, invert_block_idx, pad_axis, split_csr
+from pallas_kernels.nsa._index import (
+    Geometry,
+    clean_block_idx,
+    invert_block_idx,
+    pad_axis,
+    split_csr,
+)
 
 ROWS = 64  # one warpgroup's wgmma M
 LANE_BYTES = 128  # swizzle width: the head dims must fill whole 128-byte rows
@@ -110,6 +116,7 @@ def union_blocks(idx, positions, num_blocks):
     blocks, bits = blocks.reshape(shape)[..., :u], bits.reshape(shape)[..., :u]
     return blocks, bits, jnp.sum(first, axis=-1, dtype=jnp.int32)
 
+
 def _mma(shape, a, b, *, transpose_b=False, scratch=None):
     """a[M,K] @ b[K,N] (b[N,K]^T when transpose_b) on the tensor core -> float32 [M,N]; a and b
     are shared-memory refs. GPU interpret mode reads operands as stored, so there (scratch given)
@@ -172,13 +179,12 @@ def _stream(count, stages, fetch, free):
 
     # Wait out the last steps' releases too: GPU interpret mode checks that a thread waiting on a
     # barrier sees every phase of it.
-    for j in range(stages):
-        step = count - stages + j
+    def drain(step):
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[lax.rem(step, stages)])
 
-        @pl.when(step >= 0)
-        def _():
-            for barrier in free:
-                plgpu.barrier_wait(barrier.at[lax.rem(step, stages)])
+    for j in range(stages):
+        pl.when(count - stages + j >= 0)(functools.partial(drain, count - stages + j))
 
 
 def _fwd_kernel(
@@ -503,7 +509,8 @@ def select_backward_mgpu(q, k, v, block_idx, out, lse, dout, g: Geometry, interp
     lay = _Layout.of(g)
     blocks, bits, count = lay.unions(block_idx)
     stages, dtype = block_sizes.stages, q.dtype
-    statics = dict(gp=lay.gp, block_size=bs, s_len=g.s_len, causal=g.causal, stages=stages, interpret=bool(interpret))
+    statics = {"gp": lay.gp, "block_size": bs, "s_len": g.s_len, "causal": g.causal, "stages": stages,
+               "interpret": bool(interpret)}
     qs, kp, vp, do = lay.scaled_q(q), lay.keys(k), lay.keys(v), lay.rows(dout)
     delta = lay.rows(jnp.einsum("btnv,btnv->btn", out.astype(jnp.float32), dout.astype(jnp.float32)))
     lse = pad_axis(pad_axis(lse, 2, lay.t_pad, value=jnp.inf), 3, lay.gp, value=jnp.inf)  # padded rows see nothing
