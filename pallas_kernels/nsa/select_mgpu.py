@@ -187,6 +187,18 @@ def _stream(count, stages, fetch, free):
         pl.when(count - stages + j >= 0)(functools.partial(drain, count - stages + j))
 
 
+def _stream_blocks(refs, smem, loaded, free, blocks_ref, ids, count, block_size, stages):
+    """The forward's and dQ's memory warpgroup: the tile's union blocks of K and V, in order."""
+    b, kh, tile = ids
+
+    def fetch(u, slot):
+        keys = pl.ds(blocks_ref[b, kh, tile, u] * block_size, block_size)
+        for ref, buf, bar in zip(refs, smem, loaded):
+            plgpu.copy_gmem_to_smem(ref.at[b, kh, keys], buf.at[slot], bar.at[slot])
+
+    _stream(count, stages, fetch, free)
+
+
 def _fwd_kernel(
     q_ref, k_ref, v_ref, blocks_ref, bits_ref, count_ref, o_ref, lse_ref, scoped,
     *, gp, block_size, s_len, causal, stages, interpret,
@@ -247,14 +259,10 @@ def _fwd_kernel(
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kh, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(lax.axis_index("wg") == 1)
-    def _memory():
-        def fetch(u, slot):
-            keys = pl.ds(blocks_ref[b, kh, tile, u] * block_size, block_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, kh, keys], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, kh, keys], v_smem.at[slot], v_bar.at[slot])
-
-        _stream(count, stages, fetch, (k_free, v_free))
+    pl.when(lax.axis_index("wg") == 1)(functools.partial(
+        _stream_blocks, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), (k_free, v_free), blocks_ref,
+        (b, kh, tile), count, block_size, stages,
+    ))
 
 
 def _dq_kernel(
@@ -302,14 +310,10 @@ def _dq_kernel(
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, kh, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(lax.axis_index("wg") == 1)
-    def _memory():
-        def fetch(u, slot):
-            keys = pl.ds(blocks_ref[b, kh, tile, u] * block_size, block_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, kh, keys], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, kh, keys], v_smem.at[slot], v_bar.at[slot])
-
-        _stream(count, stages, fetch, (k_free, v_free))
+    pl.when(lax.axis_index("wg") == 1)(functools.partial(
+        _stream_blocks, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), (k_free, v_free), blocks_ref,
+        (b, kh, tile), count, block_size, stages,
+    ))
 
 
 def _dkdv_kernel(
