@@ -51,7 +51,7 @@ class NSAConfig:
     # for checks).
     kernels: Literal["auto", "xla", "select", "all"] = "auto"
     # GPU selected-branch kernels: Triton, or Mosaic GPU for Hopper (TMA + wgmma; bf16, head dims
-    # of 64/128, blocks of 64, else Triton). Not yet compiled on hardware.
+    # of 64/128, blocks of 64; else, and before Hopper, Triton). Not yet compiled on hardware.
     gpu_select: Literal["triton", "mosaic"] = "triton"
 
 

@@ -165,6 +165,15 @@ def nsa_shape(cfg: ModelConfig) -> nsa_ref.NSAShape:
         raise ValueError(f"model.nsa: {e}") from None
 
 
+def _is_hopper(device) -> bool:
+    """NVIDIA compute capability 9.0 or later (wgmma and TMA, which Mosaic GPU's kernels need);
+    ROCm devices report an arch name ("gfx942") instead."""
+    try:
+        return float(getattr(device, "compute_capability", "0")) >= 9.0
+    except ValueError:
+        return False
+
+
 def nsa_kernels(kernels: str, gpu_select: str):
     """(select_fn, window_fn, compressed_fn) for nsa_forward, per `model.nsa.kernels`; None is
     the branch's plain-XLA form. Decided at trace time, from the backend."""
@@ -176,7 +185,8 @@ def nsa_kernels(kernels: str, gpu_select: str):
         return None, None, None
     interpret = not on_accelerator
     if backend == "gpu":
-        select = functools.partial(select_attention_gpu, block_sizes=SelectGpuBlockSizes(backend=gpu_select))
+        select_backend = gpu_select if _is_hopper(jax.devices()[0]) else "triton"
+        select = functools.partial(select_attention_gpu, block_sizes=SelectGpuBlockSizes(backend=select_backend))
     else:
         select = functools.partial(select_attention, interpret=interpret)
     if kernels == "select":

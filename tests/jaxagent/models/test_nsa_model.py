@@ -50,6 +50,17 @@ def test_kernels_config_runs_the_pallas_branches():
     np.testing.assert_allclose(jax.jit(forward)(kernels, tokens), want, atol=2e-4, rtol=2e-4)
 
 
+def test_mosaic_kernels_only_from_hopper_on():
+    """`model.nsa.gpu_select: mosaic` needs wgmma and TMA; older GPUs and ROCm keep Triton."""
+    from types import SimpleNamespace
+
+    from jaxagent.models.llama import _is_hopper
+
+    assert [_is_hopper(SimpleNamespace(compute_capability=c)) for c in ("9.0", "10.0", "8.9", "gfx942")] == [
+        True, True, False, False]
+    assert not _is_hopper(SimpleNamespace())  # CPU devices have no compute capability
+
+
 @pytest.mark.slow
 def test_nsa_model_differs_from_dense_and_trains():
     model = init_model(CFG, seed=0)
