@@ -299,11 +299,7 @@ def _mosaic(q, k, v, g: Geometry, interpret):
     """The Mosaic GPU kernels' interpret argument when they take these inputs, else None."""
     if g.block_sizes.backend != "mosaic" or select_mgpu.supports(q, k, v, g.block_size, g.block_sizes.mosaic):
         return None
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        return InterpretGPUParams()
-    return False
+    return select_mgpu.interpret_params(bool(interpret))
 
 
 def _forward_any(q, k, v, block_idx, g: Geometry, interpret):

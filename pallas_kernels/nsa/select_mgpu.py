@@ -155,10 +155,12 @@ class _Regs:
         return self.load(ref, plgpu.Layout.WGMMA.reduce(1 - axis))
 
 
-def _visible(bits, owner, pos, key, s_len, causal):
-    """Tile row of position `pos` (the tile's `owner`-th) may see key `key` of a union block."""
+def _visible(bits, owner, pos, key, s_len, causal, window):
+    """Tile row of position `pos` (the tile's `owner`-th) may see key `key` of a union block
+    (within the last `window` positions, when there is a window)."""
     ok = ((lax.shift_right_logical(bits, owner) & 1) == 1) & (key < s_len)
-    return ok & (key <= pos) if causal else ok
+    ok = ok & (key <= pos) if causal else ok
+    return ok if window is None else ok & (key > pos - window)
 
 
 def _grid_ids():
@@ -201,7 +203,7 @@ def _stream_blocks(refs, smem, loaded, free, blocks_ref, ids, count, block_size,
 
 def _fwd_kernel(
     q_ref, k_ref, v_ref, blocks_ref, bits_ref, count_ref, o_ref, lse_ref, scoped,
-    *, gp, block_size, s_len, causal, stages, interpret,
+    *, gp, block_size, s_len, causal, window, stages, interpret,
 ):
     (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, kt), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     b, kh, tile = _grid_ids()
@@ -226,7 +228,7 @@ def _fwd_kernel(
             plgpu.barrier_wait(k_bar.at[slot])
             s = _mma(shape, q_smem, k_smem.at[slot], transpose_b=True, scratch=kt)  # [R*Gp,bs]
             plgpu.barrier_arrive(k_free.at[slot])
-            ok = _visible(bits_ref[b, kh, tile, u], owner, pos, blk * block_size + col, s_len, causal)
+            ok = _visible(bits_ref[b, kh, tile, u], owner, pos, blk * block_size + col, s_len, causal, window)
             s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw nothing yet
@@ -267,7 +269,7 @@ def _fwd_kernel(
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, blocks_ref, bits_ref, count_ref, dq_ref, scoped,
-    *, gp, block_size, s_len, causal, stages, interpret, scale,
+    *, gp, block_size, s_len, causal, window, stages, interpret, scale,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kt, vt), tile_bar, (k_bar, v_bar), (k_free, v_free) = scoped
     b, kh, tile = _grid_ids()
@@ -293,7 +295,7 @@ def _dq_kernel(
             blk = blocks_ref[b, kh, tile, u]
             plgpu.barrier_wait(k_bar.at[slot])
             s = _mma(shape, q_smem, k_smem.at[slot], transpose_b=True, scratch=kt)
-            ok = _visible(bits_ref[b, kh, tile, u], owner, pos, blk * block_size + col, s_len, causal)
+            ok = _visible(bits_ref[b, kh, tile, u], owner, pos, blk * block_size + col, s_len, causal, window)
             p = jnp.where(ok, jnp.exp(s - lse), 0.0)
             plgpu.barrier_wait(v_bar.at[slot])
             dp = _mma(shape, do_smem, v_smem.at[slot], transpose_b=True, scratch=vt)
@@ -318,7 +320,7 @@ def _dq_kernel(
 
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tile_ref, bits_ref, block_ref, lo_ref, hi_ref,
-    dk_ref, dv_ref, scoped, *, gp, block_size, s_len, causal, stages, interpret,
+    dk_ref, dv_ref, scoped, *, gp, block_size, s_len, causal, window, stages, interpret,
 ):
     """One segment of one key block's tile list -> that segment's partial dK, dV (float32)."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, dk_smem, dv_smem, qt, dot), kv_bar, loaded, (free,) = scoped
@@ -347,7 +349,7 @@ def _dkdv_kernel(
             plgpu.barrier_wait(q_bar.at[slot])
             st = _mma(shape, k_smem, q_smem.at[slot], transpose_b=True, scratch=qt)  # [bs,R*Gp]
             plgpu.barrier_wait(lse_bar.at[slot])
-            ok = _visible(bits_ref[b, kh, lo + i], owner, tile * (ROWS // gp) + owner, key, s_len, causal)
+            ok = _visible(bits_ref[b, kh, lo + i], owner, tile * (ROWS // gp) + owner, key, s_len, causal, window)
             pt = jnp.where(ok, jnp.exp(st - col(regs.vector(lse_smem.at[slot], 1))), 0.0)
             pt_smem[...] = pt.astype(pt_smem.dtype)
             plgpu.commit_smem()
@@ -446,10 +448,23 @@ class _Layout:
         """[B,S,K,X] -> [B,K,Sp,X]."""
         return jnp.transpose(pad_axis(x, 1, self.g.block_size), (0, 2, 1, 3))
 
-    def unions(self, block_idx):
-        g = self.g
-        idx = clean_block_idx(block_idx, block_size=g.block_size, s_len=g.s_len, causal=g.causal)
-        return union_blocks(pad_axis(idx, 1, ROWS // self.gp, value=-1), ROWS // self.gp, g.num_blocks)
+    def unions(self, block_idx, batch_heads, window=None):
+        """The tiles' block unions: of block_idx's lists, or with a window (block_idx None) of the
+        band each tile sees, positions t0..t0+R-1 seeing keys max(t0-w+1, 0)..min(t0+R-1, S-1):
+        consecutive blocks that every position 'picks' (all bits set) and the mask trims."""
+        g, r = self.g, ROWS // self.gp
+        if window is None:
+            idx = clean_block_idx(block_idx, block_size=g.block_size, s_len=g.s_len, causal=g.causal)
+            return union_blocks(pad_axis(idx, 1, r, value=-1), r, g.num_blocks)
+        t0 = jnp.arange(self.tiles, dtype=jnp.int32) * r
+        first, last = jnp.maximum(t0 - window + 1, 0), jnp.minimum(t0 + r, g.s_len) - 1  # visible keys
+        lo = first // g.block_size
+        hi = jnp.where(first <= last, last // g.block_size + 1, lo)
+        u = min(-(-(r + window - 1) // g.block_size) + 1, g.num_blocks)
+        slot = lo[:, None] + jnp.arange(u, dtype=jnp.int32)
+        blocks = jnp.where(slot < hi[:, None], slot, -1)
+        wide = lambda x: jnp.broadcast_to(x, (*batch_heads, *x.shape))
+        return wide(blocks), wide(jnp.full_like(blocks, -1)), wide(hi - lo)
 
     def scaled_q(self, q):
         return self.rows((q.astype(jnp.float32) * self.g.scale).astype(q.dtype))
@@ -476,12 +491,22 @@ def _call(body, out_type, grid, num_threads, scratch, args):
     )(*args[0])
 
 
-def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_sizes=BlockSizes()):
-    """-> (o [B,T,N,V], lse [B,K,T,G] float32 of the scaled scores)."""
+def interpret_params(interpret):
+    """interpret=True -> GPU interpret mode's parameters (simulated shared memory, TMA, barriers)."""
+    if not interpret or not isinstance(interpret, bool):
+        return interpret
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_sizes=BlockSizes(), window=None):
+    """-> (o [B,T,N,V], lse [B,K,T,G] float32 of the scaled scores). With ``window`` (block_idx
+    None): the sliding-window branch, as the selection of each tile's band of blocks."""
     b, _, n, h = q.shape
     kh, vd, bs = k.shape[2], v.shape[-1], g.block_size
     lay = _Layout.of(g)
-    blocks, bits, count = lay.unions(block_idx)
+    blocks, bits, count = lay.unions(block_idx, (b, kh), window)
     stages, dtype = block_sizes.stages, q.dtype
     scratch = (
         (
@@ -493,7 +518,8 @@ def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_
         (plgpu.Barrier(num_barriers=stages),) * 2,
     )
     body = functools.partial(
-        _fwd_kernel, gp=lay.gp, block_size=bs, s_len=g.s_len, causal=g.causal, stages=stages, interpret=bool(interpret)
+        _fwd_kernel, gp=lay.gp, block_size=bs, s_len=g.s_len, causal=g.causal, window=window, stages=stages,
+        interpret=bool(interpret),
     )
     rows = lay.t_pad * lay.gp
     o, lse = _call(
@@ -506,15 +532,17 @@ def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_
     return lay.unrows(o, n), lse
 
 
-def select_backward_mgpu(q, k, v, block_idx, out, lse, dout, g: Geometry, interpret=False, block_sizes=BlockSizes()):
+def select_backward_mgpu(
+    q, k, v, block_idx, out, lse, dout, g: Geometry, interpret=False, block_sizes=BlockSizes(), window=None
+):
     """lse [B,K,T,G] from select_forward_mgpu, dout [B,T,N,V] -> dq, dk, dv."""
     b, _, n, h = q.shape
     kh, vd, bs = k.shape[2], v.shape[-1], g.block_size
     lay = _Layout.of(g)
-    blocks, bits, count = lay.unions(block_idx)
+    blocks, bits, count = lay.unions(block_idx, (b, kh), window)
     stages, dtype = block_sizes.stages, q.dtype
-    statics = {"gp": lay.gp, "block_size": bs, "s_len": g.s_len, "causal": g.causal, "stages": stages,
-               "interpret": bool(interpret)}
+    statics = {"gp": lay.gp, "block_size": bs, "s_len": g.s_len, "causal": g.causal, "window": window,
+               "stages": stages, "interpret": bool(interpret)}
     qs, kp, vp, do = lay.scaled_q(q), lay.keys(k), lay.keys(v), lay.rows(dout)
     delta = lay.rows(jnp.einsum("btnv,btnv->btn", out.astype(jnp.float32), dout.astype(jnp.float32)))
     lse = pad_axis(pad_axis(lse, 2, lay.t_pad, value=jnp.inf), 3, lay.gp, value=jnp.inf)  # padded rows see nothing
@@ -572,3 +600,28 @@ def select_backward_mgpu(q, k, v, block_idx, out, lse, dout, g: Geometry, interp
     )
     unkeys = lambda x: jnp.transpose(x, (0, 2, 1, 3))[:, : g.s_len]
     return lay.unrows(dq, n), unkeys(dk), unkeys(dv)
+
+
+def sliding_window_attention_mgpu(q, k, v, *, window, scale=None, interpret=False, block_sizes=BlockSizes()):
+    """NSA's window branch on these kernels (the contract of sliding_window_attention): each
+    tile's band of 64-key blocks is its selection, the window mask makes it exact."""
+    g = Geometry.of(q, k, block_size=ROWS, causal=True, scale=scale, block_sizes=None)
+    return _window(q, k, v, g, int(window), interpret_params(interpret), block_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _window(q, k, v, g, window, interpret, block_sizes):
+    return select_forward_mgpu(q, k, v, None, g, interpret, block_sizes, window)[0]
+
+
+def _window_fwd(q, k, v, g, window, interpret, block_sizes):
+    out, lse = select_forward_mgpu(q, k, v, None, g, interpret, block_sizes, window)
+    return out, (q, k, v, out, lse)
+
+
+def _window_bwd(g, window, interpret, block_sizes, res, dout):
+    q, k, v, out, lse = res
+    return select_backward_mgpu(q, k, v, None, out, lse, dout, g, interpret, block_sizes, window)
+
+
+_window.defvjp(_window_fwd, _window_bwd)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.nsa import select_mgpu
 from pallas_kernels.nsa._band import Band, band_attention, to_keys, to_rows
 from pallas_kernels.nsa._index import online_softmax
 from pallas_kernels.nsa.select_gpu import MIN_DOT_ROWS, _pow2, _probs
@@ -37,6 +38,10 @@ class BlockSizes:
     block_k: int = 64  # keys per key tile; both powers of two, >= 16 compiled (Triton's dots)
     num_warps: int = 4
     num_stages: int = 2
+    # "mosaic": select_mgpu's Hopper kernels (each tile's band as its block selection) where they
+    # take the inputs, else these. Opt-in until a lent H100 has compiled and timed them.
+    backend: str = "triton"
+    mosaic: select_mgpu.BlockSizes = select_mgpu.BlockSizes()
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, band: Band):
@@ -192,6 +197,10 @@ _window = band_attention(_layout, _forward, _backward)
 
 def sliding_window_attention_gpu(q, k, v, *, window, scale=None, interpret=False, block_sizes=BlockSizes()):
     """GPU-style sliding-window attention; same contract as sliding_window_reference."""
+    if block_sizes.backend == "mosaic" and not select_mgpu.supports(q, k, v, select_mgpu.ROWS, block_sizes.mosaic):
+        return select_mgpu.sliding_window_attention_mgpu(
+            q, k, v, window=window, scale=scale, interpret=interpret, block_sizes=block_sizes.mosaic
+        )
     gp = _pow2(q.shape[2] // k.shape[2])
     rows = max(block_sizes.block_q, gp)
     band = Band.of(

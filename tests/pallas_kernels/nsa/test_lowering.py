@@ -19,6 +19,7 @@ from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
 from pallas_kernels.nsa.compressed_tpu import compressed_attention_tpu
 from pallas_kernels.nsa.select_gpu import BlockSizes, select_attention_gpu
 from pallas_kernels.nsa.select_tpu import select_attention_tpu
+from pallas_kernels.nsa.window_gpu import BlockSizes as WindowBlockSizes
 from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
 from pallas_kernels.nsa.window_tpu import sliding_window_attention_tpu
 
@@ -50,6 +51,7 @@ CASES = {  # name: (platform, kernel, keys: the sequence's or its compressed blo
     "select_mosaic_gpu": ("cuda", _select(functools.partial(select_attention_gpu, block_sizes=BlockSizes(backend="mosaic"))), T),
     "window_gpu": ("cuda", _window(sliding_window_attention_gpu), T),
     "window_tpu": ("tpu", _window(sliding_window_attention_tpu), T),
+    "window_mosaic_gpu": ("cuda", _window(functools.partial(sliding_window_attention_gpu, block_sizes=WindowBlockSizes(backend="mosaic"))), T),
     "compressed_gpu": ("cuda", _compressed(compressed_attention_gpu), (T - 32) // 16 + 1),
     "compressed_tpu": ("tpu", _compressed(compressed_attention_tpu), (T - 32) // 16 + 1),
 }

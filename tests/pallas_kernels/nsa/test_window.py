@@ -21,6 +21,7 @@ from pallas_kernels.nsa.window_gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.nsa.window_tpu import BlockSizes, sliding_window_attention_tpu
 
 FWD_TOL, GRAD_TOL = 2e-3, 5e-3
+BF16_TOL = (1e-2, 1.5e-2)  # measured 2.8e-3 / 3.4e-3: bf16 rounding of p and the output
 
 
 def _rel(a, b):
@@ -36,7 +37,7 @@ def _inputs(seed, b, t, n, kh, h, vd, s=None):
     return [jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in shapes]
 
 
-def _check(kernel, q, k, v, do, window, scale=None):
+def _check(kernel, q, k, v, do, window, scale=None, tol=(FWD_TOL, GRAD_TOL)):
     @jax.jit
     def run(q, k, v):
         out, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, window=window, scale=scale), q, k, v)
@@ -52,10 +53,10 @@ def _check(kernel, q, k, v, do, window, scale=None):
         want, want_grads = reference(*[jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v, do)])
         want, want_grads = np.asarray(want), [np.asarray(g) for g in want_grads]
     assert out.shape == want.shape and out.dtype == q.dtype
-    assert _rel(out, want) < FWD_TOL, ("forward", _rel(out, want))
+    assert _rel(out, want) < tol[0], ("forward", _rel(out, want))
     for name, g, w in zip("qkv", grads, want_grads):
         assert g.shape == w.shape
-        assert _rel(g, w) < GRAD_TOL, (f"d{name}", _rel(g, w))
+        assert _rel(g, w) < tol[1], (f"d{name}", _rel(g, w))
 
 
 def _gpu_style(tq, bk, g):
@@ -154,6 +155,27 @@ def test_sweep(make, g, h, vd, tq, bk, w, t, s):
     _check(make(tq, bk, g), q, k, v, do, w)
 
 
+def _bf16(xs):
+    return [x.astype(jnp.bfloat16) for x in xs]
+
+
+# the Hopper kernels (select_mgpu: each tile's band as its block selection) in GPU interpret mode
+MOSAIC = functools.partial(sliding_window_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(backend="mosaic"))
+
+
+def test_mosaic_bf16_window_across_blocks():
+    # G=1 pads to Gp=2 -> 32 positions a tile; w=40 spans two 64-key blocks for most tiles;
+    # T=100 leaves a partial tile, S=90 a partial block and a tile that starts past the keys.
+    q, k, v, do = _bf16(_inputs(11, 1, 100, 2, 2, 64, 64, s=90))
+    _check(MOSAIC, q, k, v, do, 40, tol=BF16_TOL)
+
+
+@pytest.mark.slow
+def test_mosaic_bf16_gqa4_long_window_fewer_keys():
+    q, k, v, do = _bf16(_inputs(12, 1, 150, 8, 2, 128, 128, s=130))
+    _check(MOSAIC, q, k, v, do, 100, scale=0.3, tol=BF16_TOL)
+
+
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 
@@ -166,3 +188,12 @@ needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a G
 def test_compiled_gpu(g, h, vd, w, t):
     q, k, v, do = _inputs(g * 7 + w, 2, t, 2 * g, 2, h, vd)
     _check(sliding_window_attention_gpu, q, k, v, do, w)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("g", "h", "w", "t"), [(1, 64, 100, 300), (4, 128, 512, 4100), (16, 128, 512, 2000)])
+def test_compiled_mosaic(g, h, w, t):
+    q, k, v, do = _bf16(_inputs(g * 7 + w, 2, t, 2 * g, 2, h, h))
+    kernel = functools.partial(sliding_window_attention_gpu, block_sizes=GpuBlockSizes(backend="mosaic"))
+    _check(kernel, q, k, v, do, w, tol=BF16_TOL)
