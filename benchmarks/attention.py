@@ -8,7 +8,8 @@ flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); `nsa_layer` runs
 selected-block kernel (`pallas_kernels.nsa.select_attention`), cuDNN's sliding window and the
 compressed branch in XLA, `nsa_layer_kernels` all three Pallas kernels; each branch is also
 timed alone, kernel vs XLA/cuDNN (`nsa_compressed_*` includes the compression MLPs and the
-top-n), and `nsa_selected_mosaic` is the selected branch with its Hopper (Mosaic GPU) kernels. On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
+top-n), and `nsa_selected_mosaic` / `nsa_window_mosaic` are those branches on the Hopper
+(Mosaic GPU) kernels. On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
 plain-JAX NSA (`nsa_forward`: gathered selected blocks, banded window). Each number is the best
 of --repeats timed runs after a compile run; FLOP counts are analytic (matmuls only, causal
 halves).
@@ -35,6 +36,8 @@ from pallas_kernels.nsa import reference as R
 from pallas_kernels.nsa._index import clean_block_idx
 from pallas_kernels.nsa.select_gpu import BlockSizes as SelectBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
+from pallas_kernels.nsa.window_gpu import BlockSizes as WindowBlockSizes
+from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
 
 
 def timed(fn, *args, repeats):
@@ -150,6 +153,9 @@ def main():
             cases["nsa_selected_mosaic"] = lambda q, k, v, idx: select_attention_gpu(
                 q, k, v, idx, block_size=shape.select_block, block_sizes=SelectBlockSizes(backend="mosaic")
             )
+            cases["nsa_window_mosaic"] = lambda q, k, v, idx: sliding_window_attention_gpu(
+                q, k, v, window=shape.window, block_sizes=WindowBlockSizes(backend="mosaic")
+            )
         else:
             cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
             cases["nsa_selected_gathered"] = lambda q, k, v, idx: R.select_attention_gathered(
@@ -209,9 +215,10 @@ def main():
                 a, c = ms.get(f"{dense}/{kind}"), ms.get(f"{nsa}/{kind}")
                 if isinstance(a, float) and isinstance(c, float):
                     print(f"  {kind:8s} {dense} / {nsa} = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
-            a, c = ms.get(f"nsa_selected_kernel/{kind}"), ms.get(f"nsa_selected_mosaic/{kind}")
-            if isinstance(a, float) and isinstance(c, float):
-                print(f"  {kind:8s} selected branch Triton / Mosaic GPU = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
+            for branch in ("selected", "window"):
+                a, c = ms.get(f"nsa_{branch}_kernel/{kind}"), ms.get(f"nsa_{branch}_mosaic/{kind}")
+                if isinstance(a, float) and isinstance(c, float):
+                    print(f"  {kind:8s} {branch} branch Triton / Mosaic GPU = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
             a, c = ms.get(f"nsa_compressed_xla/{kind}"), ms.get(f"nsa_compressed_kernel/{kind}")
             if isinstance(a, float) and isinstance(c, float):
                 print(f"  {kind:8s} compressed branch XLA / kernel = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")

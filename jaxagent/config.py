@@ -50,9 +50,10 @@ class NSAConfig:
     # compressed branch with block scoring; "xla" none. On CPU kernels run interpreted (slow:
     # for checks).
     kernels: Literal["auto", "xla", "select", "all"] = "auto"
-    # GPU selected-branch kernels: Triton, or Mosaic GPU for Hopper (TMA + wgmma; bf16, head dims
-    # of 64/128, blocks of 64; else, and before Hopper, Triton). Not yet compiled on hardware.
-    gpu_select: Literal["triton", "mosaic"] = "triton"
+    # GPU kernels of the selected and window branches: Triton, or Mosaic GPU for Hopper (TMA +
+    # wgmma; bf16, head dims of 64/128, selection blocks of 64; else, and before Hopper, Triton).
+    # Not yet compiled on hardware.
+    gpu_kernels: Literal["triton", "mosaic"] = "triton"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ from pallas_kernels.nsa import (
 from pallas_kernels.nsa import reference as nsa_ref
 from pallas_kernels.nsa.select_gpu import BlockSizes as SelectGpuBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
+from pallas_kernels.nsa.window_gpu import BlockSizes as WindowGpuBlockSizes
+from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
 
 _BTD = ("batch", "length", "embed")  # logical names of the residual stream
 
@@ -174,7 +176,7 @@ def _is_hopper(device) -> bool:
         return False
 
 
-def nsa_kernels(kernels: str, gpu_select: str):
+def nsa_kernels(kernels: str, gpu_kernels: str):
     """(select_fn, window_fn, compressed_fn) for nsa_forward, per `model.nsa.kernels`; None is
     the branch's plain-XLA form. Decided at trace time, from the backend."""
     backend = jax.default_backend()
@@ -185,17 +187,15 @@ def nsa_kernels(kernels: str, gpu_select: str):
         return None, None, None
     interpret = not on_accelerator
     if backend == "gpu":
-        select_backend = gpu_select if _is_hopper(jax.devices()[0]) else "triton"
-        select = functools.partial(select_attention_gpu, block_sizes=SelectGpuBlockSizes(backend=select_backend))
+        gpu = gpu_kernels if _is_hopper(jax.devices()[0]) else "triton"
+        select = functools.partial(select_attention_gpu, block_sizes=SelectGpuBlockSizes(backend=gpu))
+        window = functools.partial(sliding_window_attention_gpu, block_sizes=WindowGpuBlockSizes(backend=gpu))
     else:
         select = functools.partial(select_attention, interpret=interpret)
+        window = functools.partial(sliding_window_attention, interpret=interpret)
     if kernels == "select":
         return select, None, None
-    return (
-        select,
-        functools.partial(sliding_window_attention, interpret=interpret),
-        functools.partial(compressed_attention, interpret=interpret),
-    )
+    return select, window, functools.partial(compressed_attention, interpret=interpret)
 
 
 class NSA(nnx.Module):
@@ -211,7 +211,7 @@ class NSA(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.shape = nsa_shape(cfg)
-        self.kernels = (cfg.nsa.kernels, cfg.nsa.gpu_select)
+        self.kernels = (cfg.nsa.kernels, cfg.nsa.gpu_kernels)
         l, h, n, pd = self.shape.compress_block, cfg.head_dim, cfg.num_heads, cfg.param_dtype
 
         def mlp():

@@ -195,7 +195,7 @@ def _stream_blocks(refs, smem, loaded, free, blocks_ref, ids, count, block_size,
 
     def fetch(u, slot):
         keys = pl.ds(blocks_ref[b, kh, tile, u] * block_size, block_size)
-        for ref, buf, bar in zip(refs, smem, loaded):
+        for ref, buf, bar in zip(refs, smem, loaded, strict=True):
             plgpu.copy_gmem_to_smem(ref.at[b, kh, keys], buf.at[slot], bar.at[slot])
 
     _stream(count, stages, fetch, free)

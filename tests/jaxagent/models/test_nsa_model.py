@@ -51,7 +51,7 @@ def test_kernels_config_runs_the_pallas_branches():
 
 
 def test_mosaic_kernels_only_from_hopper_on():
-    """`model.nsa.gpu_select: mosaic` needs wgmma and TMA; older GPUs and ROCm keep Triton."""
+    """`model.nsa.gpu_kernels: mosaic` needs wgmma and TMA; older GPUs and ROCm keep Triton."""
     from types import SimpleNamespace
 
     from jaxagent.models.llama import _is_hopper
