@@ -113,7 +113,8 @@ class Band:
 
 def to_rows(x, kh, band: Band, d):
     """[B,T,N,*] -> [B,K,Tp*groups,d]: each kv group's query rows, query-major, zero-padded
-    (T to whole tiles, the group to ``groups`` heads, the head dim to d)."""
+    (T to whole tiles, the group to ``groups`` heads, the head dim to d). These helpers read only
+    band.tq, band.groups and band.bk (select_mgpu's layout passes its own)."""
     b, t, n, _ = x.shape
     x = x.reshape(b, t, kh, n // kh, -1)
     x = pad_axis(pad_axis(pad_axis(x, 1, band.tq), 3, band.groups), 4, d)

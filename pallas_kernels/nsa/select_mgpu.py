@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.nsa._band import from_keys, from_rows, to_keys, to_rows
 from pallas_kernels.nsa._index import (
     Geometry,
     clean_block_idx,
@@ -415,44 +416,49 @@ def _sum_kernel(dk_part_ref, dv_part_ref, first_ref, count_ref, dk_ref, dv_ref, 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """The row layout [B,K,Tp*Gp,.] (a tile = 64 contiguous rows: R positions x Gp heads), the
-    padded key layout [B,K,Sp,.] (a block = one TMA box) and the tiles' block unions."""
+    padded key layout [B,K,Sp,.] (a block = one TMA box) and the tiles' block unions. The
+    layouts are _band's: this has the tq (R), groups (Gp) and bk (block) its helpers read."""
 
     g: Geometry
-    gp: int
-    t_pad: int
+    groups: int  # Gp
 
     @classmethod
     def of(cls, g: Geometry):
-        gp = group_rows(g.groups)
-        return cls(g, gp, -(-g.t_len // (ROWS // gp)) * (ROWS // gp))
+        return cls(g, group_rows(g.groups))
+
+    @property
+    def tq(self):
+        return ROWS // self.groups
+
+    @property
+    def bk(self):
+        return self.g.block_size
+
+    @property
+    def t_pad(self):
+        return -(-self.g.t_len // self.tq) * self.tq
 
     @property
     def tiles(self):
-        return self.t_pad * self.gp // ROWS
+        return self.t_pad // self.tq
 
-    def rows(self, x, pad=0):
-        """[B,T,N,...] -> [B,K,Tp*Gp,...]."""
-        b, t, n = x.shape[:3]
-        x = x.reshape(b, t, n // self.g.groups, self.g.groups, *x.shape[3:])
-        x = pad_axis(pad_axis(x, 1, self.t_pad, value=pad), 3, self.gp, value=pad)
-        x = jnp.moveaxis(x, 2, 1)
-        return x.reshape(b, x.shape[1], self.t_pad * self.gp, *x.shape[4:])
+    def rows(self, x):
+        """[B,T,N,X] -> [B,K,Tp*Gp,X], zero-padded."""
+        return to_rows(x, x.shape[2] // self.g.groups, self, x.shape[-1])
 
     def unrows(self, x, n):
-        """[B,K,Tp*Gp,...] -> [B,T,N,...]."""
-        b, kh = x.shape[:2]
-        x = x.reshape(b, kh, self.t_pad, self.gp, *x.shape[3:])[:, :, : self.g.t_len, : self.g.groups]
-        return jnp.moveaxis(x, 1, 2).reshape(b, self.g.t_len, n, *x.shape[4:])
+        """[B,K,Tp*Gp,X] -> [B,T,N,X]."""
+        return from_rows(x, self, (x.shape[0], self.g.t_len, n, x.shape[-1]))
 
     def keys(self, x):
-        """[B,S,K,X] -> [B,K,Sp,X]."""
-        return jnp.transpose(pad_axis(x, 1, self.g.block_size), (0, 2, 1, 3))
+        """[B,S,K,X] -> [B,K,Sp,X], zero-padded to whole blocks."""
+        return to_keys(x, self, x.shape[-1])
 
     def unions(self, block_idx, batch_heads, window=None):
         """The tiles' block unions: of block_idx's lists, or with a window (block_idx None) of the
         band each tile sees, positions t0..t0+R-1 seeing keys max(t0-w+1, 0)..min(t0+R-1, S-1):
         consecutive blocks that every position 'picks' (all bits set) and the mask trims."""
-        g, r = self.g, ROWS // self.gp
+        g, r = self.g, self.tq
         if window is None:
             idx = clean_block_idx(block_idx, block_size=g.block_size, s_len=g.s_len, causal=g.causal)
             return union_blocks(pad_axis(idx, 1, r, value=-1), r, g.num_blocks)
@@ -518,17 +524,17 @@ def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_
         (plgpu.Barrier(num_barriers=stages),) * 2,
     )
     body = functools.partial(
-        _fwd_kernel, gp=lay.gp, block_size=bs, s_len=g.s_len, causal=g.causal, window=window, stages=stages,
+        _fwd_kernel, gp=lay.groups, block_size=bs, s_len=g.s_len, causal=g.causal, window=window, stages=stages,
         interpret=bool(interpret),
     )
-    rows = lay.t_pad * lay.gp
+    rows = lay.t_pad * lay.groups
     o, lse = _call(
         body,
         (jax.ShapeDtypeStruct((b, kh, rows, vd), dtype), jax.ShapeDtypeStruct((b, kh, rows), jnp.float32)),
         (lay.tiles, kh, b), 2, scratch,
         ((lay.scaled_q(q), lay.keys(k), lay.keys(v), blocks, bits, count), interpret),
     )
-    lse = lse.reshape(b, kh, lay.t_pad, lay.gp)[:, :, : g.t_len, : g.groups]
+    lse = lse.reshape(b, kh, lay.t_pad, lay.groups)[:, :, : g.t_len, : g.groups]
     return lay.unrows(o, n), lse
 
 
@@ -541,12 +547,12 @@ def select_backward_mgpu(
     lay = _Layout.of(g)
     blocks, bits, count = lay.unions(block_idx, (b, kh), window)
     stages, dtype = block_sizes.stages, q.dtype
-    statics = {"gp": lay.gp, "block_size": bs, "s_len": g.s_len, "causal": g.causal, "window": window,
+    statics = {"gp": lay.groups, "block_size": bs, "s_len": g.s_len, "causal": g.causal, "window": window,
                "stages": stages, "interpret": bool(interpret)}
     qs, kp, vp, do = lay.scaled_q(q), lay.keys(k), lay.keys(v), lay.rows(dout)
-    delta = lay.rows(jnp.einsum("btnv,btnv->btn", out.astype(jnp.float32), dout.astype(jnp.float32)))
-    lse = pad_axis(pad_axis(lse, 2, lay.t_pad, value=jnp.inf), 3, lay.gp, value=jnp.inf)  # padded rows see nothing
-    lse = lse.reshape(b, kh, lay.t_pad * lay.gp)
+    delta = lay.rows(jnp.einsum("btnv,btnv->btn", out.astype(jnp.float32), dout.astype(jnp.float32))[..., None])[..., 0]
+    lse = pad_axis(pad_axis(lse, 2, lay.t_pad, value=jnp.inf), 3, lay.groups, value=jnp.inf)  # padded rows see nothing
+    lse = lse.reshape(b, kh, lay.t_pad * lay.groups)
     transposed = lambda *shapes: tuple(_smem(s, dtype) if interpret else None for s in shapes)
 
     scratch = (
@@ -598,8 +604,7 @@ def select_backward_mgpu(
         (g.num_blocks, kh, b), 1, scratch,
         ((dk_part, dv_part, seg_first, seg_count), interpret),
     )
-    unkeys = lambda x: jnp.transpose(x, (0, 2, 1, 3))[:, : g.s_len]
-    return lay.unrows(dq, n), unkeys(dk), unkeys(dv)
+    return lay.unrows(dq, n), from_keys(dk, k.shape), from_keys(dv, v.shape)
 
 
 def sliding_window_attention_mgpu(q, k, v, *, window, scale=None, interpret=False, block_sizes=BlockSizes()):
