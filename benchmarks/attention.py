@@ -8,8 +8,8 @@ flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); `nsa_layer` runs
 selected-block kernel (`pallas_kernels.nsa.select_attention`), cuDNN's sliding window and the
 compressed branch in XLA, `nsa_layer_kernels` all three Pallas kernels; each branch is also
 timed alone, kernel vs XLA/cuDNN (`nsa_compressed_*` includes the compression MLPs and the
-top-n), and `nsa_selected_mosaic` / `nsa_window_mosaic` are those branches on the Hopper
-(Mosaic GPU) kernels. On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
+top-n), and `nsa_selected_mosaic` / `nsa_window_mosaic` / `nsa_compressed_mosaic` are those
+branches on the Hopper (Mosaic GPU) kernels, `nsa_layer_mosaic` all three. On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
 plain-JAX NSA (`nsa_forward`: gathered selected blocks, banded window). Each number is the best
 of --repeats timed runs after a compile run; FLOP counts are analytic (matmuls only, causal
 halves).
@@ -18,6 +18,7 @@ halves).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -34,6 +35,8 @@ from pallas_kernels.nsa import (
 )
 from pallas_kernels.nsa import reference as R
 from pallas_kernels.nsa._index import clean_block_idx
+from pallas_kernels.nsa.compressed_gpu import BlockSizes as CompressedBlockSizes
+from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
 from pallas_kernels.nsa.select_gpu import BlockSizes as SelectBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
 from pallas_kernels.nsa.window_gpu import BlockSizes as WindowBlockSizes
@@ -153,9 +156,15 @@ def main():
             cases["nsa_selected_mosaic"] = lambda q, k, v, idx: select_attention_gpu(
                 q, k, v, idx, block_size=shape.select_block, block_sizes=SelectBlockSizes(backend="mosaic")
             )
-            cases["nsa_window_mosaic"] = lambda q, k, v, idx: sliding_window_attention_gpu(
-                q, k, v, window=shape.window, block_sizes=WindowBlockSizes(backend="mosaic")
-            )
+            mosaic = {
+                "select_fn": functools.partial(select_attention_gpu, block_sizes=SelectBlockSizes(backend="mosaic")),
+                "window_fn": functools.partial(sliding_window_attention_gpu, block_sizes=WindowBlockSizes(backend="mosaic")),
+                "compressed_fn": functools.partial(compressed_attention_gpu, block_sizes=CompressedBlockSizes(backend="mosaic")),
+            }
+            cases["nsa_selected_mosaic"] = lambda q, k, v, idx: mosaic["select_fn"](q, k, v, idx, block_size=shape.select_block)
+            cases["nsa_window_mosaic"] = lambda q, k, v, idx: mosaic["window_fn"](q, k, v, window=shape.window)
+            cases["nsa_compressed_mosaic"] = lambda q, k, v, idx: compressed(q, k, v, mosaic["compressed_fn"])
+            cases["nsa_layer_mosaic"] = lambda q, k, v, idx: R.nsa_forward(q, k, v, params, shape, **mosaic)
         else:
             cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
             cases["nsa_selected_gathered"] = lambda q, k, v, idx: R.select_attention_gathered(
@@ -211,11 +220,11 @@ def main():
         print(f"  selected-branch key/value block loads, one per position's pick / one per tile union "
               f"(R={loads['positions_per_tile']}) = {loads['ratio']:.2f}x")
         for kind in ("fwd", "fwd+bwd"):
-            for nsa in ("nsa_selected_kernel", "nsa_selected_gathered", "nsa_layer", "nsa_layer_kernels"):
+            for nsa in ("nsa_selected_kernel", "nsa_selected_gathered", "nsa_layer", "nsa_layer_kernels", "nsa_layer_mosaic"):
                 a, c = ms.get(f"{dense}/{kind}"), ms.get(f"{nsa}/{kind}")
                 if isinstance(a, float) and isinstance(c, float):
                     print(f"  {kind:8s} {dense} / {nsa} = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
-            for branch in ("selected", "window"):
+            for branch in ("selected", "window", "compressed"):
                 a, c = ms.get(f"nsa_{branch}_kernel/{kind}"), ms.get(f"nsa_{branch}_mosaic/{kind}")
                 if isinstance(a, float) and isinstance(c, float):
                     print(f"  {kind:8s} {branch} branch Triton / Mosaic GPU = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")

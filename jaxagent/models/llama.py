@@ -35,6 +35,7 @@ from pallas_kernels.nsa import (
     sliding_window_attention,
 )
 from pallas_kernels.nsa import reference as nsa_ref
+from pallas_kernels.nsa.compressed_gpu import BlockSizes as CompressedGpuBlockSizes
 from pallas_kernels.nsa.select_gpu import BlockSizes as SelectGpuBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
 from pallas_kernels.nsa.window_gpu import BlockSizes as WindowGpuBlockSizes
@@ -186,16 +187,18 @@ def nsa_kernels(kernels: str, gpu_kernels: str):
     if kernels == "xla":
         return None, None, None
     interpret = not on_accelerator
+    compressed = functools.partial(compressed_attention, interpret=interpret)
     if backend == "gpu":
         gpu = gpu_kernels if _is_hopper(jax.devices()[0]) else "triton"
         select = functools.partial(select_attention_gpu, block_sizes=SelectGpuBlockSizes(backend=gpu))
         window = functools.partial(sliding_window_attention_gpu, block_sizes=WindowGpuBlockSizes(backend=gpu))
+        compressed = functools.partial(compressed, block_sizes=CompressedGpuBlockSizes(backend=gpu))
     else:
         select = functools.partial(select_attention, interpret=interpret)
         window = functools.partial(sliding_window_attention, interpret=interpret)
     if kernels == "select":
         return select, None, None
-    return select, window, functools.partial(compressed_attention, interpret=interpret)
+    return select, window, compressed
 
 
 class NSA(nnx.Module):

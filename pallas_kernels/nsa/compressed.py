@@ -11,14 +11,17 @@ from pallas_kernels.nsa.compressed_tpu import compressed_attention_tpu
 from pallas_kernels.nsa.reference import NSAShape
 
 
-def compressed_attention(q, k_cmp, v_cmp, *, shape: NSAShape, num_select_blocks, scale=None, interpret=False):
+def compressed_attention(
+    q, k_cmp, v_cmp, *, shape: NSAShape, num_select_blocks, scale=None, interpret=False, block_sizes=None
+):
     """q[B,T,N,H], k_cmp[B,C,K,H], v_cmp[B,C,K,V] -> (o [B,T,N,V], importance [B,T,K,P]).
 
     Query t attends to the compressed blocks i with i*d + l - 1 <= t (eq. 7; none: zeros) and
     reports, per selection block j < P = num_select_blocks, its probabilities mapped by eq. 9
     and summed over its GQA group (eq. 10), the input of the top-n (``reference.top_blocks``).
     Differentiable in q, k_cmp, v_cmp through o; the importance takes no gradient. TPU runs the
-    Mosaic kernels, anything else the GPU-style ones (``interpret=True`` on CPU).
+    Mosaic kernels, anything else the GPU-style ones (``interpret=True`` on CPU); ``block_sizes``
+    is that kernel file's BlockSizes (None: its default).
     """
     if q.ndim != 4 or k_cmp.ndim != 4 or v_cmp.ndim != 4:
         raise ValueError(f"compressed_attention: q, k_cmp, v_cmp must be 4-D, got {q.shape}, {k_cmp.shape}, {v_cmp.shape}")
@@ -33,4 +36,5 @@ def compressed_attention(q, k_cmp, v_cmp, *, shape: NSAShape, num_select_blocks,
     if k_cmp.shape[1] == 0:  # shorter than one compression block: nothing to attend to
         return jnp.zeros((b, t, n, v_cmp.shape[-1]), q.dtype), jnp.zeros((b, t, kh, num_select_blocks), jnp.float32)
     kernel = compressed_attention_tpu if jax.default_backend() == "tpu" else compressed_attention_gpu
-    return kernel(q, k_cmp, v_cmp, shape=shape, num_select_blocks=num_select_blocks, scale=scale, interpret=interpret)
+    tiles = {} if block_sizes is None else {"block_sizes": block_sizes}
+    return kernel(q, k_cmp, v_cmp, shape=shape, num_select_blocks=num_select_blocks, scale=scale, interpret=interpret, **tiles)

@@ -27,8 +27,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.nsa import compressed_mgpu
 from pallas_kernels.nsa._band import Band, band_attention
-from pallas_kernels.nsa.reference import NSAShape, eq9_weight
+from pallas_kernels.nsa._scoring import Scoring, eq9_tile_weights, group_selector
+from pallas_kernels.nsa.reference import NSAShape
 from pallas_kernels.nsa.select_gpu import MIN_DOT_ROWS, _pow2
 from pallas_kernels.nsa.window_gpu import _backward, _forward, _layout, _params
 
@@ -39,50 +41,10 @@ class BlockSizes:
     block_k: int = 64  # compressed blocks per tile: a multiple of l'/d; bk / (l'/d) >= 16 compiled
     num_warps: int = 8
     num_stages: int = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Scoring:
-    """Static eq. 9 geometry of one call."""
-
-    shape: NSAShape
-    num_blocks: int  # P selection blocks
-    heads: int  # G real query heads per kv group (rows past them pad the group)
-
-    @property
-    def ratio(self):  # compressed blocks per selection block
-        return self.shape.select_block // self.shape.compress_stride
-
-    def check_tile(self, bk):
-        """bk compressed blocks per tile must hold whole selection blocks and reach back over the
-        l/d - 1 blocks that spill into the next tile."""
-        if bk % self.ratio or bk < self.shape.compress_block // self.shape.compress_stride:
-            raise ValueError(
-                f"compressed_attention: block_k={bk} must be a multiple of select_block / compress_stride "
-                f"= {self.ratio} and at least compress_block / compress_stride"
-            )
-        return bk
-
-    def tiles(self, bk):
-        """(selection blocks per compressed tile, compressed tiles covering all P blocks)."""
-        per = bk // self.ratio
-        return per, -(-self.num_blocks // per)
-
-
-def eq9_tile_weights(scoring: Scoring, bk, previous):
-    """[bk, bk / (l'/d)] weights of a tile's compressed blocks (or, previous=True, of the previous
-    tile's) in the tile's selection blocks."""
-    per = bk // scoring.ratio
-    i = jax.lax.broadcasted_iota(jnp.int32, (bk, per), 0) - (bk if previous else 0)
-    j = jax.lax.broadcasted_iota(jnp.int32, (bk, per), 1)
-    return eq9_weight(i - scoring.ratio * j, scoring.shape).astype(jnp.float32)
-
-
-def group_selector(band: Band, heads):
-    """[tq, R] 0/1: row r is a real head (of the first ``heads``) of position r // groups."""
-    t = jax.lax.broadcasted_iota(jnp.int32, (band.tq, band.rows), 0)
-    r = jax.lax.broadcasted_iota(jnp.int32, (band.tq, band.rows), 1)
-    return ((r >= t * band.groups) & (r < t * band.groups + heads)).astype(jnp.float32)
+    # "mosaic": compressed_mgpu's Hopper kernels where they take the inputs, else these. Opt-in
+    # until a lent H100 has compiled and timed them.
+    backend: str = "triton"
+    mosaic: compressed_mgpu.BlockSizes = compressed_mgpu.DEFAULT
 
 
 def _scores_kernel(q_ref, k_ref, lse_ref, out_ref, *, band: Band, scoring: Scoring):
@@ -145,6 +107,11 @@ def compressed_attention_gpu(
     q, k_cmp, v_cmp, *, shape: NSAShape, num_select_blocks, scale=None, interpret=False, block_sizes=BlockSizes()
 ):
     """GPU-style compressed branch; same contract as compressed_attention_reference (offset 0)."""
+    if block_sizes.backend == "mosaic" and compressed_mgpu.compressed_supports(q, k_cmp, v_cmp, shape, block_sizes.mosaic) is None:
+        return compressed_mgpu.compressed_attention_mgpu(
+            q, k_cmp, v_cmp, shape=shape, num_select_blocks=num_select_blocks, scale=scale, interpret=interpret,
+            block_sizes=block_sizes.mosaic,
+        )
     scoring = Scoring(shape, int(num_select_blocks), q.shape[2] // k_cmp.shape[2])
     gp = _pow2(q.shape[2] // k_cmp.shape[2])
     rows = max(block_sizes.block_q, MIN_DOT_ROWS * gp)

@@ -24,10 +24,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.nsa._band import Band, band_attention
-from pallas_kernels.nsa.compressed_gpu import Scoring, eq9_tile_weights, group_selector
+from pallas_kernels.nsa._scoring import Scoring, eq9_tile_weights, group_selector
 from pallas_kernels.nsa.reference import NSAShape
 from pallas_kernels.nsa.select_tpu import _interpret
-from pallas_kernels.nsa.window_tpu import _backward, _forward, _layout, _mask, _params, _tiles
+from pallas_kernels.nsa.window_tpu import (
+    _backward,
+    _forward,
+    _layout,
+    _mask,
+    _params,
+    _tiles,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,9 @@ warpgroup streams the union's key/value blocks through ``stages`` shared-memory 
 while the compute warpgroup runs the online softmax over them; dQ walks the same unions. dK/dV
 invert them: for each key block, the tiles whose union holds it (CSR), cut into segments of at
 most ``dkdv_tiles`` whose partial sums a last kernel adds in order (deterministic, no atomics).
-Transposed products (S^T = K Q^T, dP^T = V dO^T) keep every wgmma at 64 rows.
+Transposed products (S^T = K Q^T, dP^T = V dO^T) keep every wgmma at 64 rows. The window and
+the compressed branch (compressed_mgpu) run on the same kernels: a band's tiles take the key
+blocks they see as their selection, and ``_band.Band.visible`` as their mask.
 
 Letters: B batch, T query time, K kv heads, G heads per kv head (Gp padded to a power of two),
 H key head dim, V value head dim, J selected-block slots, R positions per tile, U union slots.
@@ -27,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.nsa._band import from_keys, from_rows, to_keys, to_rows
+from pallas_kernels.nsa._band import Band, band_attention, from_keys, from_rows, to_keys, to_rows
 from pallas_kernels.nsa._index import (
     Geometry,
     clean_block_idx,
@@ -156,12 +158,15 @@ class _Regs:
         return self.load(ref, plgpu.Layout.WGMMA.reduce(1 - axis))
 
 
-def _visible(bits, owner, pos, key, s_len, causal, window):
-    """Tile row of position `pos` (the tile's `owner`-th) may see key `key` of a union block
-    (within the last `window` positions, when there is a window)."""
+def _visible(bits, row, key, tile, *, gp, s_len, causal, band):
+    """Row `row` of tile `tile` may see key `key`: with a selection (band None), a key of a block
+    its position picked (bit row // Gp of the union slot's bits); with a band (the window or the
+    compressed keys, all bits set), the band's positional rule."""
+    if band is not None:
+        return band.visible(row, key, tile * band.tq)
+    owner = lax.shift_right_logical(row, gp.bit_length() - 1)
     ok = ((lax.shift_right_logical(bits, owner) & 1) == 1) & (key < s_len)
-    ok = ok & (key <= pos) if causal else ok
-    return ok if window is None else ok & (key > pos - window)
+    return ok & (key <= tile * (ROWS // gp) + owner) if causal else ok
 
 
 def _grid_ids():
@@ -204,7 +209,7 @@ def _stream_blocks(refs, smem, loaded, free, blocks_ref, ids, count, block_size,
 
 def _fwd_kernel(
     q_ref, k_ref, v_ref, blocks_ref, bits_ref, count_ref, o_ref, lse_ref, scoped,
-    *, gp, block_size, s_len, causal, window, stages, interpret,
+    *, block_size, stages, interpret, mask,
 ):
     (q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, kt), (q_bar, k_bar, v_bar), (k_free, v_free) = scoped
     b, kh, tile = _grid_ids()
@@ -217,9 +222,7 @@ def _fwd_kernel(
         plgpu.barrier_wait(q_bar)
         regs = _Regs(interpret)
         shape = (ROWS, block_size)
-        owner = lax.shift_right_logical(regs.iota(shape, 0), gp.bit_length() - 1)  # row // Gp
-        pos = tile * (ROWS // gp) + owner
-        col = regs.iota(shape, 1)
+        row, col = regs.iota(shape, 0), regs.iota(shape, 1)
         wide = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
         def step(u, carry):
@@ -229,7 +232,7 @@ def _fwd_kernel(
             plgpu.barrier_wait(k_bar.at[slot])
             s = _mma(shape, q_smem, k_smem.at[slot], transpose_b=True, scratch=kt)  # [R*Gp,bs]
             plgpu.barrier_arrive(k_free.at[slot])
-            ok = _visible(bits_ref[b, kh, tile, u], owner, pos, blk * block_size + col, s_len, causal, window)
+            ok = _visible(bits_ref[b, kh, tile, u], row, blk * block_size + col, tile, **mask)
             s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw nothing yet
@@ -270,7 +273,7 @@ def _fwd_kernel(
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, blocks_ref, bits_ref, count_ref, dq_ref, scoped,
-    *, gp, block_size, s_len, causal, window, stages, interpret, scale,
+    *, block_size, stages, interpret, mask, scale,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kt, vt), tile_bar, (k_bar, v_bar), (k_free, v_free) = scoped
     b, kh, tile = _grid_ids()
@@ -285,9 +288,7 @@ def _dq_kernel(
             plgpu.barrier_wait(tile_bar.at[i])
         regs = _Regs(interpret)
         shape = (ROWS, block_size)
-        owner = lax.shift_right_logical(regs.iota(shape, 0), gp.bit_length() - 1)
-        pos = tile * (ROWS // gp) + owner
-        col = regs.iota(shape, 1)
+        row, col = regs.iota(shape, 0), regs.iota(shape, 1)
         lse = lax.broadcast_in_dim(regs.vector(lse_smem, 0), shape, [0])
         delta = lax.broadcast_in_dim(regs.vector(delta_smem, 0), shape, [0])
 
@@ -296,7 +297,7 @@ def _dq_kernel(
             blk = blocks_ref[b, kh, tile, u]
             plgpu.barrier_wait(k_bar.at[slot])
             s = _mma(shape, q_smem, k_smem.at[slot], transpose_b=True, scratch=kt)
-            ok = _visible(bits_ref[b, kh, tile, u], owner, pos, blk * block_size + col, s_len, causal, window)
+            ok = _visible(bits_ref[b, kh, tile, u], row, blk * block_size + col, tile, **mask)
             p = jnp.where(ok, jnp.exp(s - lse), 0.0)
             plgpu.barrier_wait(v_bar.at[slot])
             dp = _mma(shape, do_smem, v_smem.at[slot], transpose_b=True, scratch=vt)
@@ -321,7 +322,7 @@ def _dq_kernel(
 
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, tile_ref, bits_ref, block_ref, lo_ref, hi_ref,
-    dk_ref, dv_ref, scoped, *, gp, block_size, s_len, causal, window, stages, interpret,
+    dk_ref, dv_ref, scoped, *, block_size, stages, interpret, mask,
 ):
     """One segment of one key block's tile list -> that segment's partial dK, dV (float32)."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, dk_smem, dv_smem, qt, dot), kv_bar, loaded, (free,) = scoped
@@ -339,8 +340,7 @@ def _dkdv_kernel(
         plgpu.barrier_wait(kv_bar.at[1])
         regs = _Regs(interpret)
         shape = (block_size, ROWS)  # transposed: a key per row, a tile row per column
-        key = c * block_size + regs.iota(shape, 0)
-        owner = lax.shift_right_logical(regs.iota(shape, 1), gp.bit_length() - 1)
+        key, row = c * block_size + regs.iota(shape, 0), regs.iota(shape, 1)
         col = lambda x: lax.broadcast_in_dim(x, shape, [1])
 
         def step(i, carry):
@@ -350,7 +350,7 @@ def _dkdv_kernel(
             plgpu.barrier_wait(q_bar.at[slot])
             st = _mma(shape, k_smem, q_smem.at[slot], transpose_b=True, scratch=qt)  # [bs,R*Gp]
             plgpu.barrier_wait(lse_bar.at[slot])
-            ok = _visible(bits_ref[b, kh, lo + i], owner, tile * (ROWS // gp) + owner, key, s_len, causal, window)
+            ok = _visible(bits_ref[b, kh, lo + i], row, key, tile, **mask)
             pt = jnp.where(ok, jnp.exp(st - col(regs.vector(lse_smem.at[slot], 1))), 0.0)
             pt_smem[...] = pt.astype(pt_smem.dtype)
             plgpu.commit_smem()
@@ -415,9 +415,9 @@ def _sum_kernel(dk_part_ref, dv_part_ref, first_ref, count_ref, dk_ref, dv_ref, 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """The row layout [B,K,Tp*Gp,.] (a tile = 64 contiguous rows: R positions x Gp heads), the
-    padded key layout [B,K,Sp,.] (a block = one TMA box) and the tiles' block unions. The
-    layouts are _band's: this has the tq (R), groups (Gp) and bk (block) its helpers read."""
+    """A selection's row layout [B,K,Tp*Gp,.] (a tile = 64 contiguous rows: R positions x Gp
+    heads), its padded key layout [B,K,Sp,.] (a block = one TMA box) and the tiles' block unions.
+    The layouts are _band's: this has the tq (R), groups (Gp) and bk (block) its helpers read."""
 
     g: Geometry
     groups: int  # Gp
@@ -438,10 +438,6 @@ class _Layout:
     def t_pad(self):
         return -(-self.g.t_len // self.tq) * self.tq
 
-    @property
-    def tiles(self):
-        return self.t_pad // self.tq
-
     def rows(self, x):
         """[B,T,N,X] -> [B,K,Tp*Gp,X], zero-padded."""
         return to_rows(x, x.shape[2] // self.g.groups, self, x.shape[-1])
@@ -454,34 +450,38 @@ class _Layout:
         """[B,S,K,X] -> [B,K,Sp,X], zero-padded to whole blocks."""
         return to_keys(x, self, x.shape[-1])
 
-    def unions(self, block_idx, batch_heads, window=None):
-        """The tiles' block unions: of block_idx's lists, or with a window (block_idx None) of the
-        band each tile sees, positions t0..t0+R-1 seeing keys max(t0-w+1, 0)..min(t0+R-1, S-1):
-        consecutive blocks that every position 'picks' (all bits set) and the mask trims."""
+    def unions(self, block_idx):
+        """The tiles' unions of block_idx's (cleaned) lists: union_blocks."""
         g, r = self.g, self.tq
-        if window is None:
-            idx = clean_block_idx(block_idx, block_size=g.block_size, s_len=g.s_len, causal=g.causal)
-            return union_blocks(pad_axis(idx, 1, r, value=-1), r, g.num_blocks)
-        t0 = jnp.arange(self.tiles, dtype=jnp.int32) * r
-        first, last = jnp.maximum(t0 - window + 1, 0), jnp.minimum(t0 + r, g.s_len) - 1  # visible keys
-        lo = first // g.block_size
-        hi = jnp.where(first <= last, last // g.block_size + 1, lo)
-        u = min(-(-(r + window - 1) // g.block_size) + 1, g.num_blocks)
-        slot = lo[:, None] + jnp.arange(u, dtype=jnp.int32)
-        blocks = jnp.where(slot < hi[:, None], slot, -1)
-        wide = lambda x: jnp.broadcast_to(x, (*batch_heads, *x.shape))
-        return wide(blocks), wide(jnp.full_like(blocks, -1)), wide(hi - lo)
+        idx = clean_block_idx(block_idx, block_size=g.block_size, s_len=g.s_len, causal=g.causal)
+        return union_blocks(pad_axis(idx, 1, r, value=-1), r, g.num_blocks)
 
     def scaled_q(self, q):
         return self.rows((q.astype(jnp.float32) * self.g.scale).astype(q.dtype))
 
+    @property
+    def mask(self):
+        return {"gp": self.groups, "s_len": self.g.s_len, "causal": self.g.causal, "band": None}
 
-def _swizzled(dtype):
-    return (plgpu.TilingTransform((8, LANE_BYTES // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(LANE_BYTES))
+
+def band_unions(band: Band, batch_heads):
+    """A band's tiles as block selections: the consecutive blocks [lo, hi) each tile sees
+    (Band.key_tiles), every position 'picking' each (bits -1); the band's mask trims them."""
+    lo, hi = band.key_tiles(jnp.arange(band.num_q_tiles, dtype=jnp.int32) * band.tq)
+    slot = lo[:, None] + jnp.arange(band.band_k_tiles, dtype=jnp.int32)
+    blocks = jnp.where(slot < hi[:, None], slot, -1)
+    wide = lambda x: jnp.broadcast_to(x, (*batch_heads, *x.shape))
+    return wide(blocks), wide(jnp.full_like(blocks, -1)), wide(jnp.maximum(hi - lo, 0))
 
 
-def _smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype))
+def _swizzled(dtype, lane=LANE_BYTES):
+    return (plgpu.TilingTransform((8, lane // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(lane))
+
+
+def _smem(shape, dtype, lane=LANE_BYTES):
+    """Shared memory in the wgmma operand layout: rows swizzled over ``lane`` bytes (both
+    operands of one wgmma must share it)."""
+    return plgpu.SMEM(shape, dtype, transforms=_swizzled(dtype, lane))
 
 
 def _call(body, out_type, grid, num_threads, scratch, args):
@@ -506,14 +506,11 @@ def interpret_params(interpret):
     return InterpretGPUParams()
 
 
-def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_sizes=BlockSizes(), window=None):
-    """-> (o [B,T,N,V], lse [B,K,T,G] float32 of the scaled scores). With ``window`` (block_idx
-    None): the sliding-window branch, as the selection of each tile's band of blocks."""
-    b, _, n, h = q.shape
-    kh, vd, bs = k.shape[2], v.shape[-1], g.block_size
-    lay = _Layout.of(g)
-    blocks, bits, count = lay.unions(block_idx, (b, kh), window)
-    stages, dtype = block_sizes.stages, q.dtype
+def _forward_rows(qs, kp, vp, unions, *, block_size, mask, interpret, block_sizes):
+    """qs [B,K,Tp*Gp,H] (pre-scaled rows), kp [B,K,Sp,H], vp [B,K,Sp,V] (whole blocks), the
+    tiles' unions -> o [B,K,Tp*Gp,V], lse [B,K,Tp*Gp] float32 (+inf where a row saw nothing)."""
+    b, kh, rows, h = qs.shape
+    vd, bs, stages, dtype = vp.shape[-1], block_size, block_sizes.stages, qs.dtype
     scratch = (
         (
             _smem((ROWS, h), dtype), _smem((stages, bs, h), dtype), _smem((stages, bs, vd), dtype),
@@ -523,36 +520,23 @@ def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_
         (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
         (plgpu.Barrier(num_barriers=stages),) * 2,
     )
-    body = functools.partial(
-        _fwd_kernel, gp=lay.groups, block_size=bs, s_len=g.s_len, causal=g.causal, window=window, stages=stages,
-        interpret=bool(interpret),
-    )
-    rows = lay.t_pad * lay.groups
-    o, lse = _call(
+    body = functools.partial(_fwd_kernel, block_size=bs, stages=stages, interpret=bool(interpret), mask=mask)
+    return _call(
         body,
         (jax.ShapeDtypeStruct((b, kh, rows, vd), dtype), jax.ShapeDtypeStruct((b, kh, rows), jnp.float32)),
-        (lay.tiles, kh, b), 2, scratch,
-        ((lay.scaled_q(q), lay.keys(k), lay.keys(v), blocks, bits, count), interpret),
+        (rows // ROWS, kh, b), 2, scratch,
+        ((qs, kp, vp, *unions), interpret),
     )
-    lse = lse.reshape(b, kh, lay.t_pad, lay.groups)[:, :, : g.t_len, : g.groups]
-    return lay.unrows(o, n), lse
 
 
-def select_backward_mgpu(
-    q, k, v, block_idx, out, lse, dout, g: Geometry, interpret=False, block_sizes=BlockSizes(), window=None
-):
-    """lse [B,K,T,G] from select_forward_mgpu, dout [B,T,N,V] -> dq, dk, dv."""
-    b, _, n, h = q.shape
-    kh, vd, bs = k.shape[2], v.shape[-1], g.block_size
-    lay = _Layout.of(g)
-    blocks, bits, count = lay.unions(block_idx, (b, kh), window)
-    stages, dtype = block_sizes.stages, q.dtype
-    statics = {"gp": lay.groups, "block_size": bs, "s_len": g.s_len, "causal": g.causal, "window": window,
-               "stages": stages, "interpret": bool(interpret)}
-    qs, kp, vp, do = lay.scaled_q(q), lay.keys(k), lay.keys(v), lay.rows(dout)
-    delta = lay.rows(jnp.einsum("btnv,btnv->btn", out.astype(jnp.float32), dout.astype(jnp.float32))[..., None])[..., 0]
-    lse = pad_axis(pad_axis(lse, 2, lay.t_pad, value=jnp.inf), 3, lay.groups, value=jnp.inf)  # padded rows see nothing
-    lse = lse.reshape(b, kh, lay.t_pad * lay.groups)
+def _backward_rows(qs, kp, vp, do, lse, delta, unions, *, block_size, mask, scale, interpret, block_sizes):
+    """The rows and keys of _forward_rows, dO rows, lse and delta = rowsum(O * dO) rows -> dq
+    rows, dk and dv [B,K,Sp,*]."""
+    b, kh, rows, h = qs.shape
+    vd, bs, stages, dtype = vp.shape[-1], block_size, block_sizes.stages, qs.dtype
+    tiles, num_blocks = rows // ROWS, kp.shape[2] // bs
+    blocks, bits, count = unions
+    statics = {"block_size": bs, "stages": stages, "interpret": bool(interpret), "mask": mask}
     transposed = lambda *shapes: tuple(_smem(s, dtype) if interpret else None for s in shapes)
 
     scratch = (
@@ -566,18 +550,18 @@ def select_backward_mgpu(
         (plgpu.Barrier(num_barriers=stages),) * 2,
     )
     dq = _call(
-        functools.partial(_dq_kernel, **statics, scale=g.scale),
-        jax.ShapeDtypeStruct(qs.shape, dtype), (lay.tiles, kh, b), 2, scratch,
+        functools.partial(_dq_kernel, **statics, scale=scale),
+        jax.ShapeDtypeStruct(qs.shape, dtype), (tiles, kh, b), 2, scratch,
         ((qs, kp, vp, do, lse, delta, blocks, bits, count), interpret),
     )
 
     # dK/dV: each key block's tiles (the inverted unions), in segments of at most dkdv_tiles
     u = blocks.shape[-1]
-    entry, start, end = invert_block_idx(jnp.moveaxis(blocks, 2, 1), g.num_blocks)
+    entry, start, end = invert_block_idx(jnp.moveaxis(blocks, 2, 1), num_blocks)
     tile_of = entry // u
     bits_of = jnp.take_along_axis(bits.reshape(b, kh, -1), entry, axis=-1)
     seg_len = block_sizes.dkdv_tiles
-    n_seg = -(-lay.tiles * u // seg_len) + g.num_blocks  # every block may end in a partial segment
+    n_seg = -(-tiles * u // seg_len) + num_blocks  # every block may end in a partial segment
     seg_block, seg_lo, seg_hi, seg_first, seg_count = split_csr(start, end, seg_len, n_seg)
     f32 = lambda shape: plgpu.SMEM(shape, jnp.float32)
     scratch = (
@@ -601,32 +585,73 @@ def select_backward_mgpu(
     dk, dv = _call(
         functools.partial(_sum_kernel, block_size=bs, interpret=bool(interpret)),
         (jax.ShapeDtypeStruct(kp.shape, dtype), jax.ShapeDtypeStruct(vp.shape, dtype)),
-        (g.num_blocks, kh, b), 1, scratch,
+        (num_blocks, kh, b), 1, scratch,
         ((dk_part, dv_part, seg_first, seg_count), interpret),
+    )
+    return dq, dk, dv
+
+
+def select_forward_mgpu(q, k, v, block_idx, g: Geometry, interpret=False, block_sizes=BlockSizes()):
+    """-> (o [B,T,N,V], lse [B,K,T,G] float32 of the scaled scores)."""
+    b, _, n, _ = q.shape
+    lay = _Layout.of(g)
+    o, lse = _forward_rows(
+        lay.scaled_q(q), lay.keys(k), lay.keys(v), lay.unions(block_idx),
+        block_size=g.block_size, mask=lay.mask, interpret=interpret, block_sizes=block_sizes,
+    )
+    lse = lse.reshape(b, k.shape[2], lay.t_pad, lay.groups)[:, :, : g.t_len, : g.groups]
+    return lay.unrows(o, n), lse
+
+
+def select_backward_mgpu(q, k, v, block_idx, out, lse, dout, g: Geometry, interpret=False, block_sizes=BlockSizes()):
+    """lse [B,K,T,G] from select_forward_mgpu, dout [B,T,N,V] -> dq, dk, dv."""
+    b, _, n, _ = q.shape
+    lay = _Layout.of(g)
+    delta = lay.rows(jnp.einsum("btnv,btnv->btn", out.astype(jnp.float32), dout.astype(jnp.float32))[..., None])[..., 0]
+    lse = pad_axis(pad_axis(lse, 2, lay.t_pad, value=jnp.inf), 3, lay.groups, value=jnp.inf)  # padded rows see nothing
+    dq, dk, dv = _backward_rows(
+        lay.scaled_q(q), lay.keys(k), lay.keys(v), lay.rows(dout), lse.reshape(b, k.shape[2], -1), delta,
+        lay.unions(block_idx), block_size=g.block_size, mask=lay.mask, scale=g.scale, interpret=interpret,
+        block_sizes=block_sizes,
     )
     return lay.unrows(dq, n), from_keys(dk, k.shape), from_keys(dv, v.shape)
 
 
+# Bands (the window, the compressed keys) on the same kernels: a tile's band of 64-key blocks is
+# its selection and Band.visible its mask. _band.band_attention makes them differentiable.
+
+
+def mosaic_band(q, k, *, window, scale, block_sizes, stride=1, first=0):
+    """The Band of these kernels' tiles: R = 64 / Gp positions x Gp heads, key blocks of 64."""
+    gp = group_rows(q.shape[2] // k.shape[2])
+    return Band.of(q, k, window=window, scale=scale, groups=gp, tq=ROWS // gp, bk=ROWS, block_sizes=block_sizes,
+                   stride=stride, first=first)
+
+
+def band_mask(band: Band):
+    return {"gp": band.groups, "s_len": band.s_len, "causal": True, "band": band}
+
+
+def band_layout(q, k, v, band: Band):
+    """-> pre-scaled q rows, k and v in whole blocks."""
+    qs = (q.astype(jnp.float32) * band.scale).astype(q.dtype)
+    return to_rows(qs, k.shape[2], band, q.shape[-1]), to_keys(k, band, k.shape[-1]), to_keys(v, band, v.shape[-1])
+
+
+def band_forward(qr, kt, vt, band: Band, interpret):
+    return _forward_rows(qr, kt, vt, band_unions(band, qr.shape[:2]), block_size=band.bk, mask=band_mask(band),
+                         interpret=interpret, block_sizes=band.block_sizes)
+
+
+def band_backward(qr, kt, vt, do, lse, delta, band: Band, interpret):
+    return _backward_rows(qr, kt, vt, do, lse, delta, band_unions(band, qr.shape[:2]), block_size=band.bk,
+                          mask=band_mask(band), scale=band.scale, interpret=interpret, block_sizes=band.block_sizes)
+
+
+_window = band_attention(band_layout, band_forward, band_backward)
+
+
 def sliding_window_attention_mgpu(q, k, v, *, window, scale=None, interpret=False, block_sizes=BlockSizes()):
-    """NSA's window branch on these kernels (the contract of sliding_window_attention): each
-    tile's band of 64-key blocks is its selection, the window mask makes it exact."""
-    g = Geometry.of(q, k, block_size=ROWS, causal=True, scale=scale, block_sizes=None)
-    return _window(q, k, v, g, int(window), interpret_params(interpret), block_sizes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _window(q, k, v, g, window, interpret, block_sizes):
-    return select_forward_mgpu(q, k, v, None, g, interpret, block_sizes, window)[0]
-
-
-def _window_fwd(q, k, v, g, window, interpret, block_sizes):
-    out, lse = select_forward_mgpu(q, k, v, None, g, interpret, block_sizes, window)
-    return out, (q, k, v, out, lse)
-
-
-def _window_bwd(g, window, interpret, block_sizes, res, dout):
-    q, k, v, out, lse = res
-    return select_backward_mgpu(q, k, v, None, out, lse, dout, g, interpret, block_sizes, window)
-
-
-_window.defvjp(_window_fwd, _window_bwd)
+    """NSA's window branch on these kernels (the contract of sliding_window_attention)."""
+    band = mosaic_band(q, k, window=window, scale=scale, block_sizes=block_sizes)
+    return _window(q, k, v, band, interpret_params(interpret))

@@ -15,6 +15,7 @@ import pytest
 from jax import export
 
 from pallas_kernels.nsa import NSAShape
+from pallas_kernels.nsa.compressed_gpu import BlockSizes as CompressedBlockSizes
 from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
 from pallas_kernels.nsa.compressed_tpu import compressed_attention_tpu
 from pallas_kernels.nsa.select_gpu import BlockSizes, select_attention_gpu
@@ -54,6 +55,10 @@ CASES = {  # name: (platform, kernel, keys: the sequence's or its compressed blo
     "window_mosaic_gpu": ("cuda", _window(functools.partial(sliding_window_attention_gpu, block_sizes=WindowBlockSizes(backend="mosaic"))), T),
     "compressed_gpu": ("cuda", _compressed(compressed_attention_gpu), (T - 32) // 16 + 1),
     "compressed_tpu": ("tpu", _compressed(compressed_attention_tpu), (T - 32) // 16 + 1),
+    "compressed_mosaic_gpu": (
+        "cuda", _compressed(functools.partial(compressed_attention_gpu, block_sizes=CompressedBlockSizes(backend="mosaic"))),
+        (T - 32) // 16 + 1,
+    ),
 }
 
 
@@ -62,9 +67,9 @@ CASES = {  # name: (platform, kernel, keys: the sequence's or its compressed blo
 def test_forward_and_backward_lower(name, g, kh, h, dtype):
     platform, attend, s_len = CASES[name]
 
-    def fwd_bwd(q, k, v):
-        out, back = jax.vjp(lambda q, k, v: jax.tree.leaves(attend(q, k, v))[0], q, k, v)
-        return back(out.astype(q.dtype))
+    def fwd_bwd(q, k, v):  # the gradients, and the compressed branch's block importance
+        outs, back = jax.vjp(lambda q, k, v: jax.tree.leaves(attend(q, k, v)), q, k, v)
+        return back([outs[0].astype(q.dtype), *map(jnp.zeros_like, outs[1:])]), outs[1:]
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((B, T, g * kh, h), (B, s_len, kh, h), (B, s_len, kh, h))]
     # jax >= 0.11 lowers Triton for the device it targets: name one (an H100), as no GPU is here
@@ -77,7 +82,7 @@ def test_forward_and_backward_lower(name, g, kh, h, dtype):
             disabled_checks=[export.DisabledSafetyCheck.custom_call(TARGET["cuda"])],
         )(*args)
     module = exported.mlir_module()
-    if "mosaic" in name and dtype == jnp.bfloat16:  # forward, dQ, dK/dV, and their segment sum
-        assert module.count("mosaic_gpu") >= 4 and TARGET[platform] not in module, name
+    if "mosaic" in name and dtype == jnp.bfloat16:  # forward, dQ, dK/dV, their segment sum (and scoring)
+        assert module.count("mosaic_gpu") >= 4 + name.startswith("compressed") and TARGET[platform] not in module, name
     else:  # the forward, and the backward kernels (dQ, dK/dV); the compressed branch also scores
         assert module.count(TARGET[platform]) >= 3, name
