@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -129,13 +130,17 @@ def _mma(shape, a, b, *, transpose_b=False, scratch=None):
             scratch[...] = b[...].T
             b = scratch
         else:
-            b = plgpu.transpose_ref(b, (1, 0))
+            b = b.transpose((1, 0))
 
     def run(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
         return acc_ref[...]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+# plgpu.load's index: required by jax 0.10, deprecated by 0.11 (which loads the ref as given)
+_WHOLE = ((),) if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty else ()
 
 
 class _Regs:
@@ -151,7 +156,7 @@ class _Regs:
         return self.cast(lax.broadcasted_iota(jnp.int32, shape, dim))
 
     def load(self, ref, layout=plgpu.Layout.WGMMA, optimized=True):
-        return ref[...] if self.interpret else plgpu.load(ref, (), layout=layout, optimized=optimized)
+        return ref[...] if self.interpret else plgpu.load(ref, *_WHOLE, layout=layout, optimized=optimized)
 
     def vector(self, ref, axis):
         """A [64] ref as the per-row (axis 0) or per-column (axis 1) vector of a wgmma tile."""

@@ -203,10 +203,11 @@ def test_mosaic_bf16_spill_across_blocks():
 
 
 @pytest.mark.slow
-def test_mosaic_bf16_paper_shape_g16():
-    # the paper's l, d, l' with G = 16 (R = 4 positions a tile) and a scale that rounds q in bf16
-    shape = _shape(32, 16, 64)
-    q, k, v, do = _bf16(_inputs(22, 1, 1100, 16, 1, 128, 128, shape))
+def test_mosaic_bf16_g16():
+    # G = 16 (R = 4 positions a tile), H = 128, a scale that rounds q in bf16; l/d and l'/d are
+    # the paper's (2 and 4), so eq. 9 has its geometry at 1/8 of the length
+    shape = _shape(4, 2, 8)
+    q, k, v, do = _bf16(_inputs(22, 1, 200, 16, 1, 128, 128, shape))
     _check(MOSAIC, q, k, v, do, shape, scale=0.1, tol=BF16_TOL, score_tol=1e-2)
 
 
