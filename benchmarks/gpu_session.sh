@@ -24,7 +24,7 @@ python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/de
 #    document attention), forward and gradients
 timeout 240 python3 -m pytest -q -m gpu -k "not mosaic" -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests.log"
 #    the Mosaic GPU (Hopper) kernels have never run on hardware: alone, so a fault stops nothing else
-timeout 240 python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
+timeout 180 python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
 [ "${1:-all}" = tests ] && exit 0
 
 # 2. NSA vs dense at 8k-64k: each branch's kernel vs XLA/cuDNN, the layer with one and with all
