@@ -195,10 +195,11 @@ def _bf16(xs):
 
 
 def test_mosaic_bf16_spill_across_blocks():
-    # C = 69 compressed keys: two blocks of 64, and eq. 9's spill (l/d = 2) crosses into the
-    # second; P = 18 selection blocks are W = 16 per block, so the second block's are partial.
-    shape = _shape(4, 2, 8)
-    q, k, v, do = _bf16(_inputs(21, 1, 140, 4, 2, 64, 64, shape))
+    # C = 69 compressed keys: two blocks of 64, and eq. 9's spill (l/d = 2, l'/d = 4 as in the
+    # paper) crosses into the second; P = 18 selection blocks are W = 16 per block, so the
+    # second block's are partial. Two kv heads.
+    shape = _shape(2, 1, 4)
+    q, k, v, do = _bf16(_inputs(21, 1, 70, 4, 2, 64, 64, shape))
     _check(MOSAIC, q, k, v, do, shape, tol=BF16_TOL, score_tol=1e-4)
 
 
