@@ -153,9 +153,6 @@ def main():
             )
             # the Hopper kernels (Mosaic GPU: TMA + wgmma over a tile's block union); last, as they
             # have not run on hardware yet and a fault must not take the others with it
-            cases["nsa_selected_mosaic"] = lambda q, k, v, idx: select_attention_gpu(
-                q, k, v, idx, block_size=shape.select_block, block_sizes=SelectBlockSizes(backend="mosaic")
-            )
             mosaic = {
                 "select_fn": functools.partial(select_attention_gpu, block_sizes=SelectBlockSizes(backend="mosaic")),
                 "window_fn": functools.partial(sliding_window_attention_gpu, block_sizes=WindowBlockSizes(backend="mosaic")),

@@ -50,8 +50,8 @@ class NSAConfig:
     # compressed branch with block scoring; "xla" none. On CPU kernels run interpreted (slow:
     # for checks).
     kernels: Literal["auto", "xla", "select", "all"] = "auto"
-    # GPU kernels of the selected and window branches: Triton, or Mosaic GPU for Hopper (TMA +
-    # wgmma; bf16, head dims of 64/128, selection blocks of 64; else, and before Hopper, Triton).
+    # GPU kernels of the three branches: Triton, or Mosaic GPU for Hopper (TMA + wgmma; bf16,
+    # head dims of 64/128, selection blocks of 64, l'/d <= 4; else, and before Hopper, Triton).
     # Not yet compiled on hardware.
     gpu_kernels: Literal["triton", "mosaic"] = "triton"
 

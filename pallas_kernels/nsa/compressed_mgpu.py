@@ -142,9 +142,7 @@ def _scores_kernel(
 
         plgpu.wait_smem_to_gmem(0)
 
-    pl.when(lax.axis_index("wg") == 1)(functools.partial(
-        _stream_blocks, (k_ref,), (k_smem,), (k_bar,), (k_free,), blocks_ref, (b, kh, tile), count, ROWS, stages,
-    ))
+    _stream_blocks((k_ref,), (k_smem,), (k_bar,), (k_free,), blocks_ref, (b, kh, tile), count, ROWS, stages)
 
 
 def _scores(qr, kt, lse, band: Band, interpret, *, scoring: Scoring):

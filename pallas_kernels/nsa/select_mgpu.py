@@ -201,7 +201,8 @@ def _stream(count, stages, fetch, free):
 
 
 def _stream_blocks(refs, smem, loaded, free, blocks_ref, ids, count, block_size, stages):
-    """The forward's and dQ's memory warpgroup: the tile's union blocks of K and V, in order."""
+    """Warpgroup 1 of the forward, dQ and scoring kernels: the tile's union blocks of each ref
+    (K and V, or K), in order."""
     b, kh, tile = ids
 
     def fetch(u, slot):
@@ -209,7 +210,7 @@ def _stream_blocks(refs, smem, loaded, free, blocks_ref, ids, count, block_size,
         for ref, buf, bar in zip(refs, smem, loaded, strict=True):
             plgpu.copy_gmem_to_smem(ref.at[b, kh, keys], buf.at[slot], bar.at[slot])
 
-    _stream(count, stages, fetch, free)
+    pl.when(lax.axis_index("wg") == 1)(functools.partial(_stream, count, stages, fetch, free))
 
 
 def _fwd_kernel(
@@ -270,10 +271,8 @@ def _fwd_kernel(
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kh, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.when(lax.axis_index("wg") == 1)(functools.partial(
-        _stream_blocks, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), (k_free, v_free), blocks_ref,
-        (b, kh, tile), count, block_size, stages,
-    ))
+    _stream_blocks((k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), (k_free, v_free), blocks_ref, (b, kh, tile),
+                   count, block_size, stages)
 
 
 def _dq_kernel(
@@ -319,10 +318,8 @@ def _dq_kernel(
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, kh, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.when(lax.axis_index("wg") == 1)(functools.partial(
-        _stream_blocks, (k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), (k_free, v_free), blocks_ref,
-        (b, kh, tile), count, block_size, stages,
-    ))
+    _stream_blocks((k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar), (k_free, v_free), blocks_ref, (b, kh, tile),
+                   count, block_size, stages)
 
 
 def _dkdv_kernel(

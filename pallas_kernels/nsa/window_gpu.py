@@ -197,7 +197,7 @@ _window = band_attention(_layout, _forward, _backward)
 
 def sliding_window_attention_gpu(q, k, v, *, window, scale=None, interpret=False, block_sizes=BlockSizes()):
     """GPU-style sliding-window attention; same contract as sliding_window_reference."""
-    if block_sizes.backend == "mosaic" and not select_mgpu.supports(q, k, v, select_mgpu.ROWS, block_sizes.mosaic):
+    if block_sizes.backend == "mosaic" and select_mgpu.supports(q, k, v, select_mgpu.ROWS, block_sizes.mosaic) is None:
         return select_mgpu.sliding_window_attention_mgpu(
             q, k, v, window=window, scale=scale, interpret=interpret, block_sizes=block_sizes.mosaic
         )
