@@ -231,6 +231,10 @@ class TrainConfig:
     steps: int = 200
     prompts_per_step: int = 16  # groups per step; the batch is prompts_per_step * group_size
     micro_batch: int = 0  # sequences per gradient-accumulation micro-batch; 0 = whole batch
+    # The loss runs the LM head on chunks of tokens whose float32 logits take at most this
+    # many MiB (each chunk rematerialised in the backward pass, so the [tokens, vocab] logits
+    # never exist whole: 10 GiB for 16k tokens of a 152k vocabulary); 0 = no chunks.
+    logits_chunk_mib: int = 1024
     max_new_tokens: int = 16
     temperature: float = 1.0
     log_rollouts: int = 4  # rollouts per step written to rollouts.jsonl

@@ -242,23 +242,54 @@ def answer_accuracy(graphdef, params, batch: TrainBatch) -> jax.Array:
     return jnp.mean(~wrong.any(-1))
 
 
-def target_logits(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """Logits at the target positions [B, T, V] and the MoE load-balancing loss (0 for a
-    dense model)."""
+def target_hidden(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
+    """Final-normed hidden states at the target positions [B, T, D] and the MoE
+    load-balancing loss (0 for a dense model)."""
     hidden, aux = model(batch.tokens, batch.positions, batch.segment_ids, with_aux_loss=True,
                         hidden_only=True)
     if batch.gather is not None:  # group rows [B/G, L, D] -> rollout rows [B, T, D]
         group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // hidden.shape[0])
         hidden = hidden[group[:, None], batch.gather]  # the LM head runs on targets only
+    return hidden, aux
+
+
+def target_logits(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
+    """Logits at the target positions [B, T, V] and the MoE load-balancing loss."""
+    hidden, aux = target_hidden(model, batch)
     return model.logits(hidden), aux
 
 
-def target_logprobs(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+def target_logprobs(model, batch: TrainBatch,
+                    logits_chunk: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the targets [B, T], each position's entropy [B, T], and the MoE
-    load-balancing loss."""
-    logits, aux = target_logits(model, batch)
-    logp, entropy = rl.token_logprobs_and_entropy(logits, batch.targets)
+    load-balancing loss.
+
+    With `logits_chunk` > 0 the LM head, log-softmax and entropy run on about that many
+    tokens at a time (all rows, a slice of positions), each chunk rematerialised in the
+    backward pass, so neither pass holds the [B, T, V] float32 logits (10 GiB for 16k tokens
+    of a 152k vocabulary); the price is the LM head's forward matmul once more.
+    """
+    hidden, aux = target_hidden(model, batch)
+    logp, entropy = over_position_chunks(
+        lambda h, targets: rl.token_logprobs_and_entropy(model.logits(h), targets),
+        hidden, batch.targets, max(1, logits_chunk // hidden.shape[0]) if logits_chunk else 0)
     return logp, entropy, aux
+
+
+def over_position_chunks(fn, hidden: jax.Array, targets: jax.Array, chunk: int):
+    """fn(hidden [B, c, D], targets [B, c]) -> arrays [B, c], applied to chunks of `chunk`
+    positions under `jax.checkpoint` (a scan; rows stay whole, so a batch sharding holds);
+    one call when `chunk` is 0 or covers T."""
+    b, t, d = hidden.shape
+    if not chunk or t <= chunk:
+        return fn(hidden, targets)
+    n = -(-t // chunk)
+    pad = n * chunk - t  # the padded positions' outputs are cut off again (no gradient)
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
+    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk)
+    outs = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)),
+                       (hidden.swapaxes(0, 1), targets.swapaxes(0, 1)))
+    return tuple(o.swapaxes(0, 1).reshape(b, n * chunk)[:, :t] for o in outs)
 
 
 def _add_aux_loss(loss, metrics: dict, model, aux, num_micro: int, prefix: str):
@@ -316,15 +347,16 @@ def _apply(tx, params, opt_state, grads):
 # Supervised fine-tuning: token-mean cross-entropy on the completion tokens.
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "micro_batch"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "micro_batch", "logits_chunk"),
                    donate_argnames=("params", "opt_state"))
-def sft_step(graphdef, tx, params, opt_state, batch: TrainBatch, micro_batch: int = 0):
+def sft_step(graphdef, tx, params, opt_state, batch: TrainBatch, micro_batch: int = 0,
+             logits_chunk: int = 0):
     total = jnp.maximum(batch.loss_mask.sum(), 1.0)
     num_micro = _num_micro(batch, micro_batch)
 
     def loss_fn(p, mb):
         model = nnx.merge(graphdef, p)
-        logp, _, aux = target_logprobs(model, mb)
+        logp, _, aux = target_logprobs(model, mb, logits_chunk)
         loss = -(logp * mb.loss_mask).sum() / total
         tokens = (mb.loss_mask > 0).sum()  # the mask may weight tokens (agent turns)
         return _add_aux_loss(loss, {"sft/tokens": tokens}, model, aux, num_micro, "sft")
@@ -367,10 +399,12 @@ def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Arr
     return mask_mb.shape[0] / mask_all.shape[0]  # Dr.GRPO: over all rows
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "options", "micro_batch"),
+@functools.partial(jax.jit,
+                   static_argnames=("graphdef", "tx", "options", "micro_batch", "logits_chunk"),
                    donate_argnames=("params", "opt_state"))
 def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
-            feedback: FeedbackBatch | None = None, *, options: LossOptions, micro_batch: int = 0):
+            feedback: FeedbackBatch | None = None, *, options: LossOptions, micro_batch: int = 0,
+            logits_chunk: int = 0):
     """One update on a batch of scored rollouts (one policy epoch: the proximal policy is the
     current one, so the decoupled clipped ratio starts at 1 and only the sampler correction,
     behaviour -> proximal, is off 1; with stale rollouts that correction grows). With
@@ -381,7 +415,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
 
     def loss_fn(p, mb):
         model = nnx.merge(graphdef, p)
-        logp, token_entropy, aux = target_logprobs(model, mb)
+        logp, token_entropy, aux = target_logprobs(model, mb, logits_chunk)
         proximal = jax.lax.stop_gradient(logp)
         weights = None
         if o.decoupled and o.importance_cap is not None:
@@ -401,7 +435,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
                                           cap=o.importance_cap)
         metrics.update({f"train/behaviour_{k}": v for k, v in stats.items()})
         if o.kl_coef:
-            ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb)
+            ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb, logits_chunk)
             kl = rl.aggregate(rl.kl_penalty(logp, jax.lax.stop_gradient(ref_logp),
                                             estimator=o.kl_estimator), mb.loss_mask,
                               aggregation=o.aggregation, norm_length=o.norm_length)

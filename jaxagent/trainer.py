@@ -157,6 +157,12 @@ def loss_options(cfg: Config) -> LossOptions:
     )
 
 
+def logits_chunk(cfg: Config) -> int:
+    """train.logits_chunk_mib -> tokens per LM-head chunk (float32 logits of the vocabulary)."""
+    mib = cfg.train.logits_chunk_mib
+    return max(1, mib * 2**20 // (4 * cfg.model.vocab_size)) if mib else 0
+
+
 def _group_advantages(r: RLConfig, rewards: np.ndarray) -> np.ndarray:
     """[N, G] -> [N, G]"""
     if r.algorithm == "rloo":
@@ -231,7 +237,7 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
         batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)], batch),
                              "sft.batch_size")
         params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
-                                              cfg.train.micro_batch)
+                                              cfg.train.micro_batch, logits_chunk(cfg))
         if progress:
             progress.update(task_bar, advance=1, info=f"loss {float(metrics['sft/loss']):.3f}")
     if eval_batch is not None:
@@ -324,6 +330,7 @@ def validate(cfg: Config) -> None:
         (t.micro_batch == 0 or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,
          "train.micro_batch", f"must divide the batch (train.prompts_per_step * rl.group_size "
                               f"= {t.prompts_per_step * r.group_size})"),
+        (t.logits_chunk_mib >= 0, "train.logits_chunk_mib", "must be >= 0 (0: no chunks)"),
         (t.max_new_tokens >= 1, "train.max_new_tokens", "must be >= 1"),
         (t.temperature > 0, "train.temperature", "must be > 0 (RL needs sampling)"),
         (0 < r.clip_low < 1 and r.clip_high > 0, "rl.clip_low/clip_high",
@@ -458,7 +465,8 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                     t1 = time.perf_counter()
                     params, opt_state, step_metrics = rl_step(
                         graphdef, tx, params, opt_state, layout.batch(train_batch), ref_params,
-                        feedback, options=options, micro_batch=t.micro_batch)
+                        feedback, options=options, micro_batch=t.micro_batch,
+                        logits_chunk=logits_chunk(cfg))
                     step_metrics = {k: float(v) for k, v in step_metrics.items()}
                     t2 = time.perf_counter()
                     done = step + 1

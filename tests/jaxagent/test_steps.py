@@ -214,6 +214,47 @@ def test_shared_prompt_micro_batches_hold_whole_groups():
                 options=LossOptions(), micro_batch=6)
 
 
+@pytest.mark.parametrize("shared", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_logits_chunks_give_the_whole_batch_step(shared):
+    # Micro-batches of 6 rows and chunks of 18 tokens: 3 positions a chunk, the last padded.
+    graphdef, params, _, _ = setup()
+    tx = optax.sgd(1.0)  # the parameter change is the gradient itself
+    p, c, lp = grouped_rollouts(g=3, groups=4, seed=17)
+    adv = np.random.default_rng(18).standard_normal(len(p))
+    batch = (pack_shared(p, c, lp, adv, group_size=3, bucket=1) if shared
+             else pack(p, c, lp, adv, bucket=1))
+    assert batch.targets.shape[1] % 3  # the last chunk is padded
+    options = LossOptions(entropy_coef=0.01, kl_coef=0.1)
+    ref = jax.tree.map(lambda x: x + 0.01, params)
+    runs = [rl_step(graphdef, tx, copy(params), tx.init(params), batch, copy(ref),
+                    options=options, micro_batch=6, logits_chunk=chunk) for chunk in (0, 18)]
+    (whole, _, m_whole), (chunked, _, m_chunked) = runs
+    for key in m_whole:
+        np.testing.assert_allclose(float(m_chunked[key]), float(m_whole[key]), rtol=1e-5,
+                                   atol=1e-7, err_msg=key)
+    for p0, a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole),
+                        jax.tree.leaves(chunked)):
+        np.testing.assert_allclose(b - p0, a - p0, rtol=1e-4, atol=1e-6)
+
+
+def test_logits_chunks_bound_the_step_memory():
+    # Compiled only: XLA's buffer assignment says what the step needs beside its arguments.
+    cfg = dataclasses.replace(CFG, vocab_size=8191, num_layers=1)
+    graphdef, params = nnx.split(init_model(cfg, seed=0))
+    tx = optax.sgd(1.0)
+    b, t = 4, 127
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t + 1))
+    batch = pack([[int(x)] for x in tokens[:, 0]], tokens[:, 1:].tolist(), bucket=1)
+    logits_bytes = b * t * cfg.vocab_size * 4
+    temp = [rl_step.lower(graphdef, tx, params, tx.init(params), batch, options=LossOptions(),
+                          logits_chunk=chunk).compile().memory_analysis().temp_size_in_bytes
+            for chunk in (0, 64)]
+    # Whole, the logits and their cotangent live at once (2.3x logits_bytes); in chunks of 16
+    # positions, a few [4, 16, V] slices at a time (0.8x, of which 0.25x is not the LM head).
+    assert temp[0] > 1.5 * logits_bytes
+    assert temp[1] < temp[0] - 1.2 * logits_bytes, (temp, logits_bytes)
+
+
 MOE = dataclasses.replace(CFG, num_layers=2, num_experts=5, num_experts_per_tok=2,
                           moe_intermediate_size=11, mlp_only_layers=(1,), router_aux_loss_coef=0.7)
 

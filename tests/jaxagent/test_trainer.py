@@ -62,6 +62,7 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["train.micro_batch=5"], "train.micro_batch: must divide the batch"),
     (["rl.group_size=1"], "rl.group_size: must be >= 2"),
+    (["train.logits_chunk_mib=-1"], "train.logits_chunk_mib: must be >= 0"),
     (["eval.k=[1, 8]"], "eval.k: needs eval.samples >= max(k)"),
     (["tasks.source=jsonl"], "tasks.path: required for jsonl"),
     # conftest: 8 devices
@@ -138,6 +139,7 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_exactly(tmp_path):
         compute_advantages,
         load_model_and_tokenizer,
         load_task_splits,
+        logits_chunk,
         loss_options,
         make_scorer,
         to_train_batch,
@@ -180,7 +182,8 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_exactly(tmp_path):
             adv, keep = compute_advantages(cfg.rl, batch, t.max_new_tokens)
             params, opt_state, m = rl_step(graphdef, tx, params, opt_state,
                                            to_train_batch(batch, adv, keep), None,
-                                           options=loss_options(cfg), micro_batch=t.micro_batch)
+                                           options=loss_options(cfg), micro_batch=t.micro_batch,
+                                           logits_chunk=logits_chunk(cfg))
             sampler.update_weights(params)
             want.append((float(m["train/loss"]), float(m["train/grad_norm"]),
                          float(np.mean([r.reward for r in rewards]))))
