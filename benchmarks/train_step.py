@@ -15,6 +15,7 @@ devices share the same cores, so the CPU numbers compare layouts, not hardware).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import time
@@ -65,7 +66,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_layout(model_cfg, layout, batch: int, seq: int, steps: int, micro_batch: int):
+def run_layout(model_cfg, layout, batch: int, seq: int, steps: int, micro_batch: int,
+               logits_chunk: int):
     import jax
     import numpy as np
     from flax import nnx
@@ -99,25 +101,29 @@ def run_layout(model_cfg, layout, batch: int, seq: int, steps: int, micro_batch:
         params, opt_state = place((params, tx.init(params)), mesh, DEFAULT_AXIS_RULES)
         data = shard_batch(host, mesh, DEFAULT_AXIS_RULES)
     t0 = time.perf_counter()
-    params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, data, micro_batch)
+    step = sft_step.lower(graphdef, tx, params, opt_state, data, micro_batch,
+                          logits_chunk).compile()
+    memory = step.memory_analysis()  # None where the backend does not say
+    temp = memory.temp_size_in_bytes if memory is not None else None
+    params, opt_state, metrics = step(params, opt_state, data)
     float(metrics["sft/loss"])
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, data,
-                                              micro_batch)
+        params, opt_state, metrics = step(params, opt_state, data)
         float(metrics["sft/loss"])  # waits for the step
         times.append(time.perf_counter() - t0)
-    return compile_s, sorted(times)[len(times) // 2]
+    return compile_s, sorted(times)[len(times) // 2], temp
 
 
-def report(name, model_cfg, batch, seq, step_s, compile_s, peak, base_s=None):
+def report(name, model_cfg, batch, seq, step_s, compile_s, temp, peak, base_s=None):
     tokens = batch * seq
     tflops = model_flops_per_token(model_cfg, seq) * tokens / step_s / 1e12
     ratio = f"{base_s / step_s:5.2f}x" if base_s else "     "
+    temp = f"{temp / 2**30:8.2f}" if temp is not None else "       ?"
     print(f"{name:>24} {step_s * 1e3:10.1f} {ratio} {tokens / step_s:12.0f} {tflops:10.4f} "
-          f"{100 * tflops / peak:6.1f}% {compile_s:8.1f}")
+          f"{100 * tflops / peak:6.1f}% {compile_s:8.1f} {temp}")
 
 
 def main() -> None:
@@ -128,12 +134,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--micro-batch", type=int, default=0, help="gradient accumulation rows")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the model's vocab")
     p.add_argument("--steps", type=int, default=None, help="timed steps (median reported)")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="GPU peak (H100 SXM dense bf16 spec: 989; ~800 is what matmuls reach)")
     p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="GPU mode: parameter and optimizer dtype (compute is bf16)")
     p.add_argument("--attention-backend", default="xla")
+    p.add_argument("--logits-chunk-mib", type=int, default=0,
+                   help="LM-head chunks of at most this many MiB of float32 logits "
+                        "(train.logits_chunk_mib); 0 = whole micro-batch")
     args = p.parse_args()
     if not args.gpu:
         # Before jax starts: 8 fake CPU devices (an edge script may set this).
@@ -146,6 +156,7 @@ def main() -> None:
 
     from jaxagent.config import ModelConfig
     from jaxagent.models import Decoder
+    from jaxagent.steps import logits_chunk_tokens
 
     if args.gpu:
         model_cfg = ModelConfig(**GPU_MODEL, param_dtype=args.param_dtype, dtype="bfloat16",
@@ -158,6 +169,8 @@ def main() -> None:
         batch, seq, steps = args.batch or 16, args.seq or 128, args.steps or 3
         layouts = args.layouts.split(";") if args.layouts else CPU_LAYOUTS
         peak = measure_peak_cpu(jnp, jax)
+    if args.vocab_size:
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=args.vocab_size)
     abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     print(f"{platform.node()} {platform.processor() or platform.machine()}, "
@@ -168,13 +181,14 @@ def main() -> None:
           f"{model_flops_per_token(model_cfg, seq) / 1e9:.3f} GFLOP/token; "
           f"peak {peak:.3f} TFLOP/s ({'given' if args.gpu else 'measured fp32 matmul'})")
     print(f"{'layout':>24} {'step ms':>10} {'vs 1st':>6} {'tokens/s':>12} {'TFLOP/s':>10} "
-          f"{'MFU':>7} {'compile s':>8}")
+          f"{'MFU':>7} {'compile s':>8} {'temp GiB':>8}")
+    chunk = logits_chunk_tokens(args.logits_chunk_mib, model_cfg.vocab_size)
     base = None
     for name in layouts:
-        compile_s, step_s = run_layout(model_cfg, parse_layout(name), batch, seq, steps,
-                                       args.micro_batch)
+        compile_s, step_s, temp = run_layout(model_cfg, parse_layout(name), batch, seq, steps,
+                                             args.micro_batch, chunk)
         base = base or step_s
-        report(name, model_cfg, batch, seq, step_s, compile_s, peak, base)
+        report(name, model_cfg, batch, seq, step_s, compile_s, temp, peak, base)
 
 
 if __name__ == "__main__":

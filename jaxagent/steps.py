@@ -276,6 +276,11 @@ def target_logprobs(model, batch: TrainBatch,
     return logp, entropy, aux
 
 
+def logits_chunk_tokens(mib: int, vocab_size: int) -> int:
+    """Tokens whose float32 logits fit in `mib` MiB (`target_logprobs`' chunk); 0 for 0."""
+    return max(1, mib * 2**20 // (4 * vocab_size)) if mib else 0
+
+
 def over_position_chunks(fn, hidden: jax.Array, targets: jax.Array, chunk: int):
     """fn(hidden [B, c, D], targets [B, c]) -> arrays [B, c], applied to chunks of `chunk`
     positions under `jax.checkpoint` (a scan; rows stay whole, so a batch sharding holds);

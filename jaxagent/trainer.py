@@ -46,7 +46,8 @@ from jaxagent.eval import mean_pass_at_k
 from jaxagent.metrics import MetricsWriter, plot_curves
 from jaxagent.models import sees_all_segments
 from jaxagent.optim import make_optimizer
-from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, answer_accuracy, pack,
+from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, answer_accuracy,
+                            logits_chunk_tokens, pack,
                             pack_documents, pack_feedback, pack_shared, rl_step, sft_step)
 from rollouts.orchestrator import Orchestrator, WeightStore
 from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
@@ -158,9 +159,8 @@ def loss_options(cfg: Config) -> LossOptions:
 
 
 def logits_chunk(cfg: Config) -> int:
-    """train.logits_chunk_mib -> tokens per LM-head chunk (float32 logits of the vocabulary)."""
-    mib = cfg.train.logits_chunk_mib
-    return max(1, mib * 2**20 // (4 * cfg.model.vocab_size)) if mib else 0
+    """Tokens per LM-head chunk in the loss (`train.logits_chunk_mib`)."""
+    return logits_chunk_tokens(cfg.train.logits_chunk_mib, cfg.model.vocab_size)
 
 
 def _group_advantages(r: RLConfig, rewards: np.ndarray) -> np.ndarray:
