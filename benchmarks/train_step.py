@@ -135,6 +135,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--micro-batch", type=int, default=0, help="gradient accumulation rows")
     p.add_argument("--vocab-size", type=int, default=None, help="override the model's vocab")
+    p.add_argument("--remat", default="none", choices=("none", "dots", "full"),
+                   help="model.remat: what each layer keeps for the backward pass")
     p.add_argument("--steps", type=int, default=None, help="timed steps (median reported)")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="GPU peak (H100 SXM dense bf16 spec: 989; ~800 is what matmuls reach)")
@@ -169,8 +171,8 @@ def main() -> None:
         batch, seq, steps = args.batch or 16, args.seq or 128, args.steps or 3
         layouts = args.layouts.split(";") if args.layouts else CPU_LAYOUTS
         peak = measure_peak_cpu(jnp, jax)
-    if args.vocab_size:
-        model_cfg = dataclasses.replace(model_cfg, vocab_size=args.vocab_size)
+    model_cfg = dataclasses.replace(model_cfg, remat=args.remat,
+                                    vocab_size=args.vocab_size or model_cfg.vocab_size)
     abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     print(f"{platform.node()} {platform.processor() or platform.machine()}, "

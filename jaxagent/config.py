@@ -94,6 +94,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of activations
+    # What a training pass keeps of each layer for the backward pass: everything (none),
+    # only the matmuls with the weights (dots: recompute norms, RoPE, attention, SwiGLU) or
+    # only the layer's input (full: recompute the whole layer).
+    remat: Literal["none", "dots", "full"] = "none"
     attention_backend: str = "xla"  # key of jaxagent.models.attention.BACKENDS (dense attention)
     # dense: `attention_backend`; nsa: Native Sparse Attention, see `nsa`; doc: the Pallas
     # document-attention kernel (pallas_kernels/doc_attention), prompts laid out by `documents`.

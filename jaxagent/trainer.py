@@ -73,8 +73,10 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
     checkpoint = checkpoint or cfg.init_from
     if checkpoint is None:
         return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
-    model = from_pretrained(checkpoint, dtype=cfg.model.param_dtype, compute_dtype=cfg.model.dtype,
-                            attention_backend=cfg.model.attention_backend)
+    m = cfg.model  # the architecture comes from the checkpoint; how to run it from here
+    model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype,
+                            attention_backend=m.attention_backend, remat=m.remat,
+                            moe_dispatch=m.moe_dispatch, capacity_factor=m.capacity_factor)
     if (Path(checkpoint) / "tokenizer.json").exists():
         return model, HFTokenizer(checkpoint)
     if model.config.vocab_size < ByteTokenizer.vocab_size:

@@ -418,6 +418,7 @@ class Decoder(nnx.Module):
 
         x = self._pin(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype), _BTD)
         new_kv, router_logits = [], []
+        run = _remat(lambda layer, *args, **kw: layer(*args, **kw), cfg.remat, cache is None)
         for i, layer in enumerate(self.layers):
             kw = {}
             if cache is not None:
@@ -427,7 +428,7 @@ class Decoder(nnx.Module):
                     kw["cache_nsa"] = (cache.k_cmp[i], cache.v_cmp[i], slot_of)
                 if cache.k_t is not None:
                     kw["cache_k_t"] = cache.k_t[i]
-            x, kv, layer_router_logits = layer(x, positions, segment_ids, slots, **kw)
+            x, kv, layer_router_logits = run(layer, x, positions, segment_ids, slots, **kw)
             x = self._pin(x, _BTD)
             if layer_router_logits is not None:
                 router_logits.append(layer_router_logits)
@@ -457,6 +458,18 @@ class Decoder(nnx.Module):
         else:
             logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
         return self._pin(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+_REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                   "full": jax.checkpoint_policies.nothing_saveable}
+
+
+def _remat(run, remat: str, training: bool):
+    """A layer call that saves only what `model.remat` keeps for the backward pass (training
+    passes only: cached decoding has no backward)."""
+    if remat == "none" or not training:
+        return run
+    return nnx.remat(run, policy=_REMAT_POLICIES[remat])
 
 
 def backend_name(cfg: ModelConfig) -> str:

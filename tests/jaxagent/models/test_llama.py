@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from jaxagent.config import ModelConfig, RopeScalingConfig
-from jaxagent.models import KVCache, init_model, logical_axes
+from jaxagent.models import Decoder, KVCache, init_model, logical_axes
 from jaxagent.models.attention import attention_mask, xla_attention
 from jaxagent.models.llama import rope_frequencies
 
@@ -141,3 +141,31 @@ def test_document_kernel_backend_equals_dense_model():
     # A document's logits do not depend on the other document.
     alone = forward(dense, tokens[:, 9:17], positions[:, 9:17], jnp.ones((1, 8), jnp.int32))
     np.testing.assert_allclose(want[:, 9:17], alone, atol=2e-5)
+
+
+def test_remat_keeps_what_its_policy_says_and_the_same_gradient():
+    # The list behind jax.ad_checkpoint.print_saved_residuals (public only as that print).
+    from jax._src.ad_checkpoint import saved_residuals
+
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, CFG.vocab_size, (3, 29)))
+    b, t, d = 3, 29, CFG.hidden_size
+    saved, grads = {}, {}
+    params = nnx.state(init_model(CFG, seed=0))
+    for remat in ("none", "dots", "full"):
+        cfg = dataclasses.replace(CFG, remat=remat)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+        loss = lambda p: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(tokens)))  # noqa: E731
+        # Activations kept for the backward pass (parameters are arguments, not activations).
+        saved[remat] = [a.shape for a, why in saved_residuals(loss, params)
+                        if not why.startswith("from the argument") and len(a.shape) >= 3]
+        grads[remat] = jax.jit(jax.grad(loss))(params)
+    assert any(s[-2:] == (t, t) for s in saved["none"])  # attention probabilities
+    assert not any(s[-2:] == (t, t) for s in saved["dots"] + saved["full"])
+    # dots: the weights' matmul outputs; full: each layer's input only (and, outside the
+    # layers, the final norm's and the logits').
+    assert (b, t, CFG.intermediate_size) in saved["dots"]
+    assert set(saved["full"]) <= {(b, t, d), (b, t, 1), (1, 1, d), (b, t, CFG.vocab_size)}
+    assert saved["full"].count((b, t, d)) <= CFG.num_layers + 3  # + the final norm's in, out
+    for remat in ("dots", "full"):
+        for a, g in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[remat])):
+            np.testing.assert_allclose(g, a, rtol=1e-5, atol=1e-6)
