@@ -38,12 +38,12 @@ def prompts_for(batch, prompt_len, vocab, seed=0):
     return [rng.integers(1, vocab, prompt_len).tolist() for _ in range(batch)]
 
 
-def run_ours(ckpt: Path, settings, repeats: int):
+def run_ours(ckpt: Path, settings, repeats: int, host_threads: int | None = None):
     from jaxagent.models import from_pretrained
     from rollouts.sampler import Sampler
 
     model = from_pretrained(ckpt, dtype="float32")
-    sampler = Sampler(model)
+    sampler = Sampler(model, host_threads=host_threads)
     out = []
     for batch, prompt_len, new in settings:
         prompts = prompts_for(batch, prompt_len, model.config.vocab_size)
@@ -114,7 +114,7 @@ def prefill_costs(sampler, model, prompt_len: int, group: int, repeats: int):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="tiny,100m")
-    p.add_argument("--peers", default="hf,tunix")
+    p.add_argument("--peers", default="hf,tunix", help="besides ours on one host thread")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--out", type=Path, help="write results as JSON here")
@@ -129,7 +129,8 @@ def main():
             ckpt = Path(tmp) / size
             make_checkpoint(size, ckpt)
             ours, sampler, model = run_ours(ckpt, settings, args.repeats)
-            peer_times = {}
+            # The same sampler on one host thread (CPU splits a batch over the cores).
+            peer_times = {"ours-1thread": run_ours(ckpt, settings, args.repeats, 1)[0]}
             if "hf" in peers:
                 peer_times["hf"] = run_hf(ckpt, settings)
             if "tunix" in peers:

@@ -31,8 +31,7 @@ def _load_config(args):
 def _cmd_generate(args) -> int:
     from rich.console import Console
 
-    from jaxagent.trainer import load_model_and_tokenizer
-    from rollouts.sampler import Sampler
+    from jaxagent.trainer import load_model_and_tokenizer, make_sampler
 
     console = Console(stderr=True)
     cfg = _load_config(args)
@@ -45,8 +44,7 @@ def _cmd_generate(args) -> int:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
     prompt = tokenizer.encode(text, add_bos=getattr(tokenizer, "add_bos", False))
     s = cfg.sampler
-    sampler = Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket,
-                      cache_bucket=s.cache_bucket, batch_bucket=s.batch_bucket)
+    sampler = make_sampler(model, tokenizer, cfg)
     out = sampler.generate(
         [prompt], num_samples=args.num_samples,
         max_new_tokens=args.max_new_tokens or s.max_new_tokens,
@@ -67,19 +65,19 @@ def _cmd_agent(args) -> int:
     from jaxagent.trainer import (
         load_agent_tasks,
         load_model_and_tokenizer,
+        make_sampler,
         make_scorer,
         tool_env_factory,
     )
     from rollouts.agent.metrics import agent_metrics
     from rollouts.agent.rollout import run_episodes
-    from rollouts.sampler import Continuation, Sampler
+    from rollouts.sampler import Continuation
 
     cfg = _load_config(args)
     a, s = cfg.agent, cfg.sampler
     tasks = load_agent_tasks(cfg)
     model, tokenizer = load_model_and_tokenizer(cfg, None)
-    sampler = Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket,
-                      cache_bucket=s.cache_bucket, batch_bucket=s.batch_bucket)
+    sampler = make_sampler(model, tokenizer, cfg)
     cont = Continuation(sampler, a.episodes, max_new_tokens=a.max_action_tokens,
                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)

@@ -85,6 +85,12 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
     return model, ByteTokenizer()
 
 
+def make_sampler(model, tokenizer, cfg: Config) -> Sampler:
+    s = cfg.sampler
+    return Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket, cache_bucket=s.cache_bucket,
+                   batch_bucket=s.batch_bucket, host_threads=s.host_threads)
+
+
 def load_task_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
     """(train, held-out eval) tasks.
 
@@ -427,10 +433,8 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                           {"step": 0, "data": task_iter.get_state()})
             # The producer thread's sampler, and one for evaluation in this thread.
             sampler, eval_sampler = (
-                Sampler(layout.sampler_model(graphdef, params), tokenizer,
-                        prompt_bucket=cfg.sampler.prompt_bucket,
-                        cache_bucket=cfg.sampler.cache_bucket,
-                        batch_bucket=cfg.sampler.batch_bucket) for _ in range(2))
+                make_sampler(layout.sampler_model(graphdef, params), tokenizer, cfg)
+                for _ in range(2))
 
             def log_eval(step):
                 eval_sampler.update_weights(layout.sampler_params(params))
@@ -610,8 +614,7 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = 
     model, tokenizer, cfg = load_policy(cfg, checkpoint)
     task_list = load_tasks(tasks) if tasks else load_task_splits(cfg)[1]
     samples = samples or max(cfg.eval.samples, max(ks))
-    sampler = Sampler(model, tokenizer, prompt_bucket=cfg.sampler.prompt_bucket,
-                      cache_bucket=cfg.sampler.cache_bucket, batch_bucket=cfg.sampler.batch_bucket)
+    sampler = make_sampler(model, tokenizer, cfg)
     with make_scorer(cfg) as scorer:
         scores, rollouts = evaluate(sampler, tokenizer, scorer, task_list, samples=samples,
                                     ks=ks, temperature=cfg.eval.temperature,

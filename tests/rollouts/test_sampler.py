@@ -13,7 +13,8 @@ from rollouts.sampler import Continuation, Sampler
 
 CFG = ModelConfig(vocab_size=67, hidden_size=36, intermediate_size=53, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=10, tie_embeddings=False)
-OPTS = dict(prompt_bucket=8, cache_bucket=16, batch_bucket=4, segment_steps=6)
+# One host thread: these tests pin batch mechanics (compaction, buckets); threads have their own.
+OPTS = dict(prompt_bucket=8, cache_bucket=16, batch_bucket=4, segment_steps=6, host_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +195,30 @@ def test_on_finish_reports_each_row_once_and_early_rows_during_decoding(model):
         np.testing.assert_array_equal(logprobs, out.logprobs[r])
     assert out.finish_reasons[0] == "length"
     assert calls[0][0] == row and calls[0][3] == "stop"
+
+
+def test_host_threads_give_the_one_thread_outputs(model):
+    # 5 prompts x 2 samples over 2 threads: rows 0-3 in one, 4-9 in the other (uneven
+    # shards, global row ids); sampled at temperature 1, so a key from a shard-local row
+    # id or step would change the tokens.
+    prompts = prompts_of([5, 8, 4, 6, 3], seed=13)
+    kwargs = dict(num_samples=2, max_new_tokens=19, temperature=1.0, seed=5)
+    one = Sampler(model, **OPTS).generate(prompts, **kwargs)
+    stop = max(set(one.tokens[7][1:10]), key=one.tokens[7][1:10].count)
+    kwargs["stop_token_ids"] = (stop,)
+    one = Sampler(model, **OPTS).generate(prompts, **kwargs)
+    calls = []
+    two = Sampler(model, **{**OPTS, "host_threads": 2}).generate(
+        prompts, **kwargs, on_finish=lambda *args: calls.append(args))
+    assert two.stats["host_threads"] == 2 and "host_threads" not in one.stats
+    assert two.tokens == one.tokens and two.finish_reasons == one.finish_reasons
+    assert "stop" in two.finish_reasons and "length" in two.finish_reasons
+    for a, b in zip(two.logprobs, one.logprobs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert sorted(c[0] for c in calls) == list(range(10))
+    for r, tokens, _, reason in calls:
+        assert tokens == two.tokens[r] and reason == two.finish_reasons[r]
+    assert two.stats["generated_tokens"] == one.stats["generated_tokens"]
 
 
 def test_compaction_keeps_results_and_saves_work(model):
