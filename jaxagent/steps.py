@@ -234,12 +234,16 @@ def feedback_term(model, feedback: FeedbackBatch, beta: float) -> jax.Array:
     return rl.feedback_loss(teacher, student, f.mask, beta=beta)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def answer_accuracy(graphdef, params, batch: TrainBatch) -> jax.Array:
-    """Fraction of rows whose every loss-masked target is the greedy (argmax) prediction."""
-    logits, _ = target_logits(nnx.merge(graphdef, params), batch)
-    wrong = (jnp.argmax(logits, -1) != batch.targets) & (batch.loss_mask > 0)
-    return jnp.mean(~wrong.any(-1))
+@functools.partial(jax.jit, static_argnames=("graphdef", "logits_chunk"))
+def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0) -> jax.Array:
+    """Fraction of rows whose every loss-masked target is the greedy (argmax) prediction
+    (the LM head in chunks of about `logits_chunk` tokens, as in `target_logprobs`)."""
+    model = nnx.merge(graphdef, params)
+    hidden, _ = target_hidden(model, batch)
+    (miss,) = over_position_chunks(
+        lambda h, targets: (jnp.argmax(model.logits(h), -1) != targets,),
+        hidden, batch.targets, logits_chunk)
+    return jnp.mean(~(miss & (batch.loss_mask > 0)).any(-1))
 
 
 def target_hidden(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
@@ -251,12 +255,6 @@ def target_hidden(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
         group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // hidden.shape[0])
         hidden = hidden[group[:, None], batch.gather]  # the LM head runs on targets only
     return hidden, aux
-
-
-def target_logits(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """Logits at the target positions [B, T, V] and the MoE load-balancing loss."""
-    hidden, aux = target_hidden(model, batch)
-    return model.logits(hidden), aux
 
 
 def target_logprobs(model, batch: TrainBatch,
@@ -272,7 +270,7 @@ def target_logprobs(model, batch: TrainBatch,
     hidden, aux = target_hidden(model, batch)
     logp, entropy = over_position_chunks(
         lambda h, targets: rl.token_logprobs_and_entropy(model.logits(h), targets),
-        hidden, batch.targets, max(1, logits_chunk // hidden.shape[0]) if logits_chunk else 0)
+        hidden, batch.targets, logits_chunk)
     return logp, entropy, aux
 
 
@@ -281,11 +279,12 @@ def logits_chunk_tokens(mib: int, vocab_size: int) -> int:
     return max(1, mib * 2**20 // (4 * vocab_size)) if mib else 0
 
 
-def over_position_chunks(fn, hidden: jax.Array, targets: jax.Array, chunk: int):
-    """fn(hidden [B, c, D], targets [B, c]) -> arrays [B, c], applied to chunks of `chunk`
-    positions under `jax.checkpoint` (a scan; rows stay whole, so a batch sharding holds);
-    one call when `chunk` is 0 or covers T."""
+def over_position_chunks(fn, hidden: jax.Array, targets: jax.Array, tokens: int):
+    """fn(hidden [B, c, D], targets [B, c]) -> a tuple of arrays [B, c], applied to chunks
+    of c = tokens / B positions under `jax.checkpoint` (a scan; rows stay whole, so a batch
+    sharding holds); one call when `tokens` is 0 or the chunk covers T."""
     b, t, d = hidden.shape
+    chunk = max(1, tokens // b) if tokens else 0
     if not chunk or t <= chunk:
         return fn(hidden, targets)
     n = -(-t // chunk)

@@ -238,7 +238,8 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
         eval_batch = layout.batch(jax.tree.map(
             lambda x: x[layout.local_rows(s.documents.eval_examples)], eval_batch),
             "sft.documents.eval_examples")
-        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch)
+        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch,
+                                                                  logits_chunk(cfg))
     for _ in range(s.steps):
         # Every process draws the same global batch and keeps its own rows of it.
         batch = draw(rng)
@@ -249,7 +250,8 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
         if progress:
             progress.update(task_bar, advance=1, info=f"loss {float(metrics['sft/loss']):.3f}")
     if eval_batch is not None:
-        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch)
+        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch,
+                                                           logits_chunk(cfg))
     return params, {k: float(v) for k, v in {**metrics, **accuracy}.items()}
 
 

@@ -12,6 +12,8 @@ from jaxagent.models import init_model
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import (
     LossOptions,
+    TrainBatch,
+    answer_accuracy,
     feedback_term,
     pack,
     pack_documents,
@@ -235,6 +237,24 @@ def test_logits_chunks_give_the_whole_batch_step(shared):
     for p0, a, b in zip(jax.tree.leaves(params), jax.tree.leaves(whole),
                         jax.tree.leaves(chunked)):
         np.testing.assert_allclose(b - p0, a - p0, rtol=1e-4, atol=1e-6)
+
+
+def test_answer_accuracy_in_chunks_counts_rows_whose_masked_targets_are_all_greedy():
+    graphdef, params, _, _ = setup()
+    rng = np.random.default_rng(19)
+    b, t = 6, 11
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, t)), jnp.int32)
+    greedy = np.asarray(jnp.argmax(nnx.merge(graphdef, params)(tokens), -1))
+    mask = (rng.random((b, t)) < 0.6).astype(np.float32)
+    mask[:, 4] = 1.0
+    targets = greedy.copy()
+    targets[[1, 4], 4] = (greedy[[1, 4], 4] + 1) % CFG.vocab_size  # a masked miss: wrong row
+    targets[2] = np.where(mask[2] > 0, greedy[2], (greedy[2] + 1) % CFG.vocab_size)  # unmasked
+    batch = TrainBatch(tokens=tokens, targets=jnp.asarray(targets), loss_mask=jnp.asarray(mask),
+                       segment_ids=jnp.ones((b, t), jnp.int32),
+                       sampler_logprobs=jnp.zeros((b, t)), advantages=jnp.zeros(b))
+    for chunk in (0, 18):  # 3 positions a chunk, the last one padded
+        assert float(answer_accuracy(graphdef, params, batch, chunk)) == pytest.approx(4 / 6)
 
 
 def test_logits_chunks_bound_the_step_memory():
