@@ -14,6 +14,7 @@ once timed.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import time
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
-from rollouts.sampler import Continuation, Sampler
+from rollouts.sampler import Continuation, Sampler, continuation
 
 SIZES = {
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2,
@@ -38,8 +39,9 @@ def episodes(n, turns, prompt, obs, vocab, seed=0):
             [[rng.integers(1, vocab, obs).tolist() for _ in range(turns)] for _ in range(n)])
 
 
-def run_incremental(sampler, prompts, observations, action):
-    cont = Continuation(sampler, slots=len(prompts), max_new_tokens=action, temperature=0.0)
+def run_incremental(sampler, prompts, observations, action, one_thread=False):
+    make = Continuation if one_thread else continuation  # CPU: slots split over host threads
+    cont = make(sampler, slots=len(prompts), max_new_tokens=action, temperature=0.0)
     for slot, p in enumerate(prompts):
         cont.start(slot, p)
     tokens = 0
@@ -87,13 +89,16 @@ def main():
           f"{args.episodes} episodes x {args.turns} turns, prompt {args.prompt}, "
           f"obs {args.obs}, action {args.action} tokens")
     rows = {}
-    for name, fn in [("incremental", run_incremental), ("re-prefill", run_reprefill)]:
+    one_thread = functools.partial(run_incremental, one_thread=True)
+    for name, fn in [("incremental", run_incremental), ("incr, 1 thread", one_thread),
+                     ("re-prefill", run_reprefill)]:
         seconds, tokens, prefilled = timed(fn, sampler, prompts, obs, args.action)
         turns = args.episodes * args.turns
         rows[name] = seconds
-        print(f"{name:12s} {seconds:8.3f} s  {turns / seconds:8.2f} turns/s  "
+        print(f"{name:14s} {seconds:8.3f} s  {turns / seconds:8.2f} turns/s  "
               f"{tokens / seconds:9.1f} policy tokens/s  prefilled {prefilled} tokens")
-    print(f"speed-up (re-prefill time / incremental time): {rows['re-prefill'] / rows['incremental']:.2f}x")
+    print(f"speed-up (re-prefill time / incremental time): {rows['re-prefill'] / rows['incremental']:.2f}x; "
+          f"host threads: {rows['incr, 1 thread'] / rows['incremental']:.2f}x")
 
 
 if __name__ == "__main__":

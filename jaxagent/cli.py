@@ -71,14 +71,14 @@ def _cmd_agent(args) -> int:
     )
     from rollouts.agent.metrics import agent_metrics
     from rollouts.agent.rollout import run_episodes
-    from rollouts.sampler import Continuation
+    from rollouts.sampler import continuation
 
     cfg = _load_config(args)
     a, s = cfg.agent, cfg.sampler
     tasks = load_agent_tasks(cfg)
     model, tokenizer = load_model_and_tokenizer(cfg, None)
     sampler = make_sampler(model, tokenizer, cfg)
-    cont = Continuation(sampler, a.episodes, max_new_tokens=a.max_action_tokens,
+    cont = continuation(sampler, a.episodes, max_new_tokens=a.max_action_tokens,
                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)
     n = args.episodes or len(tasks)

@@ -16,7 +16,8 @@ How a call runs:
    half the rows have finished, so finished rows stop costing compute.
 4. On a CPU backend a call's prompts are split over host threads (`host_threads`, default
    the cores), each running steps 1-3 on its rows: XLA:CPU runs a small decode step's ops
-   on one core. Row ids stay global, so outputs equal one thread's.
+   on one core. Row ids stay global, so outputs equal one thread's. Multi-turn episodes
+   (`continuation(...)`) split their slots the same way (`ThreadedContinuation`).
 All shapes are bucketed (batch, prompt length, cache size, output buffer), so repeated calls
 reuse compiled programs.
 """
@@ -376,7 +377,9 @@ class Sampler:
             self._generate, num_samples=num_samples, max_new_tokens=max_new_tokens,
             temperature=jnp.float32(temperature or 1.0), top_p=jnp.float32(top_p or 1.0),
             stop_ids=stop_ids, stop_set=set(stop_token_ids), key=jax.random.key(seed), mode=mode)
-        shards = self._host_shards(len(prompts), num_samples, documents)
+        # Documents share the KV store: one thread.
+        shards = (1 if documents is not None
+                  else self.host_shards(len(prompts) * num_samples, len(prompts)))
         if shards == 1:
             return run(prompts, documents, 0, on_finish)
         # Whole prompts per thread; row ids stay global, so keys (per step and row), outputs
@@ -400,16 +403,16 @@ class Sampler:
                             [lp for p in parts for lp in p.logprobs],
                             [r for p in parts for r in p.finish_reasons], stats, self.tokenizer)
 
-    def _host_shards(self, num_prompts: int, num_samples: int, documents) -> int:
-        """Threads to split a call over: on a CPU backend with single-device weights (a mesh's
-        programs must not interleave), at least `batch_bucket` rows each; documents share the
-        KV store, so they stay in one thread."""
-        if documents is not None or jax.default_backend() != "cpu":
+    def host_shards(self, rows: int, groups: int) -> int:
+        """Threads to split `rows` decoding rows (in `groups` that stay whole) over: on a CPU
+        backend with single-device weights (a mesh's programs must not interleave), at least
+        `batch_bucket` rows each."""
+        if jax.default_backend() != "cpu":
             return 1
         if any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(self.params)):
             return 1
         threads = self.host_threads or len(os.sched_getaffinity(0))
-        return max(1, min(threads, num_prompts, num_prompts * num_samples // self.batch_bucket))
+        return max(1, min(threads, groups, rows // self.batch_bucket))
 
     def _generate(self, prompts, documents, row_offset: int, on_finish, *, num_samples: int,
                   max_new_tokens: int, temperature, top_p, stop_ids, stop_set, key,
@@ -631,7 +634,8 @@ class Continuation:
 
     def __init__(self, sampler: Sampler, slots: int, *, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 stop_token_ids=(), seed: int = 0, max_cache_slots: int = 1 << 15):
+                 stop_token_ids=(), seed: int = 0, max_cache_slots: int = 1 << 15,
+                 row_offset: int = 0):
         if slots < 1:
             raise ValueError(f"slots: must be >= 1, got {slots}")
         if max_new_tokens < 1:
@@ -640,6 +644,7 @@ class Continuation:
         if len(stop_token_ids) > _MAX_STOP_IDS:
             raise ValueError(f"stop_token_ids: at most {_MAX_STOP_IDS}, got {len(stop_token_ids)}")
         self.sampler, self.slots = sampler, slots
+        self.row_offset = row_offset  # slot i samples as row row_offset + i (ThreadedContinuation)
         self.batch = _round_up(slots, sampler.batch_bucket)
         self.max_new_tokens, self.max_cache_slots = max_new_tokens, max_cache_slots
         self.mode = _SamplingMode(greedy=temperature == 0, top_k=top_k, top_p=top_p is not None)
@@ -661,7 +666,7 @@ class Continuation:
     def start(self, slot: int, prompt) -> None:
         self._check_slot(slot)
         if self.history[slot] is not None:
-            raise ValueError(f"slot {slot} is busy; release() it first")
+            raise ValueError(f"slot {self.row_offset + slot} is busy; release() it first")
         prompt = self.sampler._check_prompts([prompt])[0]
         self._forget_row(slot)
         self.history[slot], self.pending[slot] = list(prompt), list(prompt)
@@ -670,7 +675,7 @@ class Continuation:
     def append(self, slot: int, tokens) -> None:
         self._check_slot(slot)
         if self.history[slot] is None:
-            raise ValueError(f"slot {slot} has no episode; start() one first")
+            raise ValueError(f"slot {self.row_offset + slot} has no episode; start() one first")
         tokens = [int(t) for t in tokens]
         self.history[slot] += tokens
         self.pending[slot] += tokens
@@ -736,15 +741,16 @@ class Continuation:
         """Sample one action for every active slot: {slot: (tokens, logprobs, reason)}."""
         active = np.array([h is not None for h in self.history])
         if not active.any():
+            self.turns += 1  # turn t draws from key (seed, t) in every part of a threaded one
             return {}
         idle = [i for i in np.flatnonzero(active) if not self.pending[i]]
         if idle:
-            raise ValueError(f"slot {idle[0]} has no new tokens since its last action; append() "
-                             "the observation first")
+            raise ValueError(f"slot {self.row_offset + idle[0]} has no new tokens since its last "
+                             "action; append() the observation first")
         logits = self.prefill()
         s = self.sampler
         key = jax.random.fold_in(self.key, self.turns)
-        rows = np.where(active, np.arange(self.batch), -1).astype(np.int32)
+        rows = np.where(active, self.row_offset + np.arange(self.batch), -1).astype(np.int32)
         first, first_lp, done = _first_tokens(logits, rows, key, self.temperature, self.top_p,
                                               self.stop_ids, mode=self.mode)
         max_new = _round_up(self.max_new_tokens, 64)
@@ -791,3 +797,53 @@ class Continuation:
         self.cache = _forget_slots(self.cache, jnp.asarray(keep))
         self.turns += 1
         return out
+
+
+class ThreadedContinuation:
+    """`Continuation`'s interface over parts that each hold a range of the slots with their own
+    cache, turned in parallel host threads (CPU, see `Sampler.host_shards`). Slot i samples
+    with the keys of row i, so the actions are those of one `Continuation`."""
+
+    def __init__(self, sampler: Sampler, slots: int, parts: int, **kwargs):
+        bounds = np.linspace(0, slots, parts + 1).astype(int)
+        self.slots = slots
+        self.parts = [Continuation(sampler, int(b - a), row_offset=int(a), **kwargs)
+                      for a, b in zip(bounds, bounds[1:])]
+        self._part_of = np.repeat(np.arange(parts), np.diff(bounds))
+
+    def _locate(self, slot: int) -> tuple[Continuation, int]:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside [0, {self.slots})")
+        part = self.parts[self._part_of[slot]]
+        return part, slot - part.row_offset
+
+    def start(self, slot: int, prompt) -> None:
+        part, i = self._locate(slot)
+        part.start(i, prompt)
+
+    def append(self, slot: int, tokens) -> None:
+        part, i = self._locate(slot)
+        part.append(i, tokens)
+
+    def release(self, slot: int) -> None:
+        part, i = self._locate(slot)
+        part.release(i)
+
+    def turn(self) -> dict[int, tuple[list[int], np.ndarray, str]]:
+        with ThreadPoolExecutor(len(self.parts)) as pool:
+            outs = list(pool.map(Continuation.turn, self.parts))
+        return {p.row_offset + i: action for p, out in zip(self.parts, outs)
+                for i, action in out.items()}
+
+    @property
+    def stats(self) -> dict:
+        return {k: sum(p.stats[k] for p in self.parts) for k in self.parts[0].stats}
+
+
+def continuation(sampler: Sampler, slots: int, **kwargs) -> Continuation | ThreadedContinuation:
+    """A `Continuation` of `slots` episodes, split over host threads where the sampler would
+    split a batch of that many rows."""
+    parts = sampler.host_shards(slots, slots)
+    if parts == 1:
+        return Continuation(sampler, slots, **kwargs)
+    return ThreadedContinuation(sampler, slots, parts, **kwargs)

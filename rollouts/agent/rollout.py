@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from rollouts.environment import INFRA_ERROR, Environment, StepResult, Trajectory
-from rollouts.sampler import Continuation
+from rollouts.sampler import Continuation, ThreadedContinuation
 
 
 def _step(env: Environment, action: Sequence[int]) -> StepResult:
@@ -18,8 +18,8 @@ def _step(env: Environment, action: Sequence[int]) -> StepResult:
         return StepResult([], 0.0, True, {"status": INFRA_ERROR, "error": repr(e)})
 
 
-def run_episodes(cont: Continuation, envs: Sequence[Environment], tasks: Iterable,
-                 version: int = 0) -> list[Trajectory]:
+def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Environment],
+                 tasks: Iterable, version: int = 0) -> list[Trajectory]:
     """Play every task to the end with `len(envs)` episodes in flight; trajectories in the
     order of `tasks`. An episode whose environment step raises ends there with status
     `infra_error` (no reward to learn from) instead of failing the others."""

@@ -9,7 +9,7 @@ from flax import nnx
 from jaxagent.config import ModelConfig, NSAConfig
 from jaxagent.models import init_model
 from rollouts import sampler as sampler_lib
-from rollouts.sampler import Continuation, Sampler
+from rollouts.sampler import Continuation, Sampler, ThreadedContinuation, continuation
 
 CFG = ModelConfig(vocab_size=67, hidden_size=36, intermediate_size=53, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=10, tie_embeddings=False)
@@ -375,6 +375,40 @@ def test_released_slots_are_refilled_and_rebuilds_keep_the_logits(model):
             cont.append(1, tokens(rng, 2))
     assert cont.stats["rebuilds"] >= 1
     assert cont.history[1] is not None and len(cont.history[1]) < len(cont.history[0])
+
+
+def test_threaded_continuation_takes_the_one_thread_actions(model):
+    # 5 slots over 2 threads (slots 0-1 and 2-4), sampled at temperature 1: a part's keys from
+    # a local slot, or a turn counter that stops while its part idles, would change actions.
+    opts = {**CONT_OPTS, "batch_bucket": 2}
+    kwargs = dict(max_new_tokens=7, temperature=1.0, stop_token_ids=(STOP,), seed=4)
+    one = Continuation(Sampler(model, **opts, host_threads=1), 5, **kwargs)
+    two = continuation(Sampler(model, **opts, host_threads=2), 5, **kwargs)
+    assert isinstance(two, ThreadedContinuation) and len(two.parts) == 2
+    rng = np.random.default_rng(8)
+    def observe(slots):
+        return [("append", s, tokens(rng, int(rng.integers(1, 6)))) for s in slots]
+
+    script = [("start", s, tokens(rng, int(rng.integers(2, 12)))) for s in range(5)]
+    script += [("turn",), ("release", 0), ("release", 1), *observe([2, 3, 4])]
+    script += [("turn",), ("start", 0, tokens(rng, 4)), *observe([2, 3, 4])]  # part 0 idled
+    script += [("turn",), *observe([0, 2, 3, 4]), ("turn",)]
+    for cont in (one, two):
+        cont.actions = []
+        for op, *args in script:
+            out = getattr(cont, op)(*args)
+            if op == "turn":
+                cont.actions.append(out)
+    for a, b in zip(one.actions, two.actions, strict=True):
+        assert a.keys() == b.keys() and a
+        for slot in a:
+            assert b[slot][0] == a[slot][0] and b[slot][2] == a[slot][2]
+            np.testing.assert_allclose(b[slot][1], a[slot][1], rtol=1e-5, atol=1e-5)
+    assert two.stats["prefill_tokens"] == one.stats["prefill_tokens"]
+    with pytest.raises(ValueError, match="slot 1 has no episode"):
+        two.append(1, [5])
+    with pytest.raises(ValueError, match=r"slot 5 outside \[0, 5\)"):
+        two.start(5, [5])
 
 
 def test_misuse_is_named(model):
