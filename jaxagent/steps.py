@@ -219,19 +219,23 @@ def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int], Sequenc
     return FeedbackBatch(**{k: jnp.asarray(v) for k, v in out.items()}, mask=jnp.asarray(mask))
 
 
-def feedback_term(model, feedback: FeedbackBatch, beta: float) -> jax.Array:
+def feedback_term(model, feedback: FeedbackBatch, beta: float,
+                  logits_chunk: int = 0) -> jax.Array:
     """beta * KL(policy with the hint || policy) at the flagged turns' tokens; the teacher
-    pass carries no gradient."""
+    pass carries no gradient. The LM head runs in chunks as in `target_logprobs`."""
 
-    def logits_at(tokens, segment_ids, index):
+    def hidden_at(tokens, segment_ids, index):
         hidden = model(tokens, None, segment_ids, hidden_only=True)
-        return model.logits(hidden[jnp.arange(index.shape[0])[:, None], index])
+        return hidden[jnp.arange(index.shape[0])[:, None], index]
 
     f = feedback
     teacher = jax.lax.stop_gradient(
-        logits_at(f.teacher_tokens, f.teacher_segment_ids, f.teacher_index))
-    student = logits_at(f.student_tokens, f.student_segment_ids, f.student_index)
-    return rl.feedback_loss(teacher, student, f.mask, beta=beta)
+        hidden_at(f.teacher_tokens, f.teacher_segment_ids, f.teacher_index))
+    student = hidden_at(f.student_tokens, f.student_segment_ids, f.student_index)
+    (kl,) = over_position_chunks(
+        lambda t, s, mask: (rl.token_kl(model.logits(t), model.logits(s), mask),),
+        (teacher, student, f.mask), logits_chunk)
+    return rl.feedback_loss(kl, f.mask, beta=beta)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "logits_chunk"))
@@ -242,7 +246,7 @@ def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0) 
     hidden, _ = target_hidden(model, batch)
     (miss,) = over_position_chunks(
         lambda h, targets: (jnp.argmax(model.logits(h), -1) != targets,),
-        hidden, batch.targets, logits_chunk)
+        (hidden, batch.targets), logits_chunk)
     return jnp.mean(~(miss & (batch.loss_mask > 0)).any(-1))
 
 
@@ -270,7 +274,7 @@ def target_logprobs(model, batch: TrainBatch,
     hidden, aux = target_hidden(model, batch)
     logp, entropy = over_position_chunks(
         lambda h, targets: rl.token_logprobs_and_entropy(model.logits(h), targets),
-        hidden, batch.targets, logits_chunk)
+        (hidden, batch.targets), logits_chunk)
     return logp, entropy, aux
 
 
@@ -279,20 +283,22 @@ def logits_chunk_tokens(mib: int, vocab_size: int) -> int:
     return max(1, mib * 2**20 // (4 * vocab_size)) if mib else 0
 
 
-def over_position_chunks(fn, hidden: jax.Array, targets: jax.Array, tokens: int):
-    """fn(hidden [B, c, D], targets [B, c]) -> a tuple of arrays [B, c], applied to chunks
-    of c = tokens / B positions under `jax.checkpoint` (a scan; rows stay whole, so a batch
-    sharding holds); one call when `tokens` is 0 or the chunk covers T."""
-    b, t, d = hidden.shape
+def over_position_chunks(fn, arrays: tuple[jax.Array, ...], tokens: int):
+    """fn(*chunks) -> a tuple of arrays [B, c], with each of `arrays` ([B, T, ...]) cut into
+    chunks of c = tokens / B positions, each under `jax.checkpoint` (a scan; rows stay whole,
+    so a batch sharding holds); one call when `tokens` is 0 or the chunk covers T."""
+    b, t = arrays[0].shape[:2]
     chunk = max(1, tokens // b) if tokens else 0
     if not chunk or t <= chunk:
-        return fn(hidden, targets)
+        return fn(*arrays)
     n = -(-t // chunk)
     pad = n * chunk - t  # the padded positions' outputs are cut off again (no gradient)
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
-    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk)
-    outs = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)),
-                       (hidden.swapaxes(0, 1), targets.swapaxes(0, 1)))
+
+    def cut(x):  # [B, T, ...] -> [n, B, chunk, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    outs = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), tuple(map(cut, arrays)))
     return tuple(o.swapaxes(0, 1).reshape(b, n * chunk)[:, :t] for o in outs)
 
 
@@ -454,7 +460,8 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
     if feedback is not None:
         term, term_grads = jax.value_and_grad(
-            lambda p: feedback_term(nnx.merge(graphdef, p), feedback, o.feedback_beta))(params)
+            lambda p: feedback_term(nnx.merge(graphdef, p), feedback, o.feedback_beta,
+                                    logits_chunk))(params)
         loss, grads = loss + term, jax.tree.map(jnp.add, grads, term_grads)
         metrics = {**metrics, "train/feedback_loss": term,
                    "train/feedback_tokens": feedback.mask.sum()}

@@ -21,17 +21,20 @@ import jax.numpy as jnp
 from jaxagent.rl.losses import aggregate
 
 
-def token_kl(teacher_logits, student_logits):
-    """KL(softmax(teacher) || softmax(student)) per position [B, T]; no gradient to the teacher."""
+def token_kl(teacher_logits, student_logits, mask=None):
+    """KL(softmax(teacher) || softmax(student)) per position [B, T]; no gradient to the
+    teacher. With `mask` [B, T], 0 where it is 0: the logits there may hold garbage and are
+    zeroed first, so not even a NaN gradient gets through."""
+    if mask is not None:
+        keep = (jnp.asarray(mask) != 0)[..., None]
+        teacher_logits = jnp.where(keep, teacher_logits, 0.0)
+        student_logits = jnp.where(keep, student_logits, 0.0)
     t = jax.lax.stop_gradient(jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1))
     s = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
     return jnp.einsum("BTV,BTV->BT", jnp.exp(t), t - s)
 
 
-def feedback_loss(teacher_logits, student_logits, mask, *, beta, aggregation="token-mean",
-                  norm_length=None):
-    """beta * the masked aggregate of `token_kl` (0 when the mask is empty)."""
-    keep = (jnp.asarray(mask) != 0)[..., None]
-    # Unflagged positions may hold garbage; zero them so not even a NaN gradient gets through.
-    kl = token_kl(jnp.where(keep, teacher_logits, 0.0), jnp.where(keep, student_logits, 0.0))
+def feedback_loss(kl, mask, *, beta, aggregation="token-mean", norm_length=None):
+    """beta * the masked aggregate of the per-position KL [B, T] (`token_kl` with the mask;
+    0 when the mask is empty)."""
     return beta * aggregate(kl, mask, aggregation=aggregation, norm_length=norm_length)

@@ -420,8 +420,8 @@ def test_pack_feedback_layout_and_limits():
 
 def test_feedback_term_equals_float64_kl_and_the_step_reduces_it():
     """beta * token-mean KL(teacher || student) over the flagged tokens, from full forwards of
-    the two contexts, in float64; then rl_step with zero advantages (only the feedback term
-    pulls) moves the student towards the teacher."""
+    the two contexts, in float64 (whole and with the LM head in chunks); then rl_step with zero
+    advantages (only the feedback term pulls) moves the student towards the teacher."""
     graphdef, params, tx, opt_state = setup(lr=3e-2)
     forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))  # eager is slow
     examples = feedback_examples(1)
@@ -439,13 +439,15 @@ def test_feedback_term_equals_float64_kl_and_the_step_reduces_it():
     term = jax.jit(lambda params: feedback_term(nnx.merge(graphdef, params), fb, beta))
     got = float(term(params))
     np.testing.assert_allclose(got, want, rtol=1e-4)
+    chunked = jax.jit(lambda params: feedback_term(nnx.merge(graphdef, params), fb, beta, 12))
+    np.testing.assert_allclose(float(chunked(params)), want, rtol=1e-4)  # 3 positions a chunk
     assert want > 1e-4  # the hint changes the distribution, so the test is not vacuous
 
     p, c, lp = random_rollouts(4, seed=3)
     batch = pack(p, c, lp, np.zeros(4))  # no policy-gradient signal
     options = LossOptions(feedback_beta=beta)
     new_params, _, m = rl_step(graphdef, tx, copy(params), opt_state, batch, None, fb,
-                               options=options)
+                               options=options, logits_chunk=12)
     np.testing.assert_allclose(float(m["train/feedback_loss"]), want, rtol=1e-4)
     assert float(m["train/feedback_tokens"]) == count
     after = float(term(new_params))

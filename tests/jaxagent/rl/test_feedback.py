@@ -27,7 +27,8 @@ def test_hand_computed_kl():
     expected = -math.log(2) / 4 + 0.75 * math.log(1.5)
     assert abs(expected - 0.130812035) < 1e-8
     np.testing.assert_allclose(token_kl(teacher, student), [[expected]], rtol=1e-6)
-    loss = feedback_loss(teacher, student, jnp.ones((1, 1)), beta=0.5)
+    mask = jnp.ones((1, 1))
+    loss = feedback_loss(token_kl(teacher, student, mask), mask, beta=0.5)
     np.testing.assert_allclose(loss, 0.5 * expected, rtol=1e-6)
 
 
@@ -41,8 +42,10 @@ def test_matches_float64_reference_on_random_logits():
     np.testing.assert_allclose(token_kl(teacher, student), ref, rtol=1e-5, atol=1e-6)
     m = np.asarray(mask, bool)
     expected = 0.3 * ref[m].sum() / m.sum()
-    np.testing.assert_allclose(feedback_loss(teacher, student, mask, beta=0.3), expected, rtol=1e-5)
-    per_seq = feedback_loss(teacher, student, mask, beta=1.0, aggregation="seq-mean-token-mean")
+    kl = token_kl(teacher, student, mask)
+    np.testing.assert_allclose(kl, np.where(m, ref, 0.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(feedback_loss(kl, mask, beta=0.3), expected, rtol=1e-5)
+    per_seq = feedback_loss(kl, mask, beta=1.0, aggregation="seq-mean-token-mean")
     rows = [ref[i][m[i]].mean() for i in range(b) if m[i].any()]
     np.testing.assert_allclose(per_seq, np.mean(rows), rtol=1e-5)
 
@@ -50,11 +53,16 @@ def test_matches_float64_reference_on_random_logits():
 def test_zero_where_no_detector_fires_even_with_garbage_logits():
     teacher = jnp.full((2, 3, 5), jnp.nan)
     student = jnp.zeros((2, 3, 5))
-    assert float(feedback_loss(teacher, student, jnp.zeros((2, 3)), beta=1.0)) == 0.0
-    grad = jax.grad(lambda s: feedback_loss(teacher, s, jnp.zeros((2, 3)), beta=1.0))(student)
+    none, every = jnp.zeros((2, 3)), jnp.ones((2, 3))
+
+    def loss(t, s, mask):
+        return feedback_loss(token_kl(t, s, mask), mask, beta=1.0)
+
+    assert float(loss(teacher, student, none)) == 0.0
+    grad = jax.grad(lambda s: loss(teacher, s, none))(student)
     assert not np.any(np.asarray(grad))
     same = jax.random.normal(jax.random.key(0), (2, 3, 5))
-    np.testing.assert_allclose(feedback_loss(same, same, jnp.ones((2, 3)), beta=1.0), 0.0, atol=1e-7)
+    np.testing.assert_allclose(loss(same, same, every), 0.0, atol=1e-7)
 
 
 def test_gradient_reaches_only_the_student():
@@ -63,7 +71,8 @@ def test_gradient_reaches_only_the_student():
     student = jax.random.normal(ks, (1, 3, 7))
     mask = jnp.array([[1, 0, 1]])
     g_teacher, g_student = jax.grad(
-        lambda t, s: feedback_loss(t, s, mask, beta=0.7), argnums=(0, 1))(teacher, student)
+        lambda t, s: feedback_loss(token_kl(t, s, mask), mask, beta=0.7),
+        argnums=(0, 1))(teacher, student)
     assert not np.any(np.asarray(g_teacher))
     # d/ds KL(p || softmax(s)) = softmax(s) - p, averaged over the 2 masked tokens, times beta
     expected = 0.7 * (jax.nn.softmax(student) - jax.nn.softmax(teacher)) / 2 * mask[..., None]
