@@ -46,6 +46,13 @@ _MAX_STOP_IDS = 8
 _WEIGHTS_IDS = itertools.count()  # a fresh id per weights a sampler holds (KV store keys)
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one: Linux)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -411,7 +418,7 @@ class Sampler:
             return 1
         if any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(self.params)):
             return 1
-        threads = self.host_threads or len(os.sched_getaffinity(0))
+        threads = self.host_threads or _usable_cores()
         return max(1, min(threads, groups, rows // self.batch_bucket))
 
     def _generate(self, prompts, documents, row_offset: int, on_finish, *, num_samples: int,
