@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
-from jaxagent.rl.feedback import feedback_loss
+from jaxagent.rl.feedback import feedback_loss, token_kl
 from jaxagent.tokenizer import ByteTokenizer
 from rollouts.agent.feedback import (
     HINTS,
@@ -68,5 +68,6 @@ def test_teacher_with_a_hint_differs_from_the_student_only_at_flagged_turns():
     logits = nnx.jit(lambda m, x: m(x))(model, batch)
     student, teacher = logits[0, ex.student_index], logits[1, ex.teacher_index]
     mask = jnp.ones((1, len(ex.targets)))
-    assert float(feedback_loss(teacher[None], student[None], mask, beta=1.0)) > 1e-6
-    assert float(feedback_loss(teacher[None], student[None], 0 * mask, beta=1.0)) == 0.0
+    for m, flagged in ((mask, True), (0 * mask, False)):
+        loss = float(feedback_loss(token_kl(teacher[None], student[None], m), m, beta=1.0))
+        assert loss > 1e-6 if flagged else loss == 0.0
