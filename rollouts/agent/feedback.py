@@ -1,9 +1,10 @@
 """Targeted feedback, host side: which turns the detectors flag, and the teacher's context
 (the same tokens with a hint inserted before the flagged turn) aligned with the student's.
 
-The loss itself is `jaxagent.rl.feedback.feedback_loss`: the trainer runs the policy on the
-student sequence and (without gradient) on each teacher sequence, gathers the logits at the
-returned indices (the logits that predict the flagged turn's tokens) and masks with `mask`.
+The loss itself is `jaxagent.rl.feedback` (`token_kl`, `feedback_loss`): the trainer runs the
+policy on the student sequence and (without gradient) on each teacher sequence, takes the
+logits at the returned indices (those that predict the flagged turn's tokens) and masks with
+`mask`.
 """
 
 from __future__ import annotations
