@@ -37,9 +37,21 @@ def packed_logprobs(model, docs, final):
     """log-softmax [len(final), V] of ONE forward of [docs..., final] (no cache), laid out by
     document_layout: the reference for the cached path."""
     seg, pos = document_layout([len(d) for d in docs], len(final), model.config.documents)
-    tokens = jnp.asarray([sum(docs, []) + final])
-    logits = model(tokens, jnp.asarray(pos)[None], jnp.asarray(seg)[None])
-    return np.asarray(jax.nn.log_softmax(logits[0, -len(final):], axis=-1))
+    tokens = sum(docs, []) + final
+    n = len(tokens)
+    assert n <= PAD_TO
+    pad = [0] * (PAD_TO - n)  # right padding (segment 0): unseen, and one compile per model
+    logits = _forward(model, jnp.asarray([tokens + pad]), jnp.asarray([list(pos) + pad]),
+                      jnp.asarray([list(seg) + pad]))
+    return np.asarray(jax.nn.log_softmax(logits[0, n - len(final):n], axis=-1))
+
+
+PAD_TO = 64
+
+
+@nnx.jit
+def _forward(model, tokens, positions, segment_ids):
+    return model(tokens, positions, segment_ids)
 
 
 @pytest.mark.parametrize("attention,documents", [
