@@ -166,11 +166,6 @@ def loss_options(cfg: Config) -> LossOptions:
     )
 
 
-def logits_chunk(cfg: Config) -> int:
-    """Tokens per LM-head chunk in the loss (`train.logits_chunk_mib`)."""
-    return logits_chunk_tokens(cfg.train.logits_chunk_mib, cfg.model.vocab_size)
-
-
 def _group_advantages(r: RLConfig, rewards: np.ndarray) -> np.ndarray:
     """[N, G] -> [N, G]"""
     if r.algorithm == "rloo":
@@ -221,11 +216,17 @@ def evaluate(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *, 
 # Supervised warm-up.
 
 
+def logits_chunk(cfg: Config, model) -> int:
+    """Tokens per LM-head chunk in the loss (`train.logits_chunk_mib`), for the loaded model's
+    vocabulary (an HF checkpoint's, not `cfg.model`'s)."""
+    return logits_chunk_tokens(cfg.train.logits_chunk_mib, model.config.vocab_size)
+
+
 def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Layout,
-        progress=None):
+        progress=None, *, chunk: int = 0):
     """`cfg.sft.steps` of token-mean cross-entropy on `cfg.sft.data`: the tasks' reference
     completions, or document-retrieval examples (then the metrics hold the held-out answer
-    accuracy before and after)."""
+    accuracy before and after). `chunk`: tokens per LM-head chunk (`logits_chunk`)."""
     s = cfg.sft
     draw, eval_batch = _sft_data(cfg, tokenizer, tasks)
     tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
@@ -238,20 +239,18 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
         eval_batch = layout.batch(jax.tree.map(
             lambda x: x[layout.local_rows(s.documents.eval_examples)], eval_batch),
             "sft.documents.eval_examples")
-        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch,
-                                                                  logits_chunk(cfg))
+        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch, chunk)
     for _ in range(s.steps):
         # Every process draws the same global batch and keeps its own rows of it.
         batch = draw(rng)
         batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)], batch),
                              "sft.batch_size")
         params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
-                                              cfg.train.micro_batch, logits_chunk(cfg))
+                                              cfg.train.micro_batch, chunk)
         if progress:
             progress.update(task_bar, advance=1, info=f"loss {float(metrics['sft/loss']):.3f}")
     if eval_batch is not None:
-        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch,
-                                                           logits_chunk(cfg))
+        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch, chunk)
     return params, {k: float(v) for k, v in {**metrics, **accuracy}.items()}
 
 
@@ -391,6 +390,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     save_config(cfg, workdir / "config.yaml")
 
     model, tokenizer = load_model_and_tokenizer(cfg)
+    chunk = logits_chunk(cfg, model)
     graphdef, params = layout.split(model)
     # A frozen reference copy only when KL is on (a copy: the train step donates params).
     frozen_copy = lambda p: jax.tree.map(jnp.copy, p) if cfg.rl.kl_coef else None  # noqa: E731
@@ -428,7 +428,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                 start, queued = 0, []
                 if cfg.sft.steps:
                     params, sft_metrics = sft(cfg, graphdef, params, tokenizer, train_tasks,
-                                              layout, progress)
+                                              layout, progress, chunk=chunk)
                     ref_params = frozen_copy(params)
                     metrics_writer.write(0, sft_metrics)
                 ckpt.save(0, {"params": params, "opt_state": opt_state},
@@ -474,7 +474,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                     params, opt_state, step_metrics = rl_step(
                         graphdef, tx, params, opt_state, layout.batch(train_batch), ref_params,
                         feedback, options=options, micro_batch=t.micro_batch,
-                        logits_chunk=logits_chunk(cfg))
+                        logits_chunk=chunk)
                     step_metrics = {k: float(v) for k, v in step_metrics.items()}
                     t2 = time.perf_counter()
                     done = step + 1
@@ -578,7 +578,8 @@ def run_sft(cfg: Config) -> Path:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
                   disable=not is_leader()) as progress:
-        params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress)
+        params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress,
+                              chunk=logits_chunk(cfg, model))
     params = layout.gather(params)  # every process joins; only process 0 writes
     out = Path(cfg.workdir) / "sft"
     if is_leader():

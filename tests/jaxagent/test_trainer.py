@@ -80,6 +80,19 @@ def test_semantic_config_errors_fail_before_compute(tmp_path, overrides, message
     assert not (tmp_path / "config.yaml").exists()
 
 
+def test_logits_chunk_follows_the_loaded_models_vocabulary():
+    # An HF checkpoint brings its own vocabulary; cfg.model keeps the YAML's (264 by default).
+    from types import SimpleNamespace
+
+    from jaxagent.config import Config, ModelConfig, TrainConfig
+    from jaxagent.trainer import logits_chunk
+
+    cfg = Config(train=TrainConfig(logits_chunk_mib=3))
+    model = SimpleNamespace(config=ModelConfig(vocab_size=151_936))
+    assert logits_chunk(cfg, model) == 3 * 2**20 // (4 * 151_936) == 5
+    assert logits_chunk(Config(train=TrainConfig(logits_chunk_mib=0)), model) == 0
+
+
 def test_bad_config_fails_before_compute(tmp_path):
     with pytest.raises(ConfigError, match="rl.algorithm: 'ppo' is not one of"):
         load_config(None, ["rl.algorithm=ppo"])
@@ -183,7 +196,7 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_exactly(tmp_path):
             params, opt_state, m = rl_step(graphdef, tx, params, opt_state,
                                            to_train_batch(batch, adv, keep), None,
                                            options=loss_options(cfg), micro_batch=t.micro_batch,
-                                           logits_chunk=logits_chunk(cfg))
+                                           logits_chunk=logits_chunk(cfg, model))
             sampler.update_weights(params)
             want.append((float(m["train/loss"]), float(m["train/grad_norm"]),
                          float(np.mean([r.reward for r in rewards]))))
