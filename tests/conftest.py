@@ -1,7 +1,34 @@
-"""Test-wide set-up: 8 fake CPU devices (set once, before JAX initialises its backends)."""
+"""Test-wide set-up: 8 fake CPU devices (set once, before JAX initialises its backends), and one
+compilation cache for the run.
+
+Many tests compile the same programs (the same tiny model's steps, the same kernels at the same
+shapes) from fresh closures; a persistent cache in a temporary folder compiles each once per run,
+in this process and in the subprocesses tests start (they inherit the environment).
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    import jax
+
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the caller's own cache wins
+        return
+    folder = tempfile.mkdtemp(prefix="jaxagent-tests-jit-")
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    cache = {
+        "jax_compilation_cache_dir": folder,
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+        # a size bound turns on the cache's file lock: the tests' subprocesses share the folder
+        "jax_compilation_cache_max_size": 2**32,
+    }
+    for name, value in cache.items():
+        os.environ[name.upper()] = str(value)
+        jax.config.update(name, value)

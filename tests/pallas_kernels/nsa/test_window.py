@@ -163,6 +163,7 @@ def _bf16(xs):
 MOSAIC = functools.partial(sliding_window_attention_gpu, interpret=True, block_sizes=GpuBlockSizes(backend="mosaic"))
 
 
+@pytest.mark.slow  # 40-50 s; the select_mgpu kernels it runs on are select's default Mosaic test
 def test_mosaic_bf16_window_across_blocks():
     # G=1 pads to Gp=2 -> 32 positions a tile; w=40 spans two 64-key blocks for most tiles;
     # T=100 leaves a partial tile, S=90 a partial block and a tile that starts past the keys.
