@@ -26,8 +26,7 @@ def pytest_configure(config):
         "jax_compilation_cache_dir": folder,
         "jax_persistent_cache_min_compile_time_secs": 0,
         "jax_persistent_cache_min_entry_size_bytes": -1,
-        # a size bound turns on the cache's file lock: the tests' subprocesses share the folder
-        "jax_compilation_cache_max_size": 2**32,
+        # no size bound: with one, every write stats every entry (thousands here) to evict
     }
     for name, value in cache.items():
         os.environ[name.upper()] = str(value)
