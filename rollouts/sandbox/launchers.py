@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import itertools
 import os
 import select
 import shutil
@@ -96,15 +97,18 @@ def hello(
     pylib: list[str],
     isolated: bool,
     timeout: float = 30.0,
+    uid: int | None = None,
 ) -> dict:
     """Start the zygote. `isolated`: it has namespaces of its own, so clearing SysV
-    IPC objects and keyrings after each run touches nothing outside the sandbox."""
+    IPC objects and keyrings after each run touches nothing outside the sandbox, and
+    solutions are confined (guest/confine.py), as `uid` where the sandbox runs as root."""
     channel.send(
         {
             "workroot": workroot,
             "preload": list(PRELOAD),
             "pylib": pylib,
             "isolated": isolated,
+            "solution_uid": (solution_uid() if uid is None else uid) if isolated else None,
         }
     )
     reply = channel.recv(timeout)
@@ -178,6 +182,15 @@ def _site_dirs(prefix: str) -> list[str]:
     return sorted(p for p in candidates if os.path.isdir(p))
 
 
+def _parents(inside: str) -> list[str]:
+    """Create the directories above a bind target as 0755: bwrap makes them 0700 (or copies
+    the host's /root), and the solution's uid must be able to walk down to what is bound."""
+    args = []
+    for parent in reversed(Path(inside).parents[:-1]):
+        args += ["--perms", "0755", "--dir", str(parent)]
+    return args
+
+
 def _root_args(prefix: str) -> list[str]:
     """A read-only root holding only what the interpreter needs: /usr, /lib*, its prefix."""
     args = ["--ro-bind", "/usr", "/usr"]
@@ -188,7 +201,7 @@ def _root_args(prefix: str) -> list[str]:
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
     if prefix != "/usr" and not prefix.startswith("/usr/"):
-        args += ["--ro-bind", prefix, prefix]
+        args += [*_parents(prefix), "--ro-bind", prefix, prefix]
     for site in _site_dirs(prefix):
         args += ["--tmpfs", site]  # mask installed packages
     return args
@@ -196,15 +209,34 @@ def _root_args(prefix: str) -> list[str]:
 
 def _bind_args(binds: dict[str, str]) -> list[str]:
     """Extra read-only binds, pytest for repository tasks, and the harness itself."""
+    binds = {**binds, **{path: f"{SANDBOX_PYLIB}/{name}" for name, path in pytest_paths().items()}}
     args = []
-    for host, inside in binds.items():
-        args += ["--ro-bind", host, inside]
-    for name, path in pytest_paths().items():
-        args += ["--ro-bind", path, f"{SANDBOX_PYLIB}/{name}"]
-    return args + ["--ro-bind", str(GUEST_DIR), "/harness"]
+    for host, inside in {**binds, str(GUEST_DIR): "/harness"}.items():
+        args += [*_parents(inside), "--ro-bind", host, inside]
+    return args
 
 
-_ISOLATION = ["--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+_COMMON = ["--die-with-parent", "--new-session", "--clearenv"]
+# Every namespace but the user one as root: a user namespace would map uid 0 alone, and the
+# solution must become another uid (guest/confine.py). As a normal user, bwrap's user
+# namespace is the only way in.
+_ROOT_NAMESPACES = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]  # fmt: skip
+_SOLUTION_UIDS = itertools.count(1_000_000)  # far above any account on the host
+
+
+def solution_uid() -> int:
+    """A fresh uid for one sandbox's solutions where the host runs as root (no two sandboxes
+    share an RLIMIT_NPROC count or own each other's files); elsewhere our own uid."""
+    return next(_SOLUTION_UIDS) if os.geteuid() == 0 else os.geteuid()
+
+
+def _isolation(privileged: bool) -> list[str]:
+    """bwrap's namespace and capability options. `privileged`: the command drops its
+    privileges itself (the zygote, limited.py) and needs them to do so; else none at all."""
+    namespaces = _ROOT_NAMESPACES if os.geteuid() == 0 else ["--unshare-all"]
+    caps = ["--cap-add", "ALL"] if privileged and os.geteuid() else []
+    return [*namespaces, *_COMMON, *(caps if privileged else ["--cap-drop", "ALL"])]
+
 _ENV = ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]  # fmt: skip
 # /tmp (size-capped) is the only writable place; then /dev and / go read-only.
 _FINISH = ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/dev"]
@@ -241,7 +273,7 @@ class BwrapLauncher:
     def tool_argv(self, binary: str, args: list[str]) -> list[str]:
         """argv running a host tool (the linter) in a one-shot sandbox like the zygote's."""
         inside = f"/tools/{os.path.basename(binary)}"
-        return self.wrap([inside, *args], binds={binary: inside})
+        return self.wrap([inside, *args], binds={binary: inside}, privileged=False)
 
     def wrap(
         self,
@@ -249,10 +281,12 @@ class BwrapLauncher:
         binds: dict[str, str] | None = None,
         workdir: str | None = None,
         env: dict[str, str] | None = None,
+        privileged: bool = True,
     ) -> list[str]:
         """bwrap argv running `command` sandboxed; `binds` maps host paths in read-only;
-        `workdir` (sessions) is a host directory bound read-write at /work, the cwd."""
-        tmpfs = ["--size", str(self.limits.tmpfs_mb << 20), "--tmpfs", "/tmp"]
+        `workdir` (sessions) is a host directory bound read-write at /work, the cwd;
+        `privileged` (see `_isolation`): `command` confines itself before any untrusted code."""
+        tmpfs = ["--size", str(self.limits.tmpfs_mb << 20), "--perms", "1777", "--tmpfs", "/tmp"]
         root = _root_args(os.path.realpath(sys.base_prefix))
         extra = _bind_args(binds or {})
         work = ["--bind", workdir, SESSION_WORKDIR] if workdir else []
@@ -260,7 +294,7 @@ class BwrapLauncher:
         setenv = [a for k, v in (env or {}).items() for a in ("--setenv", k, v)]
         return [
             self.bwrap,
-            *_ISOLATION,
+            *_isolation(privileged),
             *_ENV,
             *setenv,
             *root,
@@ -422,7 +456,7 @@ class DockerLauncher:
         )
         raw = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
         channel = DockerChannel(container, getattr(raw, "_sock", raw))
-        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True, timeout=60.0)
+        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True, timeout=60.0, uid=65534)
         return channel
 
 

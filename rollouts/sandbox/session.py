@@ -36,7 +36,9 @@ from rollouts.sandbox.launchers import (
     in_cgroup,
     pytest_paths,
     sandbox_cgroup,
+    solution_uid,
 )
+from rollouts.sandbox.guest.confine import own
 from rollouts.sandbox.types import Limits
 
 _PYTHON_FLAGS = ("-S", "-B", "-E", "-s")
@@ -72,9 +74,9 @@ def _check_docker_engine() -> None:
 
 
 def docker_argv(command: list[str], *, name: str, image: str, workdir: str, limits: Limits,
-                tools: dict[str, str]) -> list[str]:
+                tools: dict[str, str], uid: int) -> list[str]:
     """`docker run` of one session command in container `name`: the work dir read-write at
-    /work (the command runs as our uid, which owns it), the harness, pytest and tools
+    /work (the command runs as `uid`, which owns it), the harness, pytest and tools
     read-only, no network, a read-only root with a private /tmp, the memory and process caps
     of a single run, no capabilities."""
     mem = f"{limits.memory_mb + limits.tmpfs_mb + _CGROUP_OVERHEAD_MB}m"
@@ -89,11 +91,11 @@ def docker_argv(command: list[str], *, name: str, image: str, workdir: str, limi
         "--tmpfs", f"/tmp:size={limits.tmpfs_mb}m,mode=1777",
         "--memory", mem, "--memory-swap", mem, "--pids-limit", str(limits.max_procs + 8),
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-        "--user", f"{os.getuid()}:{os.getgid()}", "--workdir", SESSION_WORKDIR,
+        "--user", f"{uid}:{uid}", "--workdir", SESSION_WORKDIR,
         *(a for host, inside in mounts.items() for a in ("--volume", f"{host}:{inside}")),
         *(a for k, v in env.items() for a in ("--env", f"{k}={v}")),
         image, "python3", *_PYTHON_FLAGS, "/harness/limited.py",
-        json.dumps(dataclasses.asdict(limits)), *command,
+        json.dumps({**dataclasses.asdict(limits), "solution_uid": uid}), *command,
     ]
 
 
@@ -144,6 +146,8 @@ class Session:
             else ProcessLauncher(self.limits)
         )
         self._container: str | None = None  # the docker command running now
+        # commands run as this uid (confined, guest/confine.py); None: unconfined (process)
+        self.uid = solution_uid() if backend != "process" else None
         self.tools = dict(tools or {})
         self._tmp = Path(tempfile.mkdtemp(prefix="jaxagent-session-"))
         self.root = self._tmp / "work"
@@ -217,12 +221,15 @@ class Session:
 
     # ---- commands (sandboxed) ----
     def _argv(self, command: list[str]) -> tuple[list[str], dict | None, str | None]:
+        if self.uid is not None and self.uid != os.geteuid():  # root: files the host wrote
+            own(str(self.root), self.uid)
         if self.backend == "docker":
             self._container = f"jaxagent-session-{uuid.uuid4().hex[:12]}"
             argv = docker_argv(command, name=self._container, image=self.image,
-                               workdir=str(self.root), limits=self.limits, tools=self.tools)
+                               workdir=str(self.root), limits=self.limits, tools=self.tools,
+                               uid=self.uid)
             return argv, None, None
-        limits = json.dumps(dataclasses.asdict(self.limits))
+        limits = json.dumps({**dataclasses.asdict(self.limits), "solution_uid": self.uid})
         if self.backend == "bwrap":
             py = base_python()
             binds = {path: f"{_TOOLS_DIR}/{name}" for name, path in self.tools.items()}

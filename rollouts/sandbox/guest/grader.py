@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import ast
 import builtins
+import ctypes
 import os
 import posixpath
 import resource
 import signal
 import socket
+import struct
 import threading
 import time
 
 import codec
+import confine
 import runner
 import wire
 
 _SOLUTION_FD = 3
+_STATUS_FD = 4  # only the solution's stand-in init keeps it
+_WAIT_STATUS = struct.Struct("<i")
+_PR_SET_DUMPABLE = 4
+_LIBC = ctypes.CDLL(None, use_errno=True)
 _HEAD_BYTES = 4096
 _SIGNAL_STATUS = {
     signal.SIGXCPU: ("timeout", "CPU time limit exceeded"),
@@ -87,7 +94,9 @@ def _set_limits(limits: dict) -> None:
         resource.setrlimit(which, value)
 
 
-def _become_solution(sock: socket.socket, out_w: int, spec: dict, workdir: str) -> None:
+def _become_solution(
+    sock: socket.socket, out_w: int, status_w: int, spec: dict, workdir: str, own_pids: bool
+) -> None:
     """In the forked child: shed every grader fd and privilege, then serve calls."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
@@ -95,7 +104,8 @@ def _become_solution(sock: socket.socket, out_w: int, spec: dict, workdir: str) 
     os.dup2(out_w, 1)
     os.dup2(out_w, 2)
     os.dup2(sock.fileno(), _SOLUTION_FD)
-    os.closerange(_SOLUTION_FD + 1, 1 << 16)  # nonce, verdict and host pipes are gone
+    os.dup2(status_w, _STATUS_FD)
+    os.closerange(_STATUS_FD + 1, 1 << 16)  # nonce, verdict and host pipes are gone
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU):
         signal.signal(sig, signal.SIG_DFL)
     os.chdir(workdir)
@@ -103,12 +113,45 @@ def _become_solution(sock: socket.socket, out_w: int, spec: dict, workdir: str) 
     os.environ.update(
         PATH="/usr/bin:/bin", HOME=workdir, TMPDIR=workdir, LANG="C.UTF-8"
     )
-    _set_limits(spec["limits"])
     sock = socket.socket(fileno=_SOLUTION_FD)
+    if spec["solution_uid"] is not None:
+        try:
+            confine.confine(spec["solution_uid"], workdir, private_mounts=own_pids)
+        except (confine.ConfinementError, OSError) as e:
+            wire.send_sock(sock, ["confine", str(e)[:_HEAD_BYTES]])
+            return
+        if own_pids:
+            _stand_in_as_init()
+        _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self/mem, as anywhere
+    os.close(_STATUS_FD)
+    _set_limits(spec["limits"])
     if spec["mode"] == "pytest":
         runner.run_pytest(sock, spec["pytest_args"], spec["pylib"])
     else:
         runner.serve(sock, spec["program"], spec["entry_point"])
+
+
+def _stand_in_as_init() -> None:
+    """Pid 1 of the solution's namespace ignores signals it has no handler for, even
+    SIGKILL: the solution runs as pid 2 instead, so its own signals end it as anywhere.
+    Returns in that child; here, relays its wait status to the grader and exits (which
+    kills whatever else is left in the namespace)."""
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        return
+    _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    os.closerange(0, _STATUS_FD)  # EOF on the channel must mean the solution is gone
+    status = 0
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)  # orphans land here too
+        except ChildProcessError:
+            break
+        if pid == child:
+            break
+    os.write(_STATUS_FD, _WAIT_STATUS.pack(status))
+    os._exit(0)
 
 
 class Solution:
@@ -119,15 +162,20 @@ class Solution:
         self.wall_s = spec["limits"]["wall_s"]
         parent, child = socket.socketpair()
         out_r, out_w = os.pipe()
-        self.pid = os.fork()
+        self.status_r, status_w = os.pipe()  # the wait status, where the solution is pid 2
+        if spec["solution_uid"] is None:
+            self.pid, own_pids = os.fork(), False
+        else:
+            self.pid, own_pids = confine.fork_isolated()
         if self.pid == 0:
             try:
                 parent.close()
-                _become_solution(child, out_w, spec, workdir)
+                _become_solution(child, out_w, status_w, spec, workdir, own_pids)
             finally:
                 os._exit(0)  # returning into grader code would be fatal
         child.close()
         os.close(out_w)
+        os.close(status_w)
         self.sock = parent
         self.aborted: Abort | None = None  # sticky: once aborted, every call re-raises
         self.status: int | None = None
@@ -148,6 +196,10 @@ class Solution:
         if self.status is None:
             pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
             if pid:
+                relayed = os.read(self.status_r, _WAIT_STATUS.size)  # its writer has exited
+                os.close(self.status_r)
+                if len(relayed) == _WAIT_STATUS.size:
+                    (status,) = _WAIT_STATUS.unpack(relayed)
                 self.status = status
         return self.status is not None
 
@@ -241,6 +293,8 @@ def _reply_error(reply: list) -> Exception:
         return CandidateError(f"{reply[1]}: {reply[2]}")
     if kind in ("hack", "oom") and len(reply) == 2:
         return Abort(kind, str(reply[1]))
+    if kind == "confine" and len(reply) == 2:
+        return Abort("error", f"the sandbox could not confine the solution: {reply[1]}")
     return Abort("hack", "malformed reply from solution")
 
 
@@ -338,15 +392,15 @@ def _run_cases(spec: dict, solution: Solution) -> dict:
 
 
 # Files through which a solution could load code into pytest or the interpreter.
-_INJECTION_NAMES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
-                    "sitecustomize.py", "usercustomize.py"}  # fmt: skip
+_INJECTION_NAMES = {"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
+                    "setup.cfg", "pyproject.toml", "sitecustomize.py", "usercustomize.py"}  # fmt: skip
 
 
 def _under(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-def _edit_problem(rel: str, protected: list[str]) -> str:
+def _edit_problem(rel: str, protected: list[str], files: dict) -> str:
     """Why an edit is a hack ('' if it is fine)."""
     norm = posixpath.normpath(rel)
     if rel.startswith("/") or norm == "." or norm.startswith(".."):
@@ -358,13 +412,16 @@ def _edit_problem(rel: str, protected: list[str]) -> str:
         return (
             f"edit {rel!r} injects pytest configuration or plugins (conftest/ini/.pth)"
         )
+    top = norm.split("/")[0]
+    if top.endswith((".dist-info", ".egg-info")) or norm == "__init__.py" and norm not in files:
+        return f"edit {rel!r} adds package metadata or makes the repository root a package"
     return ""
 
 
 def _apply_edits(spec: dict, workdir: str) -> str:
     """Write the solution's files over the pristine repository; a hack reason or ''."""
     for rel in spec["edits"]:
-        problem = _edit_problem(rel, spec["protected"])
+        problem = _edit_problem(rel, spec["protected"], spec["files"])
         if problem:
             return problem
     _write_files(spec["edits"], workdir)

@@ -76,11 +76,14 @@ def serve(sock: socket.socket, program: str, entry_point: str) -> None:
 
 
 def run_pytest(sock: socket.socket, args: list[str], pylib: list[str]) -> None:
-    """Run pytest in this process (it imports the solution) with the reporting plugin."""
-    sys.path[:0] = [
-        *pylib,
-        os.getcwd(),
-    ]  # like `python -m pytest` from the repository root
+    """Run pytest in this process (it imports the solution) with the reporting plugin,
+    configured by the harness alone: its own ini file, no plugin autoloading (a
+    `*.dist-info` in the repository cannot register one), and the repository after the
+    standard library, the harness and pytest on sys.path (a root `inspect.py` or
+    `pytest_verdict.py` shadows nothing)."""
+    root = os.getcwd()
+    sys.path[:] = [*sys.path, *pylib, root]
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     loaded = _attempt(lambda: importlib.import_module("pytest"))
     if loaded[0] != "ok":
         wire.send_sock(
@@ -91,6 +94,8 @@ def run_pytest(sock: socket.socket, args: list[str], pylib: list[str]) -> None:
 
     pytest = loaded[1]
     plugin = pytest_verdict.Reporter(sock)
-    argv = [*args, "--rootdir", os.getcwd(), "-p", "no:cacheprovider", "-q"]
+    harness = os.path.dirname(os.path.abspath(__file__))
+    argv = [*args, "-c", os.path.join(harness, "pytest.ini"), "--rootdir", root,
+            "--confcutdir", root, "--import-mode=append", "-p", "no:cacheprovider", "-q"]  # fmt: skip
     reply = _attempt(lambda: int(pytest.main(argv, plugins=[plugin])))
     wire.send_sock(sock, ["done", reply[1]] if reply[0] == "ok" else reply)

@@ -1,14 +1,15 @@
 """The fork-server: a long-lived process that never runs untrusted code.
 
 Protocol on fds 0/1 (frames, see `wire`): the host sends a hello
-{"workroot", "preload", "pylib", "isolated"}; the zygote answers {"ready", "pid"}.
+{"workroot", "preload", "pylib", "isolated", "solution_uid"}; the zygote answers {"ready", "pid"}.
 Then per run the host sends {"spec"} (what the solution may see) and a secret
 frame {"nonce", "setup", "cases"}. The zygote forks a grader after reading only
 the spec, relays the secret frame to it unparsed through a pipe (the grader
 reads it after forking the solution, so no solution memory ever held tests or
 nonce), waits for the verdict, kills every descendant, wipes the work root and
 answers {"verdict_bytes", "reason", "recycle", "oom_kills"} followed, when
-verdict_bytes > 0, by the grader's verdict frame, relayed unparsed too.
+verdict_bytes > 0, by the grader's verdict frame, relayed unparsed too. A run that
+changed the zygote's mount table (it cannot, short of a kernel bug) recycles the sandbox.
 """
 
 from __future__ import annotations
@@ -151,6 +152,14 @@ def wipe(root: str) -> bool:
     return True
 
 
+def _mount_table() -> str:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def oom_kills() -> int | None:
     """The container's OOM-kill count where its cgroup is visible (docker); else None."""
     for path in (
@@ -235,9 +244,12 @@ def main() -> None:
     workroot = hello["workroot"]
     pylib = hello["pylib"]
     wire.send(host_out, {"ready": True, "pid": os.getpid(), "oom_kills": oom_kills()})
+    mounts = _mount_table()
     while (msg := wire.recv(host_in)) is not None:
-        spec = {**msg["spec"], "pylib": pylib}
+        spec = {**msg["spec"], "pylib": pylib, "solution_uid": hello["solution_uid"]}
         reply, size = run_one(spec, host_in, workroot, hello["isolated"])
+        if _mount_table() != mounts:  # nothing may mount here; if it did, start afresh
+            reply.update(recycle=True)
         reply["oom_kills"] = oom_kills()
         wire.send(host_out, reply)
         # The verdict (failure messages quote expected values) goes out unparsed, so

@@ -107,15 +107,15 @@ TRICKS: dict[str, tuple[str, set[str]]] = {
     ),
     "kill_parent": (
         "    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n",
-        {"hack"},
+        {"failed"},  # pid 2 of its own pid namespace: nothing to reach
     ),
     "kill_everything": (
         "    import os, signal\n    os.kill(-1, signal.SIGKILL)\n",
-        {"hack"},
+        {"failed"},  # pid 2 of its own pid namespace: nothing to reach
     ),
     "kill_sandbox_init": (
         "    import os, signal\n    os.kill(-1, signal.SIGTERM)\n    os.kill(1, 9)\n",
-        {"hack"},
+        {"failed"},  # pid 2 of its own pid namespace: nothing to reach
     ),
     "stop_parent": (
         "    import os, signal, time\n    os.kill(os.getppid(), signal.SIGSTOP)\n    time.sleep(60)\n",
@@ -244,9 +244,9 @@ def test_noisy_but_correct_solution_passes(hostile_sandbox, humaneval, task_id):
     assert result.output.startswith("x" * 100)
 
 
-def test_sandbox_recovers_after_being_killed(hostile_sandbox, humaneval):
+def test_kill_attempts_do_not_disturb_later_runs(hostile_sandbox, humaneval):
     task = humaneval["HumanEval/0"]
-    kill = "    import os, signal\n    os.kill(-1, signal.SIGKILL)\n"
+    kill = "    import os, signal\n    os.kill(-1, signal.SIGKILL)\n    os.kill(1, 9)\n"
     results = [
         f.result()
         for f in [
@@ -254,4 +254,4 @@ def test_sandbox_recovers_after_being_killed(hostile_sandbox, humaneval):
             for c in [kill, kill, task.metadata["reference"]] * 2
         ]
     ]
-    assert [r.status for r in results] == ["hack", "hack", "passed"] * 2
+    assert [r.status for r in results] == ["failed", "failed", "passed"] * 2

@@ -67,6 +67,11 @@ def test_fixed_repository_passes_and_broken_one_fails(bwrap_sandbox, repo_task):
             "injects pytest configuration",
         ),
         ({"evil.pth": "import os\n"}, "injects pytest configuration"),
+        ({"pytest.toml": "[pytest]\naddopts = ['-p', 'evil']\n"}, "injects pytest configuration"),
+        ({".pytest.toml": "[pytest]\naddopts = ['-p', 'evil']\n"}, "injects pytest configuration"),
+        ({"evil-1.0.dist-info/entry_points.txt": "[pytest11]\nevil = evil\n"}, "package metadata"),
+        ({"evil.egg-info/entry_points.txt": "[pytest11]\nevil = evil\n"}, "package metadata"),
+        ({"__init__.py": ""}, "makes the repository root a package"),
         ({"../outside.py": ""}, "escapes the repository"),
         ({"lib.py": "import os\nos._exit(0)\n"}, "exited early"),
         ({"lib.py": "import sys\ndef add(a, b):\n    sys.exit(0)\n"}, "SystemExit"),
@@ -93,3 +98,33 @@ def test_only_pytest_commands_are_accepted(tmp_path):
     (tmp_path / "x.py").write_text("")
     with pytest.raises(TaskFormatError, match="is not `pytest ...`"):
         load_repo_task(tmp_path, ["make", "test"])
+
+
+# Modules pytest imports after start-up, and the harness's reporter: a file of that name at the
+# repository root must shadow nothing (the root comes after the standard library and the harness).
+FORGE = "import os\nos.write(3, b'x')\nraise SystemExit(0)\n"
+SHADOWED = ("pytest_verdict", "argparse", "inspect", "pathlib", "tempfile", "unittest", "logging",
+            "traceback", "linecache", "tokenize", "zipfile", "textwrap", "pprint", "difflib",
+            "fnmatch", "glob", "shlex", "warnings", "dataclasses", "enum")
+
+
+@pytest.mark.parametrize("module", SHADOWED)
+def test_root_modules_shadow_nothing(bwrap_sandbox, repo_task, module, leftovers):
+    """Each would forge a frame and exit if imported; the broken lib.py must simply fail."""
+    result = _grade(bwrap_sandbox, repo_task, {f"{module}.py": FORGE})
+    assert (result.status, result.tests_passed) == ("failed", 2), result
+    assert leftovers() == []
+
+
+def test_repository_config_files_do_not_configure_the_run(bwrap_sandbox, tmp_path_factory):
+    """A pristine setup.cfg / tox.ini / pyproject.toml asking for `-p evil` or deselecting the
+    failing test is ignored: the harness's own ini file is the only configuration."""
+    root = tmp_path_factory.mktemp("configured")
+    (root / "tests").mkdir()
+    (root / "lib.py").write_text("def add(a, b):\n    return a - b\n")
+    (root / "tests" / "test_lib.py").write_text(TESTS)
+    (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-k test_identity"\n')
+    (root / "tox.ini").write_text("[pytest]\naddopts = -p evil\n")
+    task = load_repo_task(root, ["python", "-m", "pytest", "tests"], task_id="configured")
+    result = _grade(bwrap_sandbox, task, {})
+    assert (result.status, result.tests_passed, result.tests_total) == ("failed", 2, 4), result

@@ -114,15 +114,15 @@ def test_docker_without_an_engine_says_why(tmp_path, monkeypatch):
 def test_docker_command_carries_the_single_run_limits():
     limits = Limits(wall_s=5, memory_mb=256, tmpfs_mb=16, max_procs=32)
     argv = docker_argv(["sh", "-c", "echo hi"], name="c1", image="img:1", workdir="/w",
-                       limits=limits, tools={"ruff": "/opt/ruff"})
+                       limits=limits, tools={"ruff": "/opt/ruff"}, uid=1234)
     flags = " ".join(argv)
     for part in ("run --rm --name c1", "--network none", "--read-only",
                  "--tmpfs /tmp:size=16m", "--pids-limit 40", "--cap-drop ALL",
                  "--security-opt no-new-privileges", "--volume /w:/work:rw",
                  "--volume /opt/ruff:/tools/ruff:ro", "--workdir /work",
-                 f"--user {os.getuid()}:{os.getgid()}"):
+                 "--user 1234:1234"):
         assert part in flags, part
     assert argv[argv.index("--memory") + 1] == argv[argv.index("--memory-swap") + 1]
     image = argv.index("img:1")
     assert argv[image + 1] == "python3" and argv[-3:] == ["sh", "-c", "echo hi"]
-    assert json.loads(argv[-4]) == dataclasses.asdict(limits)
+    assert json.loads(argv[-4]) == {**dataclasses.asdict(limits), "solution_uid": 1234}
