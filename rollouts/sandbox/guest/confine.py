@@ -123,17 +123,10 @@ def _check(ret: int, what: str) -> None:
 
 def fork_isolated() -> tuple[int, bool]:
     """os.fork(), the child as pid 1 of a new pid namespace where the kernel lets us:
-    (pid, whether it is isolated)."""
-    libc = _libc()
-    own = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    try:
-        isolated = libc.unshare(_CLONE_NEWPID) == 0
-        pid = os.fork()
-        if pid and isolated:  # a process whose children go elsewhere cannot start threads
-            _check(libc.setns(own, _CLONE_NEWPID), "returning to our pid namespace")
-    finally:
-        os.close(own)
-    return pid, isolated
+    (pid, whether it is isolated). The caller can start no thread afterwards (its children
+    would belong elsewhere), so it starts the ones it needs first."""
+    isolated = _libc().unshare(_CLONE_NEWPID) == 0
+    return os.fork(), isolated
 
 
 def _private_mounts() -> bool:

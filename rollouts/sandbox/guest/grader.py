@@ -163,6 +163,9 @@ class Solution:
         parent, child = socket.socketpair()
         out_r, out_w = os.pipe()
         self.status_r, status_w = os.pipe()  # the wait status, where the solution is pid 2
+        self.pid = 0
+        self.drain = OutputDrain(out_r, spec["limits"]["output_bytes"], self.kill)
+        self.drain.start()  # before fork_isolated, after which no thread can start
         if spec["solution_uid"] is None:
             self.pid, own_pids = os.fork(), False
         else:
@@ -179,10 +182,10 @@ class Solution:
         self.sock = parent
         self.aborted: Abort | None = None  # sticky: once aborted, every call re-raises
         self.status: int | None = None
-        self.drain = OutputDrain(out_r, spec["limits"]["output_bytes"], self.kill)
-        self.drain.start()
 
     def kill(self) -> None:
+        if not self.pid:
+            return
         for target in (
             lambda: os.killpg(self.pid, signal.SIGKILL),
             lambda: os.kill(self.pid, signal.SIGKILL),

@@ -230,3 +230,36 @@ import os
     assert (pid, ppid) == (2, 1) and pids == [1, 2]  # pid 2 under its stand-in init
     assert uid != 0 and gid != 0 and (uid != os.getuid() or os.getuid() != 0)
     assert caps == [0] * 5 and (nnp.strip(), seccomp.strip()) == ("1", "2")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="this run already is an unprivileged user's")
+def test_the_suite_holds_for_an_unprivileged_host_user(tmp_path):
+    """The same attacks with the host side run as uid 65534 (bwrap then enters through a user
+    namespace and the solution keeps the host user's uid, in its own pid namespace)."""
+    import shutil
+    import subprocess
+    import sys
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv (util-linux) to become an unprivileged user")
+    tmp_path.chmod(0o777)
+    user = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
+           "PYTHONDONTWRITEBYTECODE": "1", "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    code = "import sys, rollouts.sandbox, pytest; print(sys.base_prefix)"
+    probe = subprocess.run([*user, sys.executable, "-c", code],
+                           capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    if probe.returncode or probe.stdout.strip() != sys.base_prefix:
+        # e.g. the interpreter lives under root's 0700 home
+        why = (probe.stderr.strip().splitlines() or [probe.stdout.strip()])[-1]
+        pytest.skip(f"uid 65534 cannot run this interpreter and checkout: {why}")
+    here = Path(__file__).parent
+    tests = [str(here / "test_confinement.py"), str(here / "test_pytest_tasks.py")]
+    run = subprocess.run(
+        [*user, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
+         "-k", "not unprivileged_host_user", "--rootdir", str(here.parents[2])],
+        capture_output=True, text=True, env=env, cwd=str(here.parents[2]), timeout=600,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -126,3 +126,34 @@ def test_docker_command_carries_the_single_run_limits():
     image = argv.index("img:1")
     assert argv[image + 1] == "python3" and argv[-3:] == ["sh", "-c", "echo hi"]
     assert json.loads(argv[-4]) == {**dataclasses.asdict(limits), "solution_uid": 1234}
+
+
+# Shell commands an agent may run to escape: each exits 0 only if it worked.
+SESSION_ATTACKS = {
+    "root_uid": "test \"$(id -u)\" = 0",
+    "capabilities": "grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status | grep -qv 0000000000000000",
+    "write_tool": "echo x >> /tools/tool",
+    "remount_tool_rw": "python -c \"import ctypes; l = ctypes.CDLL(None, use_errno=True); "
+    "raise SystemExit(l.mount(None, b'/tools/tool', None, 32 | 4096, None))\" && echo x >> /tools/tool",
+    "tmpfs_over_harness": "python -c \"import ctypes; l = ctypes.CDLL(None); "
+    "raise SystemExit(l.mount(b'x', b'/harness', b'tmpfs', 0, None))\"",
+    "write_harness": "echo x >> /harness/limited.py",
+    "write_pylib": "echo x >> /pylib/pytest/__init__.py",
+    "new_user_namespace": "python -c \"import ctypes; raise SystemExit(ctypes.CDLL(None).unshare(0x10000000))\"",
+    "setuid_binary": "su -c true",
+    "core_pattern": "echo '|/tmp/x' > /proc/sys/kernel/core_pattern",
+    "see_host_processes": "test $(ls /proc | grep -c '^[0-9]') -gt 8",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SESSION_ATTACKS))
+def test_session_commands_hold_no_privilege(tmp_path, name):
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\necho tool\n")
+    tool.chmod(0o755)
+    with Session(REPO, backend="bwrap", tools={"tool": str(tool)}) as s:
+        result = s.exec(SESSION_ATTACKS[name])
+        assert result.exit_code != 0, (name, result.output)
+        assert s.exec("tool").output.strip() == "tool"  # the bound tool still runs
+        assert s.exec("echo ok > mine.txt && cat mine.txt").output.strip() == "ok"
+    assert tool.read_text() == "#!/bin/sh\necho tool\n"
