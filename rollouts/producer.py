@@ -40,6 +40,7 @@ class Rollout:
     finish_reason: str  # stop | length
     version: int  # policy version (train step) that sampled it
     masked: bool = False  # a budget-cut agent episode kept out of the advantage
+    grading: str = "isolated"  # where its tests ran (rollouts.tasks.Task.grading)
     # (start, end, detector) of the agent turns a feedback detector flagged, in prompt +
     # completion coordinates (rollouts.agent.feedback.flagged_turns)
     flagged: list = dataclasses.field(default_factory=list)
@@ -53,7 +54,7 @@ class Rollout:
         return cls(traj.task_id, traj.tokens[:n], traj.tokens[n:], traj.policy_mask[n:],
                    traj.logprobs[n:], traj.info.get("text", ""), traj.reward,
                    traj.info.get("status", ""), finish_reason, traj.version,
-                   bool(traj.info.get("masked")))
+                   bool(traj.info.get("masked")), grading=traj.info.get("grading", "isolated"))
 
 
 @dataclasses.dataclass
@@ -101,7 +102,8 @@ class CodeTaskEnv(Environment):
             raise RuntimeError("CodeTaskEnv.step before reset")
         text = self.tokenizer.decode(action)
         reward = self.scorer.submit(self.task, text).result()
-        return StepResult([], reward.reward, True, {"status": reward.status, "text": text})
+        return StepResult([], reward.reward, True,
+                          {"status": reward.status, "text": text, "grading": self.task.grading})
 
 
 def _run_step(env: Environment, traj: Trajectory, action: Sequence[int]) -> Trajectory:
@@ -170,6 +172,8 @@ def rollout_stats(rollouts: list[Rollout], generate_s: float, reward_s: float) -
         "rollout/pass_rate": statuses.count("passed") / len(statuses),
         "rollout/hack_rate": statuses.count("hack") / len(statuses),
         "rollout/infra_failures": statuses.count(INFRA_ERROR),
+        # graded with pytest beside the solution's code (weaker: see docs/sandbox.md)
+        "reward/in_process_fraction": sum(r.grading == "in-process" for r in rollouts) / len(rollouts),
         "rollout/completion_len": generated / len(rollouts),
         "rollout/tokens_per_s": generated / max(generate_s, 1e-9),
         "time/generate_s": generate_s,

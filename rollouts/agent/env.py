@@ -195,6 +195,7 @@ class ToolEnvironment(Environment):
         if truncated and self.options.truncation == "penalty":
             reward -= self.options.truncation_penalty
         info = {**self._info(), "status": graded.status, "passed": graded.passed,
+                "grading": task.grading,
                 "tests_passed": graded.result.tests_passed, "tests_total": graded.result.tests_total,
                 "hack": hack, "edited_tests": edited_tests, "truncated": truncated,
                 "truncated_by": why if truncated else "", "masked": masked}

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path, PurePosixPath
 from typing import Self
 
+from rollouts.sandbox.guest.confine import own
 from rollouts.sandbox.launchers import (
     _CGROUP_OVERHEAD_MB,
     GUEST_DIR,
@@ -38,7 +39,6 @@ from rollouts.sandbox.launchers import (
     sandbox_cgroup,
     solution_uid,
 )
-from rollouts.sandbox.guest.confine import own
 from rollouts.sandbox.types import Limits
 
 _PYTHON_FLAGS = ("-S", "-B", "-E", "-s")

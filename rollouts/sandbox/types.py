@@ -60,6 +60,14 @@ class RunRequest:
     edits: dict[str, str] = field(default_factory=dict)
     protected: tuple[str, ...] = ()
     pytest_args: tuple[str, ...] = ()
+    # pytest mode: "isolated" runs pytest and the pristine tests in the grader, the
+    # solution's modules as proxies (nothing it runs can touch the verdict); "in-process"
+    # runs pytest in the solution's process, for APIs that cannot cross as plain data.
+    grading: Literal["isolated", "in-process"] = "isolated"
+
+    def __post_init__(self) -> None:
+        if self.grading not in ("isolated", "in-process"):
+            raise ValueError(f"RunRequest.grading must be 'isolated' or 'in-process', got {self.grading!r}")
 
     def spec(self, limits: Limits) -> dict:
         """What the solution may see (it is in the memory the solution forks from)."""
@@ -72,6 +80,7 @@ class RunRequest:
             "edits": dict(self.edits),
             "protected": list(self.protected),
             "pytest_args": list(self.pytest_args),
+            "grading": self.grading,
         }
 
     def secret(self, nonce: str) -> dict:

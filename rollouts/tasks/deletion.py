@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rollouts.sandbox import Limits
+from rollouts.sandbox import Limits, Sandbox
 from rollouts.sandbox.session import Session
 from rollouts.tasks.embedded import git
-from rollouts.tasks.repo import load_repo_task
+from rollouts.tasks.repo import choose_grading, load_repo_task
 from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
 STUB = "raise NotImplementedError"
@@ -210,6 +210,11 @@ def make_deletion_tasks(
             with tempfile.TemporaryDirectory() as tmp:
                 _replay_history(repo, Path(tmp), feature)
                 git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
+        reference = {path: files[path] for path in by_path}
+        task = load_repo_task(task_dir / "repo", list(test_command), task_id,
+                              test_paths=tuple(test_paths))
+        with Sandbox(backend, workers=1, limits=limits) as sandbox:
+            grading = choose_grading(task, json.dumps(reference), sandbox)
         spec = {
             "id": task_id,
             "prompt": deletion_prompt(files, feature, targets),
@@ -218,7 +223,8 @@ def make_deletion_tasks(
             "target_tests": list(targets),
             "feature": [str(t) for t in feature],
             "repo_key": repo.name,
-            "reference": {path: files[path] for path in by_path},
+            "reference": reference,
+            "grading": grading,
         }
         (task_dir / "task.json").write_text(json.dumps(spec, indent=1))
         made.append(Made(task_id, feature, targets))
@@ -237,7 +243,7 @@ def load_deletion_task(task_dir: str | Path) -> Task:
         if key not in spec:
             raise TaskFormatError(f"{spec_file}: missing field {key!r}")
     task = load_repo_task(task_dir / "repo", spec["test_command"], spec["id"], spec["prompt"],
-                          tuple(spec["test_paths"]))
+                          tuple(spec["test_paths"]), spec.get("grading", "isolated"))
     bundle = task_dir / "history.bundle"
     metadata = {
         **task.metadata,

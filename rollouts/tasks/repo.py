@@ -9,6 +9,7 @@ pytest in the sandbox (`python -m pytest ARGS` from the repository root).
 
 from __future__ import annotations
 
+import dataclasses
 import tarfile
 from pathlib import Path, PurePosixPath
 
@@ -53,8 +54,10 @@ def load_repo_task(
     task_id: str | None = None,
     prompt: str = "",
     test_paths: tuple[str, ...] = ("tests",),
+    grading: str = "isolated",
 ) -> Task:
-    """A Task whose `files` are the repository's text files, graded by `test_command`."""
+    """A Task whose `files` are the repository's text files, graded by `test_command`
+    (`grading`: see `Task.grading`)."""
     path = Path(source)
     if path.is_dir():
         raw = _read_dir(path)
@@ -68,6 +71,8 @@ def load_repo_task(
         raise TaskFormatError(
             f"{path}: field 'test_command' must be a non-empty command"
         )
+    if grading not in ("isolated", "in-process"):
+        raise TaskFormatError(f"{path}: field 'grading' must be 'isolated' or 'in-process', not {grading!r}")
     try:
         pytest_args(tuple(test_command))
     except ValueError as e:
@@ -87,5 +92,20 @@ def load_repo_task(
         repo=str(path),
         test_command=tuple(test_command),
         completion_mode="full",
-        metadata={"test_paths": list(test_paths)},
+        metadata={"test_paths": list(test_paths), "grading": grading},
     )
+
+
+def choose_grading(task: Task, completion: str, sandbox) -> str:
+    """"isolated" if `completion` (a known-good solution) passes with the tests in the grader,
+    else "in-process" if it passes with pytest beside it (an API that cannot cross as plain
+    data); TaskFormatError if it passes neither way. `sandbox`: a rollouts.sandbox.Sandbox."""
+    results = {}
+    for grading in ("isolated", "in-process"):
+        request = dataclasses.replace(task.request(completion), grading=grading)
+        results[grading] = sandbox.submit(request).result()
+        if results[grading].passed:
+            return grading
+    raise TaskFormatError(
+        f"task {task.id}: the reference solution fails in both grading modes: "
+        f"{results['isolated'].message[:300]} | {results['in-process'].message[:300]}")

@@ -23,7 +23,8 @@ class Task:
     `"full"`: the completion is the whole program. `tests` are trusted snippets
     run by the grader with `candidate` (and the entry point's name) bound to the
     solution. `repo`/`test_command` describe repository tasks (see `repo.py`).
-    `metadata["reference"]`, when present, is a completion known to pass.
+    `metadata["reference"]`, when present, is a completion known to pass;
+    `metadata["grading"]` (repository tasks) is "isolated" or "in-process" (see `grading`).
     """
 
     id: str
@@ -37,6 +38,13 @@ class Task:
     language: str = "python"
     completion_mode: CompletionMode = "continue"
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def grading(self) -> str:
+        """Where the tests run: "isolated" (in the grader, never beside the solution's code;
+        every function-call task) or "in-process" (pytest in the solution's process, for a
+        repository whose API cannot cross as plain data; `rollouts.tasks.repo.choose_grading`)."""
+        return self.metadata.get("grading", "isolated") if self.repo is not None else "isolated"
 
     def program(self, completion: str) -> str:
         return (
@@ -86,6 +94,7 @@ class Task:
             edits=edits,
             protected=tuple(self.metadata.get("test_paths", ())),
             pytest_args=pytest_args(self.test_command),
+            grading=self.grading,
         )
 
 

@@ -12,17 +12,20 @@ from __future__ import annotations
 import ast
 import builtins
 import ctypes
+import importlib.util
 import os
 import posixpath
 import resource
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 
 import codec
 import confine
+import proxy
 import runner
 import wire
 
@@ -116,7 +119,8 @@ def _become_solution(
     sock = socket.socket(fileno=_SOLUTION_FD)
     if spec["solution_uid"] is not None:
         try:
-            confine.confine(spec["solution_uid"], workdir, private_mounts=own_pids)
+            hide = (_tests_dir(workdir),)
+            confine.confine(spec["solution_uid"], workdir, private_mounts=own_pids, hide=hide)
         except (confine.ConfinementError, OSError) as e:
             wire.send_sock(sock, ["confine", str(e)[:_HEAD_BYTES]])
             return
@@ -125,7 +129,9 @@ def _become_solution(
         _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self/mem, as anywhere
     os.close(_STATUS_FD)
     _set_limits(spec["limits"])
-    if spec["mode"] == "pytest":
+    if spec["mode"] == "pytest" and spec["grading"] == "isolated":
+        runner.serve_objects(sock)
+    elif spec["mode"] == "pytest":
         runner.run_pytest(sock, spec["pytest_args"], spec["pylib"])
     else:
         runner.serve(sock, spec["program"], spec["entry_point"])
@@ -242,6 +248,32 @@ class Solution:
         except Abort as e:
             self.aborted = e
             raise
+
+    def request(self, msg: list) -> list:
+        """One exchange of the isolated pytest mode (see `proxy`): the reply, or Abort."""
+        if self.aborted:
+            raise self.aborted
+        try:
+            reply = self._exchange(msg)
+            if reply[0] in ("hack", "oom") or reply[0] not in ("ok", "stop", "raise"):
+                raise _reply_error(reply) if reply[0] in ("hack", "oom") else Abort(
+                    "hack", "malformed reply from solution")
+            return reply
+        except Abort as e:
+            self.aborted = e
+            raise
+
+    def _exchange(self, msg: object) -> list:
+        try:
+            self.sock.settimeout(self._timeout())
+            wire.send_sock(self.sock, msg)
+        except TimeoutError:
+            raise Abort(
+                "timeout", f"wall time limit of {self.wall_s}s exceeded"
+            ) from None
+        except OSError:
+            raise self._death() from None
+        return self.receive()
 
     def _call(self, args: tuple, kwargs: dict) -> object:
         try:
@@ -480,6 +512,12 @@ def _run_pytest(spec: dict, solution: Solution) -> dict:
                 if isinstance(err, Abort)
                 else Abort("error", f"pytest did not run: {err}")
             )
+    return _pytest_verdict(spec, collected, outcomes, msg[1:], message)
+
+
+def _pytest_verdict(spec: dict, collected: list[str], outcomes: dict[str, str], exit_code: list,
+                    message: str) -> dict:  # fmt: skip
+    """Every test the pristine files define must have been collected; all passed, exit 0."""
     for test in sorted(_expected_tests(spec)):
         if not any(n == test or n.startswith(test + "[") for n in collected):
             raise Abort(
@@ -487,13 +525,82 @@ def _run_pytest(spec: dict, solution: Solution) -> dict:
                 f"test {test} was not run (deselected, skipped at collection or hidden)",
             )
     passed = sum(outcomes.get(n) == "passed" for n in collected)
-    ok = bool(collected) and passed == len(collected) and msg[1:] == [0]
+    ok = bool(collected) and passed == len(collected) and exit_code == [0]
     if not collected:
         message = "no tests collected"
     elif not ok and not message:
-        message = f"pytest exited with status {msg[1:]}"
+        message = f"pytest exited with status {exit_code}"
     return {"status": "passed" if ok else "failed", "tests_passed": passed, "tests_total": len(collected),
             "message": message}  # fmt: skip
+
+
+class _Collector:
+    """pytest plugin of the isolated mode: it runs in the grader, next to no solution code."""
+
+    def __init__(self):
+        self.collected: list[str] = []
+        self.outcomes: dict[str, str] = {}
+        self.message = ""
+
+    def pytest_collection_finish(self, session) -> None:
+        self.collected = [item.nodeid for item in session.items]
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if self.outcomes.get(report.nodeid, "passed") == "passed":
+            self.outcomes[report.nodeid] = report.outcome
+        if report.outcome != "passed" and not self.message:
+            detail = str(report.longrepr)[-1000:] if report.failed else ""
+            self.message = f"{report.nodeid} ({report.when}) {report.outcome}: {detail}"[:1500]
+
+
+def _solution_modules(spec: dict) -> set[str]:
+    """Top-level modules and packages of the repository outside the tests, that the
+    grader's own path (standard library, pytest, harness) does not already provide."""
+    names = set()
+    for rel in {**spec["files"], **spec["edits"]}:
+        parts = rel.split("/")
+        if _under(rel, spec["protected"]) or not rel.endswith(".py"):
+            continue
+        name = parts[0].removesuffix(".py") if len(parts) == 1 else parts[0]
+        if name.isidentifier() and name not in ("conftest", "setup"):
+            names.add(name)
+    return {n for n in names if importlib.util.find_spec(n) is None}
+
+
+def _tests_dir(workdir: str) -> str:
+    """Where the grader keeps the pristine tests: beside the work dir, out of the
+    solution's reach (another uid's 0700 directory, or hidden by its mount namespace)."""
+    return workdir.rstrip("/") + "-tests"
+
+
+def _run_isolated(spec: dict, solution: Solution, workdir: str) -> dict:
+    """pytest on the pristine tests in this (trusted) process; the solution's modules are
+    `proxy` objects over the call channel."""
+    ready = solution.receive()
+    if ready != ["ready"]:
+        raise _reply_error(ready) if ready[0] in ("hack", "oom") else Abort(
+            "error", f"the solution process did not start: {str(ready)[:200]}")
+    tests = _tests_dir(workdir)
+    pristine = {rel: text for rel, text in spec["files"].items()
+                if _under(rel, spec["protected"]) or not rel.endswith(".py")
+                or posixpath.basename(rel) == "conftest.py"}  # fmt: skip
+    _write_files(pristine, tests)
+    names = _solution_modules(spec)
+    os.chdir(tests)
+    sys.path[:] = [*sys.path, *spec["pylib"], tests]
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    objects = proxy.Objects(solution.request)
+    sys.meta_path.insert(0, proxy.SolutionFinder(objects, names))
+    import pytest
+
+    collector = _Collector()
+    argv = [*spec["pytest_args"], "-c", os.path.join(os.path.dirname(__file__), "pytest.ini"),
+            "--rootdir", tests, "--confcutdir", tests, "--import-mode=append",
+            "-p", "no:cacheprovider", "-q"]  # fmt: skip
+    exit_code = int(pytest.main(argv, plugins=[collector]))
+    if solution.aborted:  # a proxy call timed out, the solution died or cheated
+        raise solution.aborted
+    return _pytest_verdict(spec, collector.collected, collector.outcomes, [exit_code], collector.message)
 
 
 def _write_files(files: dict, workdir: str) -> None:
@@ -514,6 +621,9 @@ def grade(spec: dict, secret_fd: int, verdict_fd: int, workdir: str) -> None:
     os.makedirs(workdir, exist_ok=True)
     _write_files(spec["files"], workdir)
     problem = _apply_edits(spec, workdir) if spec["mode"] == "pytest" else ""
+    isolated = spec["mode"] == "pytest" and spec["grading"] == "isolated"
+    if isolated:
+        os.makedirs(_tests_dir(workdir), mode=0o700)
     solution = None if problem else Solution(spec, workdir)
     secret = wire.recv(secret_fd)
     spec = {**spec, "setup": secret["setup"], "cases": secret["cases"]}
@@ -526,7 +636,7 @@ def grade(spec: dict, secret_fd: int, verdict_fd: int, workdir: str) -> None:
     if solution is not None:
         run = _run_pytest if spec["mode"] == "pytest" else _run_cases
         try:
-            verdict = run(spec, solution)
+            verdict = _run_isolated(spec, solution, workdir) if isolated else run(spec, solution)
         except Abort as e:
             verdict = {
                 "status": e.status,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import operator
 import os
 import socket
 import sys
@@ -99,3 +100,109 @@ def run_pytest(sock: socket.socket, args: list[str], pylib: list[str]) -> None:
             "--confcutdir", root, "--import-mode=append", "-p", "no:cacheprovider", "-q"]  # fmt: skip
     reply = _attempt(lambda: int(pytest.main(argv, plugins=[plugin])))
     wire.send_sock(sock, ["done", reply[1]] if reply[0] == "ok" else reply)
+
+
+# ---- isolated repository grading: the solution's modules served as remote objects ----
+# Requests (from the grader's proxies, see `proxy`): ["import", name], ["getattr", ref, name],
+# ["setattr", ref, name, value], ["call", ref, args, kwargs], ["op", ref, dunder, args],
+# ["next", ref]. Values cross as plain data (codec) when they are, else as a handle:
+# ["ref", id, kind, qualname, module, base], kind in module/class/exception/function/object;
+# base: an exception class's nearest builtin ancestor. Handles sent back are {"ref": id}.
+_OPS = {"__len__": len, "__bool__": bool, "__iter__": iter, "__contains__": lambda t, x: x in t,
+        "__getitem__": operator.getitem, "__setitem__": operator.setitem,
+        "__delitem__": operator.delitem, "__eq__": operator.eq, "__ne__": operator.ne,
+        "__lt__": operator.lt, "__le__": operator.le, "__gt__": operator.gt, "__ge__": operator.ge,
+        "__hash__": hash, "__str__": str, "__repr__": repr, "__enter__": lambda t: type(t).__enter__(t),
+        "__exit__": lambda t, *exc: type(t).__exit__(t, *exc), "__add__": operator.add,
+        "__sub__": operator.sub, "__mul__": operator.mul, "__truediv__": operator.truediv,
+        "__floordiv__": operator.floordiv, "__mod__": operator.mod, "__neg__": operator.neg}  # fmt: skip
+_PLAIN = (type(None), bool, int, float, str, bytes, complex)
+
+
+def _is_plain(value: object, depth: int = 0) -> bool:
+    cls = type(value)
+    if cls in _PLAIN:
+        return True
+    if depth > 50:
+        return False
+    if cls in (list, tuple, set, frozenset):
+        return all(_is_plain(v, depth + 1) for v in value)
+    if cls is dict:
+        return all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+class _Objects:
+    def __init__(self):
+        self.table: dict[int, object] = {}
+
+    def export(self, value: object) -> list:
+        if _is_plain(value):
+            return ["v", codec.encode(value)]
+        ref = id(value)
+        self.table[ref] = value  # kept alive for the run: the grader may come back to it
+        cls = value if isinstance(value, type) else type(value)
+        if isinstance(value, type) and issubclass(value, BaseException):
+            base = next(c.__name__ for c in value.__mro__ if c.__module__ == "builtins")
+            kind = "exception"
+        else:
+            base = ""
+            kind = ("module" if type(value).__name__ == "module" else "class" if isinstance(value, type)
+                    else "function" if callable(value) else "object")  # fmt: skip
+        name = value.__name__ if kind == "module" else cls.__qualname__
+        return ["ref", ref, kind, name, getattr(cls, "__module__", ""), base]
+
+    def resolve(self, data: object) -> object:
+        if type(data) is dict and set(data) == {"ref"}:
+            return self.table[data["ref"]]
+        if type(data) is list:
+            return [self.resolve(v) for v in data]
+        if type(data) is dict and len(data) == 1 and "t" in data:  # a tuple of handles
+            return tuple(self.resolve(v) for v in data["t"])
+        return codec.decode(data)
+
+    def handle(self, req: list) -> object:
+        kind = req[0]
+        if kind == "import":
+            return importlib.import_module(req[1])
+        target = self.table[req[1]]
+        if kind == "getattr":
+            return getattr(target, req[2])
+        if kind == "setattr":
+            setattr(target, req[2], self.resolve(req[3]))
+            return None
+        if kind == "call":
+            return target(*self.resolve(req[2]), **dict(zip(req[3][0], self.resolve(req[3][1]))))
+        if kind == "op" and req[2] in _OPS:  # as Python applies it (len for bool, ...)
+            return _OPS[req[2]](target, *self.resolve(req[3]))
+        if kind == "next":
+            return ["next", self.export(next(target))]
+        raise ValueError(f"unknown request {kind!r}")
+
+
+def _answer(objects: _Objects, req: list) -> list:
+    try:
+        result = objects.handle(req)
+    except StopIteration:
+        return ["stop"]
+    except SystemExit:
+        return ["hack", "solution raised SystemExit (sys.exit/exit/quit)"]
+    except MemoryError:
+        return ["oom", "MemoryError"]
+    except BaseException as e:  # the solution's own error, re-raised in the test
+        if not isinstance(e, Exception):
+            return ["hack", f"solution raised {type(e).__name__}"]
+        return ["raise", objects.export(type(e)), str(e)[:_MESSAGE_CHARS]]
+    if type(result) is list and result[:1] == ["next"]:
+        return ["ok", result[1]]
+    return ["ok", objects.export(result)]
+
+
+def serve_objects(sock: socket.socket) -> None:
+    """Answer the grader's requests on the repository's modules until it hangs up."""
+    sys.path[:] = [*sys.path, os.getcwd()]  # the repository after the standard library
+    objects = _Objects()
+    wire.send_sock(sock, ["ready"])
+    while (req := wire.recv_with(sock.recv)) is not None:
+        reply = _attempt(lambda r=req: _answer(objects, r))
+        wire.send_sock(sock, reply[1] if reply[0] == "ok" else reply)

@@ -134,9 +134,9 @@ ATTACKS = {
     "umount_proc": "    libc = ctypes.CDLL(None, use_errno=True)\n    return libc.umount2(b'/proc', 2) == 0",
     "new_user_namespace": "    libc = ctypes.CDLL(None, use_errno=True)\n    return libc.unshare(0x10000000) == 0",
     "new_mount_namespace": "    libc = ctypes.CDLL(None, use_errno=True)\n    return libc.unshare(0x20000) == 0",
-    "clone_new_user": f"    libc = ctypes.CDLL(None, use_errno=True)\n"
-    f"    pid = libc.syscall(56 if os.uname().machine == 'x86_64' else 220, 0x10000000 | 17, 0, 0, 0, 0)\n"
-    f"    if pid == 0:\n        os._exit(0)\n    return pid > 0",
+    "clone_new_user": "    libc = ctypes.CDLL(None, use_errno=True)\n"
+    "    pid = libc.syscall(56 if os.uname().machine == 'x86_64' else 220, 0x10000000 | 17, 0, 0, 0, 0)\n"
+    "    if pid == 0:\n        os._exit(0)\n    return pid > 0",
     "setns_to_parent": "    fd = os.open(f'/proc/{os.getppid()}/ns/mnt', os.O_RDONLY)\n"
     "    libc = ctypes.CDLL(None, use_errno=True)\n    return libc.setns(fd, 0) == 0",
     "chroot_escape": "    libc = ctypes.CDLL(None, use_errno=True)\n    return libc.chroot(b'/tmp') == 0",

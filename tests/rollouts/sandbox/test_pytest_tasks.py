@@ -128,3 +128,164 @@ def test_repository_config_files_do_not_configure_the_run(bwrap_sandbox, tmp_pat
     task = load_repo_task(root, ["python", "-m", "pytest", "tests"], task_id="configured")
     result = _grade(bwrap_sandbox, task, {})
     assert (result.status, result.tests_passed, result.tests_total) == ("failed", 2, 4), result
+
+
+# Attacks on the run of pytest itself (each edit keeps `add` wrong, or makes it lie): with the
+# tests in the grader, none reaches pytest, the tests or the verdict.
+_FRAME = "import json, struct\ndef frame(o):\n    b = json.dumps(o).encode()\n    return struct.pack('>I', len(b)) + b\n"
+PYTEST_ATTACKS = {
+    "forge_reporter_frames": _FRAME + "import os\nids = ['tests/test_lib.py::test_add', 'tests/test_lib.py::test_identity[1]',"
+    " 'tests/test_lib.py::test_identity[2]', 'tests/test_lib.py::TestNegative::test_neg']\n"
+    "os.write(3, frame(['collected', ids]))\nfor i in ids:\n    os.write(3, frame(['report', i, 'call', 'passed', '']))\n"
+    "os.write(3, frame(['done', 0]))\nimport time\ntime.sleep(30)\n",
+    "forge_ok_replies": _FRAME + "import os\nfor v in (3, 1, 2, -2):\n    os.write(3, frame(['ok', ['v', v]]))\n"
+    "def add(a, b):\n    return a - b\n",
+    "patch_pytest_runtest": "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n"
+    "def add(a, b):\n    return a - b\n",
+    "gc_find_config": "import gc\nfor o in gc.get_objects():\n    if type(o).__name__ == 'Config':\n"
+    "        o.option.keyword = 'nothing'\ndef add(a, b):\n    return a - b\n",
+    "rewrite_tests_at_import": "import os\nfor root, _, files in os.walk('tests'):\n    for f in files:\n"
+    "        open(os.path.join(root, f), 'w').write('def test_add():\\n    pass\\n')\ndef add(a, b):\n    return a - b\n",
+    "symlink_tests_away": "import os, shutil\nshutil.rmtree('tests')\nos.mkdir('tests')\nopen('tests/test_lib.py', 'w')"
+    ".write('def test_add():\\n    pass\\n')\ndef add(a, b):\n    return a - b\n",
+    "read_grader_tests": "import os\nfor d in ('../work-tests', '/tmp/work-tests'):\n    try:\n"
+    "        open(os.path.join(d, 'tests/test_lib.py'), 'a').write('\\ndef test_add():\\n    pass\\n')\n"
+    "    except OSError:\n        pass\ndef add(a, b):\n    return a - b\n",
+    "always_equal": "class Eq:\n    def __eq__(self, o):\n        return True\n    __hash__ = object.__hash__\n"
+    "def add(a, b):\n    return Eq()\n",
+    "lying_int": "class Int(int):\n    def __eq__(self, o):\n        return True\n    __hash__ = int.__hash__\n"
+    "def add(a, b):\n    return Int(0)\n",
+    "return_builtin": "def add(a, b):\n    return print\n",
+    "exit_at_import": "import os\nos._exit(0)\n",
+    "kill_grader": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\ndef add(a, b):\n    return a - b\n",
+    "sys_modules_swap": "import sys, types\nm = types.ModuleType('pytest')\nsys.modules['pytest'] = m\n"
+    "def add(a, b):\n    return a - b\n",
+    "builtins_patch": "import builtins\nbuiltins.AssertionError = KeyError\nbuiltins.len = lambda x: 0\n"
+    "def add(a, b):\n    return a - b\n",
+    "sleep_forever": "import time\ndef add(a, b):\n    time.sleep(60)\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PYTEST_ATTACKS))
+def test_pytest_is_out_of_the_solutions_reach(bwrap_sandbox, repo_task, name, leftovers):
+    result = _grade(bwrap_sandbox, repo_task, {"lib.py": PYTEST_ATTACKS[name]})
+    assert result.status != "passed" and result.tests_passed < 4, (name, result)
+    assert leftovers() == []
+
+
+CLASSES = {
+    "tests/test_shapes.py": """import pytest
+from shapes import Stack, EmptyError, area, ORIGIN, Point
+
+
+def test_stack():
+    s = Stack()
+    s.push(1)
+    s.push(2)
+    assert len(s) == 2 and s.peek() == 2 and s.pop() == 2 and s.size == 1
+    assert list(s) == [1] and 1 in s and bool(s)
+    with pytest.raises(EmptyError, match="empty"):
+        Stack().pop()
+    with pytest.raises(IndexError):
+        Stack().peek()
+
+
+def test_functions_and_constants():
+    assert area(2, 3.5) == 7.0 and ORIGIN == (0, 0)
+    assert Point(1, 2) == Point(1, 2) and Point(1, 2) != Point(2, 1)
+    assert Point(1, 2).norm2() == 5 and str(Point(1, 2)) == "(1, 2)"
+""",
+    "shapes/__init__.py": "from shapes.core import Stack, EmptyError, area, ORIGIN, Point\n",
+}
+SHAPES = """ORIGIN = (0, 0)
+
+
+class EmptyError(LookupError):
+    pass
+
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    @property
+    def size(self):
+        return len(self.items)
+
+    def push(self, x):
+        self.items.append(x)
+
+    def pop(self):
+        if not self.items:
+            raise EmptyError("empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __contains__(self, x):
+        return x in self.items
+
+
+def area(w, h):
+    return w * h
+
+
+class Point:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __eq__(self, other):
+        return isinstance(other, Point) and (self.x, self.y) == (other.x, other.y)
+
+    def norm2(self):
+        return self.x ** 2 + self.y ** 2
+
+    def __str__(self):
+        return f"({self.x}, {self.y})"
+"""
+
+
+def test_isolated_grading_carries_classes_exceptions_and_iteration(bwrap_sandbox, tmp_path):
+    for rel, text in {**CLASSES, "shapes/core.py": SHAPES.replace("return w * h", "return 0")}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    task = load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], task_id="shapes")
+    good = _grade(bwrap_sandbox, task, {"shapes/core.py": SHAPES})
+    assert (good.status, good.tests_passed) == ("passed", 2), good
+    bad = _grade(bwrap_sandbox, task, {})
+    assert (bad.status, bad.tests_passed) == ("failed", 1), bad
+    assert "test_functions_and_constants" in bad.message
+
+
+def test_an_api_that_cannot_cross_falls_back_to_in_process(bwrap_sandbox, tmp_path):
+    """isinstance against a class of the solution's needs the real class: the reference fails
+    isolated, passes in-process, and the task says so; a plain-data API stays isolated."""
+    from rollouts.producer import Rollout, rollout_stats
+    from rollouts.tasks.repo import choose_grading
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "geo.py").write_text("class Box:\n    pass\n\ndef make():\n    return None\n")
+    (tmp_path / "tests" / "test_geo.py").write_text(
+        "from geo import Box, make\n\ndef test_make():\n    assert isinstance(make(), Box)\n")
+    task = load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], task_id="geo")
+    reference = json.dumps({"geo.py": "class Box:\n    pass\n\ndef make():\n    return Box()\n"})
+    assert choose_grading(task, reference, bwrap_sandbox) == "in-process"
+    fallback = load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], task_id="geo",
+                              grading="in-process")
+    assert fallback.grading == "in-process" and fallback.request(reference).grading == "in-process"
+    assert _grade(bwrap_sandbox, fallback, json.loads(reference)).status == "passed"
+    assert choose_grading(task.__class__(**{**task.__dict__, "files": {
+        **task.files, "tests/test_geo.py": "from geo import make\n\ndef test_make():\n    assert make() is not None\n"}}),
+        reference, bwrap_sandbox) == "isolated"
+    rows = [Rollout("geo", [], [], [], [], "", 1.0, "passed", "stop", 0, grading=g)
+            for g in ("isolated", "in-process", "in-process", "isolated")]
+    assert rollout_stats(rows, 1.0, 1.0)["reward/in_process_fraction"] == 0.5
+    with pytest.raises(Exception, match="field 'grading'"):
+        load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], grading="inprocess")
