@@ -152,12 +152,23 @@ def _private_mounts(hide: list[str]) -> bool:
     return True
 
 
-def own(workdir: str, uid: int) -> None:
-    """Hand the work dir to the solution's uid (never following a link)."""
-    os.lchown(workdir, uid, uid)
+def own(workdir: str, uid: int, keep: tuple[str, ...] = ()) -> None:
+    """Hand the work dir to the solution's uid (never following a link), except the paths
+    of `keep` (a repository's tests), which stay ours and read-only to it; the directories
+    above them stay ours too, sticky and world-writable, so nothing kept can be renamed away."""
+    above = {""} | {k.rstrip("/").rsplit("/", i)[0] for k in keep for i in range(1, k.count("/") + 1)}
+    above = above if keep else set()
+    for rel in above:
+        if os.path.isdir(os.path.join(workdir, rel)):
+            os.chmod(os.path.join(workdir, rel), 0o1777)
+    if not keep:
+        os.lchown(workdir, uid, uid)
     for root, dirs, files in os.walk(workdir):
         for name in dirs + files:
-            os.lchown(os.path.join(root, name), uid, uid)
+            rel = os.path.relpath(os.path.join(root, name), workdir)
+            kept = rel in above or any(rel == k or rel.startswith(k.rstrip("/") + "/") for k in keep)
+            if not kept:
+                os.lchown(os.path.join(root, name), uid, uid)
 
 
 def _drop_capabilities(uid: int) -> None:
@@ -185,17 +196,18 @@ def _status() -> dict[str, str]:
 
 
 def confine(
-    uid: int, workdir: str | None = None, private_mounts: bool = False, hide: tuple[str, ...] = ()
+    uid: int, workdir: str | None = None, private_mounts: bool = False, hide: tuple[str, ...] = (),
+    keep: tuple[str, ...] = (),
 ) -> dict:
     """Drop everything (see the module docstring); {"uid", "namespaces"} or ConfinementError.
 
     `uid`: the unprivileged uid (and gid) to become where we run as root; `workdir` is then
-    handed to it. `private_mounts`: this process is pid 1 of its own pid namespace
+    handed to it, but for the paths of `keep` (see `own`). `private_mounts`: this process is pid 1 of its own pid namespace
     (`fork_isolated`) and gets a mount namespace and /proc of its own, where the
     directories of `hide` are empty (the grader's; as root they are another uid's)."""
     namespaces = private_mounts and _private_mounts([p for p in hide if os.path.isdir(p)])
     if os.geteuid() == 0 and workdir is not None:
-        own(workdir, uid)
+        own(workdir, uid, keep)
     _drop_capabilities(uid)
     _check(_libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     program = seccomp_program()

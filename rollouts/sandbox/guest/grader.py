@@ -120,7 +120,9 @@ def _become_solution(
     if spec["solution_uid"] is not None:
         try:
             hide = (_tests_dir(workdir),)
-            confine.confine(spec["solution_uid"], workdir, private_mounts=own_pids, hide=hide)
+            keep = tuple(spec["protected"]) if spec["mode"] == "pytest" else ()
+            confine.confine(spec["solution_uid"], workdir, private_mounts=own_pids, hide=hide,
+                            keep=keep)
         except (confine.ConfinementError, OSError) as e:
             wire.send_sock(sock, ["confine", str(e)[:_HEAD_BYTES]])
             return
@@ -488,7 +490,7 @@ def _expected_tests(spec: dict) -> set[str]:
     return expected
 
 
-def _run_pytest(spec: dict, solution: Solution) -> dict:
+def _run_pytest(spec: dict, solution: Solution, workdir: str) -> dict:
     collected: list[str] = []
     outcomes: dict[str, str] = {}
     message = ""
@@ -512,7 +514,26 @@ def _run_pytest(spec: dict, solution: Solution) -> dict:
                 if isinstance(err, Abort)
                 else Abort("error", f"pytest did not run: {err}")
             )
+    changed = _changed_tests(spec, workdir)
+    if changed:  # read-only to the solution as root; as a normal user, checked here
+        raise Abort("hack", f"the tests were modified during the run: {', '.join(changed[:5])}")
     return _pytest_verdict(spec, collected, outcomes, msg[1:], message)
+
+
+def _changed_tests(spec: dict, workdir: str) -> list[str]:
+    """Protected files that differ from the pristine ones after the run (read from outside
+    the solution's process)."""
+    changed = []
+    for rel, text in spec["files"].items():
+        if _under(rel, spec["protected"]):
+            try:
+                with open(os.path.join(workdir, rel), encoding="utf-8") as f:
+                    same = f.read() == text
+            except (OSError, UnicodeDecodeError):
+                same = False
+            if not same:
+                changed.append(rel)
+    return changed
 
 
 def _pytest_verdict(spec: dict, collected: list[str], outcomes: dict[str, str], exit_code: list,
@@ -634,9 +655,13 @@ def grade(spec: dict, secret_fd: int, verdict_fd: int, workdir: str) -> None:
         "message": problem,
     }
     if solution is not None:
-        run = _run_pytest if spec["mode"] == "pytest" else _run_cases
         try:
-            verdict = _run_isolated(spec, solution, workdir) if isolated else run(spec, solution)
+            if isolated:
+                verdict = _run_isolated(spec, solution, workdir)
+            elif spec["mode"] == "pytest":
+                verdict = _run_pytest(spec, solution, workdir)
+            else:
+                verdict = _run_cases(spec, solution)
         except Abort as e:
             verdict = {
                 "status": e.status,

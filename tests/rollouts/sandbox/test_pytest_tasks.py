@@ -289,3 +289,23 @@ def test_an_api_that_cannot_cross_falls_back_to_in_process(bwrap_sandbox, tmp_pa
     assert rollout_stats(rows, 1.0, 1.0)["reward/in_process_fraction"] == 0.5
     with pytest.raises(Exception, match="field 'grading'"):
         load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], grading="inprocess")
+
+
+@pytest.mark.parametrize("name", ["rewrite_tests_at_import", "symlink_tests_away"])
+def test_in_process_grading_keeps_the_tests_out_of_reach(bwrap_sandbox, repo_task, name):
+    """pytest beside the solution: the tests stay the grader's (read-only to the solution's
+    uid as root) and are compared with the pristine ones after the run."""
+    import dataclasses
+
+    request = dataclasses.replace(repo_task.request(json.dumps({"lib.py": PYTEST_ATTACKS[name]})),
+                                  grading="in-process")
+    result = bwrap_sandbox.submit(request).result()
+    assert result.status != "passed" and result.tests_passed < 4, result
+
+
+def test_in_process_grading_still_passes_honest_work(bwrap_sandbox, repo_task):
+    import dataclasses
+
+    request = dataclasses.replace(repo_task.request(json.dumps(FIXED)), grading="in-process")
+    result = bwrap_sandbox.submit(request).result()
+    assert (result.status, result.tests_passed) == ("passed", 4), result
