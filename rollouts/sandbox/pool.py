@@ -122,6 +122,7 @@ class _Worker:
             message=str(verdict.get("message", "")),
             output=str(verdict.get("output", "")),
             output_bytes=int(verdict.get("output_bytes", 0)),
+            output_truncated=bool(verdict.get("output_truncated", False)),
             seconds=float(verdict.get("seconds", 0.0)),
         )
 

@@ -19,7 +19,7 @@ class Limits:
     memory_mb: int = 512
     max_procs: int = 32
     file_size_mb: int = 16
-    output_bytes: int = 1 << 20
+    output_bytes: int = 1 << 20  # beyond it output is discarded and flagged, never judged
     tmpfs_mb: int = 64
 
     def __post_init__(self) -> None:
@@ -102,6 +102,7 @@ class RunResult:
     message: str = ""
     output: str = ""
     output_bytes: int = 0
+    output_truncated: bool = False  # the solution wrote more than Limits.output_bytes
     seconds: float = 0.0
 
     @property

@@ -105,13 +105,16 @@ ATTACKS = {
     "setresuid_root": "    os.setresuid(0, 0, 0)\n    return True",
     "setgid_root": "    os.setgid(0)\n    return True",
     "setgroups": "    os.setgroups([0])\n    return True",
-    "see_other_processes": "    return any(p.isdigit() and int(p) > 2 and os.getpid() != int(p) for p in os.listdir('/proc'))",
-    "grader_is_visible": "    return os.getppid() not in (0, 1)",
+    "open_other_processes": "    me = str(os.getpid())\n    n = 0\n    for p in os.listdir('/proc'):\n"
+    "        if p.isdigit() and p != me:\n            try:\n                n += len(os.listdir(f'/proc/{p}/fd'))\n"
+    "            except OSError:\n                pass\n    return n > 0",
+    "signal_grader": "    ppid = os.getppid()\n    return ppid != 1 and os.kill(ppid, 0) is None",
     "read_parent_memory": "    return len(open(f'/proc/{os.getppid()}/mem', 'rb').read(1)) >= 0",
     "read_parent_environ": "    return len(open(f'/proc/{os.getppid()}/environ', 'rb').read()) > 0",
     "list_parent_fds": "    return len(os.listdir(f'/proc/{os.getppid()}/fd')) > 0",
     "kill_parent": "    os.kill(os.getppid(), signal.SIGKILL)\n    return os.getppid() != 1",
-    "kill_all": "    os.kill(-1, signal.SIGKILL)\n    return True",
+    "kill_all": "    ppid = os.getppid()\n    os.kill(-1, signal.SIGKILL)\n    import time\n    time.sleep(0.05)\n"
+    "    return os.getppid() != ppid",
     "kill_pid_1": "    os.kill(1, signal.SIGKILL)\n    import time\n    time.sleep(0.05)\n    return not os.path.exists('/proc/1')",
     "stop_pid_1": "    os.kill(1, signal.SIGSTOP)\n    import time\n    time.sleep(0.05)\n"
     "    return open('/proc/1/stat').read().split(') ')[1][0] == 'T'",
@@ -227,8 +230,10 @@ import os
     message = bwrap_sandbox.submit(req).result().message
     got = eval(message.split("got ", 1)[1].rsplit(", compared with", 1)[0])
     pid, ppid, uid, gid, caps, nnp, seccomp, pids = got
-    assert (pid, ppid) == (2, 1) and pids == [1, 2]  # pid 2 under its stand-in init
-    assert uid != 0 and gid != 0 and (uid != os.getuid() or os.getuid() != 0)
+    if os.geteuid() == 0:  # a uid of its own keeps the grader out of reach
+        assert uid >= 1_000_000 and gid == uid
+    else:  # our uid, so pid 2 of its own namespace under a stand-in init
+        assert (pid, ppid, uid) == (2, 1, os.geteuid()) and pids == [1, 2]
     assert caps == [0] * 5 and (nnp.strip(), seccomp.strip()) == ("1", "2")
 
 

@@ -107,19 +107,19 @@ TRICKS: dict[str, tuple[str, set[str]]] = {
     ),
     "kill_parent": (
         "    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n",
-        {"failed"},  # pid 2 of its own pid namespace: nothing to reach
+        {"failed"},  # the grader is another uid's, or out of its pid namespace
     ),
     "kill_everything": (
         "    import os, signal\n    os.kill(-1, signal.SIGKILL)\n",
-        {"failed"},  # pid 2 of its own pid namespace: nothing to reach
+        {"failed"},  # the grader is another uid's, or out of its pid namespace
     ),
     "kill_sandbox_init": (
         "    import os, signal\n    os.kill(-1, signal.SIGTERM)\n    os.kill(1, 9)\n",
-        {"failed"},  # pid 2 of its own pid namespace: nothing to reach
+        {"failed"},  # the grader is another uid's, or out of its pid namespace
     ),
-    "stop_parent": (
+    "stop_parent": (  # the grader is another uid's (root host) or out of its pid namespace
         "    import os, signal, time\n    os.kill(os.getppid(), signal.SIGSTOP)\n    time.sleep(60)\n",
-        {"timeout"},
+        {"failed", "timeout"},
     ),
     "always_equal": (ALWAYS_EQUAL, {"hack"}),
     "str_subclass_equal": (SUBCLASS_EQUAL.format(base="str"), {"hack"}),
@@ -159,7 +159,7 @@ TRICKS: dict[str, tuple[str, set[str]]] = {
         "    i = 0\n    while True:\n        open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n        i += 1\n",
         {"failed"},
     ),
-    "stdout_flood": ("    while True:\n        print('x' * 1000)\n", {"error"}),
+    "stdout_flood": ("    while True:\n        print('x' * 1000)\n", {"timeout"}),  # output never judges
     "recursion": (
         "    def r(n):\n        return r(n + 1)\n    return r(0)\n",
         {"failed"},
@@ -255,3 +255,18 @@ def test_kill_attempts_do_not_disturb_later_runs(hostile_sandbox, humaneval):
         ]
     ]
     assert [r.status for r in results] == ["failed", "failed", "passed"] * 2
+
+
+@pytest.mark.parametrize("task_id", TASKS)
+@pytest.mark.parametrize("noise", ["big", "lines"])
+def test_a_correct_solution_that_prints_a_lot_passes(hostile_sandbox, humaneval, task_id, noise):
+    """10 MB printed while being defined, or 2,000 lines to both streams per call: the
+    output is cut and flagged, the verdict is the tests'."""
+    task = humaneval[task_id]
+    loud = {"big": "    pass\nimport sys\nsys.stdout.write('x' * (10 << 20))\n",
+            "lines": "    import sys\n    for i in range(2000):\n        print(i)\n        print(i, file=sys.stderr)\n"}[noise]
+    body = loud + task.metadata["reference"] if noise == "lines" else task.metadata["reference"] + loud.replace("    pass\n", "", 1)
+    result = hostile_sandbox.submit(task.request(body)).result()
+    assert result.status == "passed", result
+    assert result.output_truncated == (noise == "big") and len(result.output) <= 4096
+    assert result.output_bytes >= (10 << 20 if noise == "big" else 2000 * 2 * 4)
