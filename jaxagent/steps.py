@@ -29,6 +29,7 @@ from flax import nnx
 from jaxagent import rl
 from jaxagent.config import DocumentConfig
 from jaxagent.models.documents import document_layout
+from rollouts.sampler import sampling_logits
 
 
 @jax.tree_util.register_dataclass
@@ -261,10 +262,12 @@ def target_hidden(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
     return hidden, aux
 
 
-def target_logprobs(model, batch: TrainBatch,
-                    logits_chunk: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+def target_logprobs(model, batch: TrainBatch, logits_chunk: int = 0,
+                    sampling: tuple[float, int | None, float | None] | None = None,
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the targets [B, T], each position's entropy [B, T], and the MoE
-    load-balancing loss.
+    load-balancing loss. `sampling` = (temperature, top_k, top_p): under the distribution
+    the sampler drew from (`rollouts.sampler.sampling_logits`), not the plain softmax.
 
     With `logits_chunk` > 0 the LM head, log-softmax and entropy run on about that many
     tokens at a time (all rows, a slice of positions), each chunk rematerialised in the
@@ -272,8 +275,12 @@ def target_logprobs(model, batch: TrainBatch,
     of a 152k vocabulary); the price is the LM head's forward matmul once more.
     """
     hidden, aux = target_hidden(model, batch)
+
+    def logits(h):
+        return model.logits(h) if sampling is None else sampling_logits(model.logits(h), *sampling)
+
     logp, entropy = over_position_chunks(
-        lambda h, targets: rl.token_logprobs_and_entropy(model.logits(h), targets),
+        lambda h, targets: rl.token_logprobs_and_entropy(logits(h), targets),
         (hidden, batch.targets), logits_chunk)
     return logp, entropy, aux
 
@@ -397,6 +404,9 @@ class LossOptions:
     # (sampler) log-probs, no IS weights.
     decoupled: bool = True
     feedback_beta: float = 0.0  # targeted-feedback KL weight (with a FeedbackBatch)
+    # The rollouts' sampling distribution (temperature, top_k, top_p): every log-prob of the
+    # policy, the reference and the ratios is taken under it, as the sampler's were.
+    sampling: tuple[float, int | None, float | None] = (1.0, None, None)
 
 
 def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Array:
@@ -425,7 +435,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
 
     def loss_fn(p, mb):
         model = nnx.merge(graphdef, p)
-        logp, token_entropy, aux = target_logprobs(model, mb, logits_chunk)
+        logp, token_entropy, aux = target_logprobs(model, mb, logits_chunk, o.sampling)
         proximal = jax.lax.stop_gradient(logp)
         weights = None
         if o.decoupled and o.importance_cap is not None:
@@ -445,7 +455,8 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
                                           cap=o.importance_cap)
         metrics.update({f"train/behaviour_{k}": v for k, v in stats.items()})
         if o.kl_coef:
-            ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb, logits_chunk)
+            ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb, logits_chunk,
+                                             o.sampling)
             kl = rl.aggregate(rl.kl_penalty(logp, jax.lax.stop_gradient(ref_logp),
                                             estimator=o.kl_estimator), mb.loss_mask,
                               aggregation=o.aggregation, norm_length=o.norm_length)

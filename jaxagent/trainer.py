@@ -41,7 +41,7 @@ from rich.progress import (
 
 from jaxagent import rl
 from jaxagent.checkpoint import Checkpointer
-from jaxagent.config import Config, ConfigError, RLConfig, save_config
+from jaxagent.config import Config, ConfigError, RLConfig, SamplerConfig, save_config
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.metrics import MetricsWriter, plot_curves
 from jaxagent.models import sees_all_segments
@@ -163,6 +163,7 @@ def loss_options(cfg: Config) -> LossOptions:
         importance_cap=r.importance_cap if r.importance_cap > 0 else None,
         decoupled=r.off_policy == "decoupled",
         feedback_beta=cfg.agent.feedback_beta if cfg.agent.enabled else 0.0,
+        sampling=(cfg.train.temperature, cfg.sampler.top_k, cfg.sampler.top_p),
     )
 
 
@@ -342,6 +343,14 @@ def validate(cfg: Config) -> None:
         (t.logits_chunk_mib >= 0, "train.logits_chunk_mib", "must be >= 0 (0: no chunks)"),
         (t.max_new_tokens >= 1, "train.max_new_tokens", "must be >= 1"),
         (t.temperature > 0, "train.temperature", "must be > 0 (RL needs sampling)"),
+        (cfg.sampler.temperature in (t.temperature, SamplerConfig.temperature),
+         "sampler.temperature", f"is {cfg.sampler.temperature} but train.temperature, the rollout "
+         f"temperature in training, is {t.temperature}: set one value (sampler.temperature is "
+         "for `jaxagent generate` and `agent`)"),
+        (not r.kl_coef or (cfg.sampler.top_k is None and cfg.sampler.top_p is None),
+         "rl.kl_coef", "cannot be combined with sampler.top_k / sampler.top_p: the policy's and "
+         "the reference's truncated distributions need not share a support (their KL is "
+         "unbounded)"),
         (0 < r.clip_low < 1 and r.clip_high > 0, "rl.clip_low/clip_high",
          "need 0 < clip_low < 1 and clip_high > 0"),
         (cfg.eval.samples >= max(cfg.eval.k), "eval.k", "needs eval.samples >= max(k)"),
@@ -522,6 +531,7 @@ def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task
         return RolloutProducer(sampler, tokenizer, scorer, task_iter,
                                prompts_per_step=t.prompts_per_step, group_size=cfg.rl.group_size,
                                max_new_tokens=t.max_new_tokens, temperature=t.temperature,
+                               top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p,
                                seed=cfg.seed, in_flight=cfg.rollout.max_staleness + 1)
     from rollouts.agent.producer import AgentRolloutProducer
 

@@ -118,7 +118,8 @@ def _run_step(env: Environment, traj: Trajectory, action: Sequence[int]) -> Traj
 def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequence[Task],
                     pool: ThreadPoolExecutor, *, num_samples: int, max_new_tokens: int,
                     temperature: float, seed: int, stop_token_ids: Sequence[int] = (),
-                    version: int = 0) -> Future:
+                    version: int = 0, top_k: int | None = None,
+                    top_p: float | None = None) -> Future:
     """Sample `num_samples` completions per task (rows task-major, one environment per row)
     and submit each row's environment step as soon as its completion is finished (the sandbox
     runs while the sampler decodes the longer rows); returns a future of (rollouts, stats)
@@ -137,8 +138,8 @@ def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequen
         steps[row] = pool.submit(_run_step, envs[row], traj, tokens)
 
     out = sampler.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                           temperature=temperature, stop_token_ids=stop_token_ids, seed=seed,
-                           on_finish=submit)
+                           temperature=temperature, top_k=top_k, top_p=top_p,
+                           stop_token_ids=stop_token_ids, seed=seed, on_finish=submit)
     t1 = time.perf_counter()
 
     result: Future = Future()
@@ -200,14 +201,15 @@ class RolloutProducer:
 
     def __init__(self, sampler: Sampler, tokenizer, scorer: Scorer, tasks: Iterator[Task], *,
                  prompts_per_step: int, group_size: int, max_new_tokens: int,
-                 temperature: float, seed: int,
+                 temperature: float, seed: int, top_k: int | None = None,
+                 top_p: float | None = None,
                  make_env: Callable[[], Environment] | None = None, in_flight: int = 2):
         self.sampler, self.tokenizer, self.scorer = sampler, tokenizer, scorer
         self.tasks = tasks
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.seed = seed
         self.make_env = make_env or (lambda: CodeTaskEnv(tokenizer, scorer))
         rows = prompts_per_step * group_size
@@ -226,7 +228,7 @@ class RolloutProducer:
             self.sampler, envs, tasks, self.pool, num_samples=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
             seed=self.seed * 1_000_003 + index, stop_token_ids=self.tokenizer.stop_ids,
-            version=version)
+            version=version, top_k=self.top_k, top_p=self.top_p)
         batch: Future = Future()
 
         def done(f: Future) -> None:

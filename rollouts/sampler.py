@@ -91,12 +91,21 @@ def sample_tokens(logits, keys, temperature, top_p, mode: _SamplingMode):
     if mode.greedy:
         tokens = _argmax(logits)
         return tokens, _log_softmax_at(logits, tokens)
-    scaled = logits / temperature
+    scaled = sampling_logits(logits, temperature, mode.top_k, top_p if mode.top_p else None)
+    tokens = _inverse_cdf_sample(scaled, keys)
+    return tokens, _log_softmax_at(scaled, tokens)
+
+
+def sampling_logits(logits, temperature, top_k: int | None = None, top_p=None):
+    """The logits of the distribution `sample_tokens` draws from, [..., V]: tempered, then
+    truncated by top-k and top-p (None: off), the cut tokens at float32's minimum. The
+    trainer scores rollouts with the same function, so on-policy ratios are exactly 1."""
+    scaled = logits.astype(jnp.float32) / temperature
     neg_inf = jnp.finfo(jnp.float32).min
-    if mode.top_k is not None:
-        kth = jax.lax.top_k(scaled, mode.top_k)[0][:, -1:]
+    if top_k is not None:
+        kth = jax.lax.top_k(scaled, top_k)[0][..., -1:]
         scaled = jnp.where(scaled < kth, neg_inf, scaled)
-    if mode.top_p:
+    if top_p is not None:
         sorted_desc = -jnp.sort(-scaled, axis=-1)
         probs = jax.nn.softmax(sorted_desc, axis=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
@@ -104,8 +113,7 @@ def sample_tokens(logits, keys, temperature, top_p, mode: _SamplingMode):
         keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)
         threshold = jnp.take_along_axis(sorted_desc, keep - 1, axis=-1)
         scaled = jnp.where(scaled < threshold, neg_inf, scaled)
-    tokens = _inverse_cdf_sample(scaled, keys)
-    return tokens, _log_softmax_at(scaled, tokens)
+    return scaled
 
 
 def _inverse_cdf_sample(scaled, keys):

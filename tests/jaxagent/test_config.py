@@ -145,3 +145,21 @@ def test_document_attention_config_is_valid():
     cfg = load_config("configs/doc_tiny.yaml")
     assert cfg.model.attention == "doc" and cfg.sft.data == "documents"
     validate(cfg)
+
+
+def test_one_rollout_temperature_and_no_kl_across_truncated_supports():
+    """train.temperature sets the rollouts' temperature; a sampler.temperature that says
+    otherwise, or a KL penalty with top-k / top-p, is an error naming the keys."""
+    import glob
+
+    from jaxagent.trainer import validate
+
+    validate(apply_overrides(Config(), ["train.temperature=0.6", "sampler.top_k=20",
+                                        "sampler.top_p=0.95"]))
+    validate(apply_overrides(Config(), ["train.temperature=0.6", "sampler.temperature=0.6"]))
+    with pytest.raises(ConfigError, match="sampler.temperature.*train.temperature"):
+        validate(apply_overrides(Config(), ["train.temperature=0.6", "sampler.temperature=0.8"]))
+    with pytest.raises(ConfigError, match="rl.kl_coef.*sampler.top_k / sampler.top_p"):
+        validate(apply_overrides(Config(), ["rl.kl_coef=0.01", "sampler.top_p=0.9"]))
+    for path in sorted(glob.glob("configs/*.yaml")):  # every shipped experiment passes
+        validate(load_config(path))

@@ -453,3 +453,34 @@ def test_feedback_term_equals_float64_kl_and_the_step_reduces_it():
     assert float(m["train/feedback_tokens"]) == count
     after = float(term(new_params))
     assert after < 0.9 * want
+
+
+@pytest.mark.parametrize("sampling", [(0.6, 7, 0.9), (0.6, None, None), (1.3, None, 0.8)])
+def test_on_policy_ratios_are_one_under_the_sampling_distribution(sampling):
+    """The sampler draws at temperature T with top-k / top-p; the trainer's log-probs of the
+    same tokens, with the same weights, under the same distribution: every ratio is 1. Under
+    the plain softmax (what the trainer used before) they are not."""
+    from rollouts.sampler import Sampler
+
+    temperature, top_k, top_p = sampling
+    model = init_model(CFG, seed=3)
+    state = nnx.state(model, nnx.Param)  # peaked distributions, so truncation bites
+    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, state))
+    prompts, _, _ = random_rollouts(n=3, seed=5)
+    out = Sampler(model, prompt_bucket=8, cache_bucket=16, batch_bucket=4, host_threads=1).generate(
+        prompts, num_samples=2, max_new_tokens=11, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=2)
+    rows = [p for p in prompts for _ in range(2)]
+    batch = pack(rows, out.tokens, out.logprobs, [1.0] * len(rows), bucket=8)
+    mask = np.asarray(batch.loss_mask) > 0
+    sampler_logp = np.asarray(batch.sampler_logprobs)[mask]
+    logp = np.asarray(target_logprobs(model, batch, 0, sampling)[0])[mask]
+    np.testing.assert_allclose(np.exp(logp - sampler_logp), 1.0, atol=2e-4)
+    plain = np.asarray(target_logprobs(model, batch, 0)[0])[mask]
+    assert np.abs(np.exp(plain - sampler_logp) - 1).max() > 0.05
+    # and through rl_step's options: one decoupled step on-policy has behaviour ratio 1
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-3, max_grad_norm=0.0), 10)
+    _, _, metrics = rl_step(graphdef, tx, params, tx.init(params), batch,
+                            options=LossOptions(sampling=sampling))
+    assert abs(float(metrics["train/behaviour_ratio_max"]) - 1) < 1e-3

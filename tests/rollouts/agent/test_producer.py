@@ -44,7 +44,7 @@ def test_producer_batches_groups_and_train_rows_mask_only_policy_tokens():
         envs = [ToolEnvironment(TOK, options, scorer=scorer, tools=tools) for _ in range(2)]
         producer = AgentRolloutProducer(sampler, TOK, itertools.cycle(tasks), envs,
                                         prompts_per_step=2, group_size=2, max_action_tokens=16,
-                                        temperature=1.0, seed=0)
+                                        temperature=0.6, top_k=9, top_p=0.95, seed=0)
         batch = producer.produce(0, version=3)
         producer.close()
     assert batch.version == 3 and batch.group_size == 2 and len(batch.rollouts) == 4
@@ -76,6 +76,14 @@ def test_producer_batches_groups_and_train_rows_mask_only_policy_tokens():
         np.testing.assert_array_equal(np.asarray(shared.targets[i, :lc]), r.completion)
         np.testing.assert_array_equal(np.asarray(shared.sampler_logprobs[i, :lc]),
                                       np.asarray(r.logprobs, np.float32))
+    # On-policy, the trainer's log-probs of every action token under the sampling distribution
+    # (T = 0.6, top-k, top-p) are the sampler's: each ratio is 1.
+    from jaxagent.steps import target_logprobs
+
+    on = np.asarray(plain.loss_mask) > 0
+    logp = np.asarray(target_logprobs(model, plain, 0, (0.6, 9, 0.95))[0])
+    np.testing.assert_allclose(np.exp(logp[on] - np.asarray(plain.sampler_logprobs)[on]), 1.0,
+                               atol=2e-4)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in TASKS.iterdir()))
