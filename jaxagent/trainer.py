@@ -425,11 +425,18 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                         TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
                         console=console, disable=jax.process_index() != 0)
     summary: dict = {}
+
+    def saved(params, opt_state) -> dict:
+        """A checkpoint's arrays: with KL on, its reference too (the post-SFT weights)."""
+        ref = {} if ref_params is None else {"ref_params": ref_params}
+        return {"params": params, "opt_state": opt_state, **ref}
+
     try:
         with progress:
             if start is not None:
-                state, extra = ckpt.restore(start, {"params": params, "opt_state": opt_state})
+                state, extra = ckpt.restore(start, saved(params, opt_state))
                 params, opt_state = state["params"], state["opt_state"]
+                ref_params = state.get("ref_params")
                 task_iter.set_state(extra["data"])
                 queued = [RolloutBatch.from_json(b) for b in extra.get("queued", [])]
                 console.print(f"Resuming from checkpoint step {start} in {ckpt.directory}")
@@ -440,8 +447,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                                               layout, progress, chunk=chunk)
                     ref_params = frozen_copy(params)
                     metrics_writer.write(0, sft_metrics)
-                ckpt.save(0, {"params": params, "opt_state": opt_state},
-                          {"step": 0, "data": task_iter.get_state()})
+                ckpt.save(0, saved(params, opt_state), {"step": 0, "data": task_iter.get_state()})
             # The producer thread's sampler, and one for evaluation in this thread.
             sampler, eval_sampler = (
                 make_sampler(layout.sampler_model(graphdef, params), tokenizer, cfg)
@@ -509,7 +515,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                     if cfg.eval.every and done % cfg.eval.every == 0 and done < t.steps:
                         log_eval(done)
                     if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == t.steps:
-                        ckpt.save(done, {"params": params, "opt_state": opt_state},
+                        ckpt.save(done, saved(params, opt_state),
                                   {"step": done, **orchestrator.snapshot(done)})
                     summary["last"] = row
             rollout_log.close()

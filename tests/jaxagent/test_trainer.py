@@ -1,5 +1,6 @@
 """End to end: `jaxagent train` on a tiny model, killed with SIGKILL after a checkpoint and
-re-run, trains each step exactly once and matches an uninterrupted run."""
+re-run, trains each step exactly once and matches an uninterrupted run (with a KL penalty
+against the post-SFT reference, which the checkpoint carries)."""
 
 import json
 import os
@@ -25,22 +26,24 @@ TINY = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=4
         "sampler.prompt_bucket=64", "sampler.cache_bucket=16"]
 
 
-def train_cmd(workdir):
-    return [sys.executable, "-m", "jaxagent.cli", "train", *TINY, f"workdir={workdir}"]
+def train_cmd(workdir, *extra):
+    return [sys.executable, "-m", "jaxagent.cli", "train", *TINY, *extra, f"workdir={workdir}"]
 
 
 def losses(workdir):
     rows = [r for r in read_metrics(Path(workdir) / "metrics.jsonl") if "train/loss" in r]
-    return [(r["step"], r["train/loss"], r["rollout/reward_mean"]) for r in rows]
+    return [(r["step"], r["train/loss"], r["rollout/reward_mean"], r.get("train/kl"))
+            for r in rows]
 
 
 def test_kill_and_resume_trains_each_step_once(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    kl = "rl.kl_coef=0.5"  # against the post-SFT weights: the resumed run must have them too
     straight = tmp_path / "straight"
-    subprocess.run(train_cmd(straight), check=True, env=env, capture_output=True)
+    subprocess.run(train_cmd(straight, kl), check=True, env=env, capture_output=True)
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(run), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_cmd(run, kl), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (run / "checkpoints" / "2").is_dir():
@@ -48,11 +51,13 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed = subprocess.run(train_cmd(run), check=True, env=env, capture_output=True, text=True)
+    resumed = subprocess.run(train_cmd(run, kl), check=True, env=env, capture_output=True,
+                             text=True)
     assert "Resuming from checkpoint step" in resumed.stderr
 
     got, want = losses(run), losses(straight)
-    assert [s for s, _, _ in got] == [1, 2, 3, 4]  # each step exactly once
+    assert [s for s, _, _, _ in got] == [1, 2, 3, 4]  # each step exactly once
+    assert all(k is not None for *_, k in got) and got[-1][3] > 0  # the KL term is on
     assert got == want  # same rollouts and the same updates as the uninterrupted run
     assert (run / "curves.png").exists() and (run / "config.yaml").exists()
     evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval/pass@1" in r]
