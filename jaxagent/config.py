@@ -205,6 +205,10 @@ class RLConfig:
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     kl_coef: float = 0.0  # > 0 keeps a frozen reference copy
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float = 0.0  # > 0 bounds each token's KL estimate to [-kl_clamp, kl_clamp]; 0 = off
+    # > 1 enables dual-clip: a negative-advantage token's loss is at most clip_ratio_c * |A|
+    # (stale rollouts with off_policy: behaviour); 0 = off
+    clip_ratio_c: float = 0.0
     entropy_coef: float = 0.0
     importance_cap: float = 2.0  # truncation of sampler -> trainer importance weights
     # decoupled: PPO ratio against the weights at the start of the update, times truncated

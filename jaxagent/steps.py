@@ -397,6 +397,8 @@ class LossOptions:
     norm_length: int | None = None  # seq-mean-token-sum-norm constant (Dr.GRPO)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_clamp: float | None = None  # bound on each token's KL estimate
+    clip_ratio_c: float | None = None  # dual-clip constant (> 1)
     entropy_coef: float = 0.0
     importance_cap: float | None = 2.0  # None: no sampler -> trainer correction
     # True: PPO ratio against the proximal policy (the weights at the start of the update)
@@ -445,10 +447,12 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         loss, m = rl.policy_loss(logp, old, mb.advantages, mb.loss_mask,
                                  clip_low=o.clip_low, clip_high=o.clip_high,
                                  aggregation=o.aggregation, norm_length=o.norm_length,
-                                 importance_weights=weights)
+                                 importance_weights=weights, clip_ratio_c=o.clip_ratio_c)
         entropy = rl.aggregate(token_entropy, mb.loss_mask, aggregation="token-mean")
         metrics = {"train/pg_loss": loss, "train/entropy": entropy,
                    "train/clip_fraction": m["clip_fraction"]}
+        if o.clip_ratio_c is not None:
+            metrics["train/dual_clip_fraction"] = m["dual_clip_fraction"]
         if weights is not None:
             metrics["train/importance_weight"] = (weights.sum() / jnp.maximum(mb.loss_mask.sum(), 1))
         stats = rl.importance_ratio_stats(proximal, mb.sampler_logprobs, mb.loss_mask,
@@ -458,7 +462,8 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
             ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb, logits_chunk,
                                              o.sampling)
             kl = rl.aggregate(rl.kl_penalty(logp, jax.lax.stop_gradient(ref_logp),
-                                            estimator=o.kl_estimator), mb.loss_mask,
+                                            estimator=o.kl_estimator, clamp=o.kl_clamp),
+                              mb.loss_mask,
                               aggregation=o.aggregation, norm_length=o.norm_length)
             loss = loss + o.kl_coef * kl
             metrics["train/kl"] = kl

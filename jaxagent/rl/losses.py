@@ -62,12 +62,19 @@ def aggregate(values, mask, *, aggregation, norm_length=None):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2,
-                aggregation="token-mean", norm_length=None, importance_weights=None):
+                aggregation="token-mean", norm_length=None, importance_weights=None,
+                clip_ratio_c=None):
     """PPO-clip surrogate (GRPO / DAPO / Dr.GRPO), to be minimised.
 
         rho_bt  = exp(logp_bt - old_logp_bt)
-        l_bt    = -w_bt * min(rho_bt A_b, clip(rho_bt, 1 - clip_low, 1 + clip_high) A_b)
+        s_bt    = min(rho_bt A_b, clip(rho_bt, 1 - clip_low, 1 + clip_high) A_b)
+        s_bt    = max(s_bt, c A_b)  where A_b < 0, with clip_ratio_c = c > 1 (dual-clip)
+        l_bt    = -w_bt * s_bt
         loss    = aggregate(l, mask, aggregation, norm_length)
+
+    Dual-clip (Ye et al., 2020) bounds a negative-advantage token's loss by c |A| however
+    large its ratio grows (stale rollouts under `off_policy: behaviour`); such a token then
+    carries no gradient.
 
     w = stop_gradient(importance_weights) if given, else 1: the truncated IS weight between the
     proximal (old) and the behaviour (sampler) policy, decoupled PPO. clip_high > clip_low is
@@ -81,8 +88,11 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
         clip_fraction  fraction of tokens where the clipped term is the smaller (active) one
         ratio_mean     mean rho;   ratio_max  max rho (0 if nothing is masked in)
         approx_kl      mean(old_logp - logp), the k1 estimate of KL(old || new)
+        dual_clip_fraction  fraction of tokens where the dual-clip bound is active
     """
     _check_choice("aggregation", aggregation, AGGREGATIONS)
+    if clip_ratio_c is not None and clip_ratio_c <= 1:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None: off), got {clip_ratio_c}")
     advantages = jax.lax.stop_gradient(jnp.asarray(advantages))
     if advantages.shape != jnp.shape(logprobs)[:1]:
         raise ValueError(f"advantages must be [B] (one per sequence) for logprobs of shape "
@@ -98,7 +108,12 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    per_token = -jnp.minimum(unclipped, clipped)
+    surrogate = jnp.minimum(unclipped, clipped)
+    dual = jnp.zeros_like(surrogate, dtype=bool)
+    if clip_ratio_c is not None:
+        dual = (adv < 0) & (surrogate < clip_ratio_c * adv)
+        surrogate = jnp.where(dual, clip_ratio_c * adv, surrogate)
+    per_token = -surrogate
     if importance_weights is not None:
         per_token = per_token * jax.lax.stop_gradient(importance_weights)
     loss = aggregate(per_token, mask, aggregation=aggregation, norm_length=norm_length)
@@ -110,11 +125,12 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
         # ratio > 0, so 0 off-mask never wins the max unless nothing is masked in.
         "ratio_max": jnp.max(jnp.where(mask, ratio, 0.0)),
         "approx_kl": token_mean(-log_ratio),
+        "dual_clip_fraction": token_mean(dual.astype(ratio.dtype)),
     }
     return loss, jax.lax.stop_gradient(metrics)
 
 
-def kl_penalty(logprobs, ref_logprobs, *, estimator="k3"):
+def kl_penalty(logprobs, ref_logprobs, *, estimator="k3", clamp=None):
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman, 2020).
 
     With d = log pi_ref - log pi at the sampled token:
@@ -123,16 +139,21 @@ def kl_penalty(logprobs, ref_logprobs, *, estimator="k3"):
         k3 = exp(d) - 1 - d         unbiased, >= 0, low variance (the GRPO default)
 
     logprobs, ref_logprobs: [B, T] -> [B, T]. Reduce it with ``aggregate``. The gradient flows
-    into logprobs only (the reference model is frozen).
+    into logprobs only (the reference model is frozen). `clamp` (> 0, or None: off) bounds each
+    token's estimate to [-clamp, clamp]: k3 grows as exp(d), 7e10 at d = 25, and a clamped
+    token carries no gradient.
     """
     _check_choice("estimator", estimator, KL_ESTIMATORS)
+    if clamp is not None and clamp <= 0:
+        raise ValueError(f"clamp must be > 0 (or None: off), got {clamp}")
     d = jax.lax.stop_gradient(ref_logprobs) - logprobs
     if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d * d
-    # expm1 keeps precision for small d; the max guards k3 >= 0 against rounding.
-    return jnp.maximum(jnp.expm1(d) - d, 0.0)
+        kl = -d
+    elif estimator == "k2":
+        kl = 0.5 * d * d
+    else:  # expm1 keeps precision for small d; the max guards k3 >= 0 against rounding.
+        kl = jnp.maximum(jnp.expm1(d) - d, 0.0)
+    return kl if clamp is None else jnp.clip(kl, -clamp, clamp)
 
 
 def _at_least_f32(x):

@@ -62,11 +62,13 @@ def ref_coefficients(mask, aggregation, norm_length):
     return coef
 
 
-def ref_policy_loss(new, old, adv, mask, clip_low, clip_high, aggregation, norm_length, weights=None):
+def ref_policy_loss(new, old, adv, mask, clip_low, clip_high, aggregation, norm_length, weights=None,
+                    clip_ratio_c=None):
     """Returns loss, d loss / d new (analytic), metrics, and the clipped-token map."""
     coef = ref_coefficients(mask, aggregation, norm_length)
     loss, grad = 0.0, np.zeros(new.shape)
     clipped_map = np.zeros(new.shape, bool)
+    dual_map = np.zeros(new.shape, bool)
     ratios, kls = [], []
     for b in range(new.shape[0]):
         for t in range(new.shape[1]):
@@ -76,15 +78,22 @@ def ref_policy_loss(new, old, adv, mask, clip_low, clip_high, aggregation, norm_
             w = 1.0 if weights is None else weights[b, t]
             unclipped = rho * adv[b]
             clipped = min(max(rho, 1 - clip_low), 1 + clip_high) * adv[b]
-            loss += coef[b, t] * -w * min(unclipped, clipped)
+            surrogate = min(unclipped, clipped)
+            # dual-clip: a negative advantage's surrogate is at least c A (a constant)
+            dual_map[b, t] = clip_ratio_c is not None and adv[b] < 0 and surrogate < clip_ratio_c * adv[b]
+            if dual_map[b, t]:
+                surrogate = clip_ratio_c * adv[b]
+            loss += coef[b, t] * -w * surrogate
             clipped_map[b, t] = clipped < unclipped
             # The clipped term is constant in new when active; otherwise d(rho A)/d new = rho A.
-            grad[b, t] = 0.0 if clipped_map[b, t] else coef[b, t] * -w * adv[b] * rho
+            constant = clipped_map[b, t] or dual_map[b, t]
+            grad[b, t] = 0.0 if constant else coef[b, t] * -w * adv[b] * rho
             ratios.append(rho)
             kls.append(old[b, t] - new[b, t])
     n = max(len(ratios), 1)
     metrics = {"clip_fraction": clipped_map.sum() / n, "ratio_mean": sum(ratios) / n,
-               "ratio_max": max(ratios, default=0.0), "approx_kl": sum(kls) / n}
+               "ratio_max": max(ratios, default=0.0), "approx_kl": sum(kls) / n,
+               "dual_clip_fraction": dual_map.sum() / n}
     return loss, grad, metrics, clipped_map
 
 
@@ -193,7 +202,8 @@ def test_on_policy_gradient_is_reinforce(aggregation):
     grad_reinforce = jax.jit(jax.grad(reinforce))(logits)
     assert float(jnp.abs(grad_reinforce).max()) > 1e-3
     np.testing.assert_allclose(grad_ppo, grad_reinforce, rtol=1e-5, atol=1e-8)
-    assert metrics == {"clip_fraction": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0, "approx_kl": 0.0}
+    assert metrics == {"clip_fraction": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0, "approx_kl": 0.0,
+                       "dual_clip_fraction": 0.0}
 
 
 def test_drgrpo_constant_normaliser():
@@ -227,7 +237,8 @@ def test_all_masked_batch_is_zero_not_nan(aggregation):
     assert float(loss) == 0.0
     assert np.all(np.asarray(grad) == 0.0)
     assert {k: float(v) for k, v in metrics.items()} == {
-        "clip_fraction": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "approx_kl": 0.0}
+        "clip_fraction": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "approx_kl": 0.0,
+        "dual_clip_fraction": 0.0}
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
@@ -475,3 +486,47 @@ def test_loss_functions_jit():
     for fn, args in calls:
         args = tuple(jnp.asarray(a) for a in args)
         np.testing.assert_allclose(jax.jit(fn)(*args), fn(*args), rtol=1e-6, atol=1e-6)
+
+
+def test_dual_clip_matches_reference_and_bounds_stale_negative_tokens():
+    """Ratios far from 1 (stale rollouts): dual-clip at c = 3 caps each negative-advantage
+    token's loss at 3 |A| and takes its gradient away; positive advantages are untouched."""
+    new, old, adv, mask, weights = make_batch(4)
+    new = old + np.random.default_rng(9).normal(0.0, 1.5, size=new.shape)  # ratios up to ~e^4
+    options = {"clip_low": 0.2, "clip_high": 0.2, "aggregation": "token-mean", "clip_ratio_c": 3.0}
+    want_loss, want_grad, want_metrics, _ = ref_policy_loss(
+        new, old, adv, mask, 0.2, 0.2, "token-mean", None, weights, clip_ratio_c=3.0)
+    assert 0 < want_metrics["dual_clip_fraction"] < 0.5
+    with jax.enable_x64(True):
+        loss, grad, metrics = jax_loss_and_grad(new, old, adv, mask, weights, **options)
+        plain, _, _ = jax_loss_and_grad(new, old, adv, mask, weights, clip_low=0.2, clip_high=0.2)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-12)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-10, atol=1e-15)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-12, err_msg=key)
+    assert float(loss) < float(plain)  # the bound only ever lowers the loss
+    # the issue's example: ratio 7.4, advantage -0.52 -> 3.85 without, 1.56 with c = 3
+    one = lambda **o: float(policy_loss(jnp.log(jnp.asarray([[7.4]])), jnp.zeros((1, 1)),
+                                        jnp.asarray([-0.52]), jnp.ones((1, 1), bool), **o)[0])
+    assert one() == pytest.approx(7.4 * 0.52, rel=1e-5)
+    assert one(clip_ratio_c=3.0) == pytest.approx(3 * 0.52, rel=1e-6)
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        one(clip_ratio_c=0.5)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_clamp_bounds_each_token(estimator):
+    rng = np.random.default_rng(3)
+    logp = -rng.uniform(0.1, 3.0, (B, T))
+    ref = logp + rng.normal(0, 8.0, (B, T))  # log-ratios up to ~25: k3 ~ 1e10
+    d = ref - logp
+    want = {"k1": -d, "k2": 0.5 * d * d, "k3": np.expm1(d) - d}[estimator]
+    with jax.enable_x64(True):
+        got = np.asarray(kl_penalty(jnp.asarray(logp), jnp.asarray(ref), estimator=estimator,
+                                    clamp=10.0))
+        g = np.asarray(jax.grad(lambda x: kl_penalty(x, jnp.asarray(ref), estimator=estimator,
+                                                     clamp=10.0).sum())(jnp.asarray(logp)))
+    np.testing.assert_allclose(got, np.clip(want, -10, 10), rtol=1e-12)
+    dwant = {"k1": np.ones_like(d), "k2": -d, "k3": 1 - np.exp(d)}[estimator]  # d/dlogp
+    np.testing.assert_allclose(g, np.where(np.abs(want) < 10, dwant, 0.0), rtol=1e-10)
+    assert (np.abs(want) > 10).any()
