@@ -214,6 +214,11 @@ class RLConfig:
     # decoupled: PPO ratio against the weights at the start of the update, times truncated
     # IS weights proximal/behaviour (AReaL); behaviour: PPO ratio against the sampler's logprobs.
     off_policy: Literal["decoupled", "behaviour"] = "decoupled"
+    # Updates per batch: ppo_epochs passes over the batch cut into mini_batches (whole groups),
+    # each a clipped step against the proximal log-probs taken once before the first. 1, 1:
+    # one update per batch (the PPO clip then never acts: the ratio starts at 1).
+    ppo_epochs: int = 1
+    mini_batches: int = 1
     drop_zero_variance_groups: bool = False  # DAPO dynamic sampling (on for dapo)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
     overlong_penalty: float = 1.0

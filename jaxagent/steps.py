@@ -45,6 +45,9 @@ class TrainBatch:
     # rows, and gather[b, t] is the column of group row b // G whose logits predict targets[b, t].
     positions: jax.Array | None = None  # [B/G, L] RoPE positions
     gather: jax.Array | None = None  # [B, T] int32
+    # Several updates per batch (rl.ppo_epochs, rl.mini_batches): the proximal policy's
+    # log-probs [B, T], taken once before the first update; else the update's own weights.
+    proximal_logprobs: jax.Array | None = None
 
     @property
     def size(self) -> int:
@@ -411,6 +414,52 @@ class LossOptions:
     sampling: tuple[float, int | None, float | None] = (1.0, None, None)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "micro_batch", "logits_chunk", "sampling"))
+def policy_logprobs(graphdef, params, batch: TrainBatch, *, micro_batch: int = 0,
+                    logits_chunk: int = 0, sampling=None) -> jax.Array:
+    """The targets' log-probabilities [B, T] under `params` (no gradient), micro-batch by
+    micro-batch: the proximal policy of several updates on one batch."""
+    model = nnx.merge(graphdef, params)
+    micro = _micro_batches(batch, micro_batch)
+    logp = jax.lax.map(lambda mb: target_logprobs(model, mb, logits_chunk, sampling)[0], micro)
+    return logp.reshape(batch.targets.shape)
+
+
+def split_rows(batch: TrainBatch, parts: int) -> list[TrainBatch]:
+    """A (host) batch cut into `parts` mini-batches of whole rows (whole groups when packed
+    with shared prompts), in order."""
+    return [jax.tree.map(lambda x, i=i: x[i * (x.shape[0] // parts):(i + 1) * (x.shape[0] // parts)],
+                         batch) for i in range(parts)]  # fmt: skip
+
+
+def ppo_update(graphdef, tx, params, opt_state, mini_batches: list[TrainBatch], ref_params=None,
+               feedback: FeedbackBatch | None = None, *, options: LossOptions, epochs: int = 1,
+               micro_batch: int = 0, logits_chunk: int = 0):
+    """`epochs` passes over `mini_batches`, one clipped update each, against the proximal
+    log-probs taken once before the first (so from the second update on the ratio moves and
+    the clip acts). The feedback term joins the first update only (its weight per batch stays
+    the same). Metrics: the mean over the updates ("*_max": the maximum), and train/updates.
+    One epoch over one mini-batch is exactly `rl_step`."""
+    if epochs == 1 and len(mini_batches) == 1:
+        return rl_step(graphdef, tx, params, opt_state, mini_batches[0], ref_params, feedback,
+                       options=options, micro_batch=micro_batch, logits_chunk=logits_chunk)
+    mini_batches = [dataclasses.replace(b, proximal_logprobs=policy_logprobs(
+        graphdef, params, b, micro_batch=micro_batch, logits_chunk=logits_chunk,
+        sampling=options.sampling)) for b in mini_batches]
+    history = []
+    for epoch in range(epochs):
+        for i, batch in enumerate(mini_batches):
+            params, opt_state, metrics = rl_step(
+                graphdef, tx, params, opt_state, batch, ref_params,
+                feedback if epoch == i == 0 else None, options=options,
+                micro_batch=micro_batch, logits_chunk=logits_chunk)
+            history.append(metrics)
+    keys = set().union(*history)
+    reduce = lambda k: (jnp.max if k.endswith("_max") else jnp.mean)(  # noqa: E731
+        jnp.stack([m[k] for m in history if k in m]))
+    return params, opt_state, {**{k: reduce(k) for k in keys}, "train/updates": len(history)}
+
+
 def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Array:
     """This micro-batch's weight in the whole batch's aggregate."""
     if aggregation == "token-mean":
@@ -438,7 +487,8 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
     def loss_fn(p, mb):
         model = nnx.merge(graphdef, p)
         logp, token_entropy, aux = target_logprobs(model, mb, logits_chunk, o.sampling)
-        proximal = jax.lax.stop_gradient(logp)
+        proximal = (jax.lax.stop_gradient(logp) if mb.proximal_logprobs is None
+                    else mb.proximal_logprobs)
         weights = None
         if o.decoupled and o.importance_cap is not None:
             weights = rl.truncated_importance_weights(proximal, mb.sampler_logprobs,

@@ -48,7 +48,8 @@ from jaxagent.models import sees_all_segments
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, answer_accuracy,
                             logits_chunk_tokens, pack,
-                            pack_documents, pack_feedback, pack_shared, rl_step, sft_step)
+                            pack_documents, pack_feedback, pack_shared, ppo_update, sft_step,
+                            split_rows)
 from rollouts.orchestrator import Orchestrator, WeightStore
 from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
 from rollouts.rewards import RewardConfig, Scorer
@@ -357,6 +358,13 @@ def validate(cfg: Config) -> None:
         (r.clip_ratio_c == 0 or r.clip_ratio_c > 1, "rl.clip_ratio_c",
          "must be > 1 (dual-clip), or 0 for off"),
         (r.kl_clamp >= 0, "rl.kl_clamp", "must be > 0, or 0 for off"),
+        (r.ppo_epochs >= 1, "rl.ppo_epochs", "must be >= 1"),
+        (r.mini_batches >= 1 and t.prompts_per_step % r.mini_batches == 0, "rl.mini_batches",
+         f"must divide train.prompts_per_step ({t.prompts_per_step}): mini-batches hold whole "
+         "groups"),
+        (t.micro_batch == 0 or (t.prompts_per_step * r.group_size // max(r.mini_batches, 1))
+         % t.micro_batch == 0, "train.micro_batch", "must divide each mini-batch "
+         "(train.prompts_per_step * rl.group_size / rl.mini_batches)"),
         (cfg.eval.samples >= max(cfg.eval.k), "eval.k", "needs eval.samples >= max(k)"),
         (cfg.tasks.source != "jsonl" or cfg.tasks.path, "tasks.path", "required for jsonl"),
         (r.overlong_buffer <= t.max_new_tokens, "rl.overlong_buffer",
@@ -389,6 +397,8 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     layout = Layout(cfg)
     layout.check_batch(cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count(),
                        "train.prompts_per_step * rl.group_size")
+    layout.check_batch(cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count()
+                       // cfg.rl.mini_batches, "train.prompts_per_step * rl.group_size / rl.mini_batches")
     if cfg.sft.steps:
         layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     if cfg.agent.feedback_beta:
@@ -490,9 +500,11 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                                              "the feedback batch")
                                 if options.feedback_beta else None)
                     t1 = time.perf_counter()
-                    params, opt_state, step_metrics = rl_step(
-                        graphdef, tx, params, opt_state, layout.batch(train_batch), ref_params,
-                        feedback, options=options, micro_batch=t.micro_batch,
+                    minis = [layout.batch(b)
+                             for b in split_rows(train_batch, cfg.rl.mini_batches)]
+                    params, opt_state, step_metrics = ppo_update(
+                        graphdef, tx, params, opt_state, minis, ref_params, feedback,
+                        options=options, epochs=cfg.rl.ppo_epochs, micro_batch=t.micro_batch,
                         logits_chunk=chunk)
                     step_metrics = {k: float(v) for k, v in step_metrics.items()}
                     t2 = time.perf_counter()

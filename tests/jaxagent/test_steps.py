@@ -484,3 +484,40 @@ def test_on_policy_ratios_are_one_under_the_sampling_distribution(sampling):
     _, _, metrics = rl_step(graphdef, tx, params, tx.init(params), batch,
                             options=LossOptions(sampling=sampling))
     assert abs(float(metrics["train/behaviour_ratio_max"]) - 1) < 1e-3
+
+
+def test_ppo_epochs_and_mini_batches_clip_against_a_fixed_proximal_policy():
+    """One update on a batch never clips (the ratio starts at 1); 3 epochs over 2 mini-batches
+    do, because every update is measured against the log-probs taken before the first. The
+    first of them is exactly rl_step on the first mini-batch, and one epoch over one
+    mini-batch is rl_step itself."""
+    from jaxagent.steps import policy_logprobs, ppo_update, split_rows
+
+    prompts, completions, logprobs = random_rollouts(n=8, seed=4)
+    adv = np.random.default_rng(1).normal(size=8).astype(np.float32)
+    batch = pack(prompts, completions, logprobs, adv, bucket=8)
+    graphdef, params, tx, opt = setup(lr=5e-2)
+    options = LossOptions(importance_cap=None)
+
+    once = rl_step(graphdef, tx, copy(params), copy(opt), batch, options=options)
+    same = ppo_update(graphdef, tx, copy(params), copy(opt), [batch], options=options)
+    jax.tree.map(np.testing.assert_array_equal, once[0], same[0])
+    assert float(once[2]["train/clip_fraction"]) == 0.0
+
+    minis = split_rows(batch, 2)
+    assert [m.size for m in minis] == [4, 4]
+    new, _, metrics = ppo_update(graphdef, tx, copy(params), copy(opt), minis, options=options,
+                                 epochs=3)
+    assert float(metrics["train/updates"]) == 6 and float(metrics["train/clip_fraction"]) > 0.05
+    # by hand: the proximal log-probs once, then six steps in order
+    proximal = [dataclasses.replace(m, proximal_logprobs=policy_logprobs(graphdef, params, m))
+                for m in minis]
+    p, o = copy(params), copy(opt)
+    first = None
+    for _ in range(3):
+        for m in proximal:
+            p, o, step = rl_step(graphdef, tx, p, o, m, options=options)
+            first = first or step
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), new, p)
+    alone = rl_step(graphdef, tx, copy(params), copy(opt), minis[0], options=options)[2]
+    np.testing.assert_allclose(first["train/loss"], alone["train/loss"], rtol=1e-6)
