@@ -220,6 +220,9 @@ class RLConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1
     drop_zero_variance_groups: bool = False  # DAPO dynamic sampling (on for dapo)
+    # With dynamic sampling: up to this many more draws of train.prompts_per_step tasks per
+    # batch while it holds fewer groups with signal (rollout/groups_drawn, groups_kept); 0: off
+    refill_draws: int = 0
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
     overlong_penalty: float = 1.0
 

@@ -359,6 +359,12 @@ def validate(cfg: Config) -> None:
          "must be > 1 (dual-clip), or 0 for off"),
         (r.kl_clamp >= 0, "rl.kl_clamp", "must be > 0, or 0 for off"),
         (r.ppo_epochs >= 1, "rl.ppo_epochs", "must be >= 1"),
+        (r.refill_draws >= 0, "rl.refill_draws", "must be >= 0"),
+        (not r.refill_draws or r.algorithm == "dapo" or r.drop_zero_variance_groups,
+         "rl.refill_draws", "needs dynamic sampling (rl.algorithm: dapo, or "
+         "rl.drop_zero_variance_groups: true)"),
+        (not r.refill_draws or not cfg.agent.enabled, "rl.refill_draws",
+         "is for single completions; agent episodes do not refill"),
         (r.mini_batches >= 1 and t.prompts_per_step % r.mini_batches == 0, "rl.mini_batches",
          f"must divide train.prompts_per_step ({t.prompts_per_step}): mini-batches hold whole "
          "groups"),
@@ -554,7 +560,8 @@ def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task
                                prompts_per_step=t.prompts_per_step, group_size=cfg.rl.group_size,
                                max_new_tokens=t.max_new_tokens, temperature=t.temperature,
                                top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p,
-                               seed=cfg.seed, in_flight=cfg.rollout.max_staleness + 1)
+                               seed=cfg.seed, in_flight=cfg.rollout.max_staleness + 1,
+                               refill_draws=cfg.rl.refill_draws)
     from rollouts.agent.producer import AgentRolloutProducer
 
     make_env = tool_env_factory(cfg, tokenizer, scorer)

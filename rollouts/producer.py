@@ -76,6 +76,12 @@ class RolloutBatch:
                            for r in self.rollouts]).reshape(
             -1, self.group_size)
 
+    def groups_with_signal(self) -> np.ndarray:
+        """[num_groups] bool: at least two scored rollouts whose rewards differ (DAPO's
+        dynamic-sampling filter: an all-equal group has zero advantage, so no gradient)."""
+        rewards, valid = self.rewards(), self.valid()
+        return np.asarray([v.sum() >= 2 and np.ptp(r[v]) > 1e-6 for r, v in zip(rewards, valid)])
+
     def to_json(self) -> dict:
         return {"version": self.version, "group_size": self.group_size, "stats": self.stats,
                 "rollouts": [r.to_json() for r in self.rollouts]}
@@ -203,8 +209,12 @@ class RolloutProducer:
                  prompts_per_step: int, group_size: int, max_new_tokens: int,
                  temperature: float, seed: int, top_k: int | None = None,
                  top_p: float | None = None,
-                 make_env: Callable[[], Environment] | None = None, in_flight: int = 2):
+                 make_env: Callable[[], Environment] | None = None, in_flight: int = 2,
+                 refill_draws: int = 0):
         self.sampler, self.tokenizer, self.scorer = sampler, tokenizer, scorer
+        # DAPO dynamic sampling: up to this many more draws of prompts_per_step tasks while
+        # the batch holds fewer groups with signal (then scored before the next batch starts)
+        self.refill_draws = refill_draws
         self.tasks = tasks
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
@@ -219,7 +229,33 @@ class RolloutProducer:
 
     def start(self, index: int, version: int) -> Future:
         """Sample batch `index` with the sampler's current weights (policy `version`); returns
-        a future of the scored `RolloutBatch`."""
+        a future of the scored `RolloutBatch`. With `refill_draws`, groups without signal are
+        replaced by those of further draws (each scored first, so this blocks) until the batch
+        holds `prompts_per_step` groups with signal or the draws run out; groups without
+        signal fill what remains (the advantage masks them)."""
+        first = self._draw(index, version, 0)
+        if not self.refill_draws:
+            return first
+        batch = first.result()
+        draws = [batch]
+        while (sum(b.groups_with_signal().sum() for b in draws) < self.prompts_per_step
+               and len(draws) <= self.refill_draws):
+            draws.append(self._draw(index, version, len(draws)).result())
+        g = self.group_size
+        groups = [(b, i) for b in draws for i in np.flatnonzero(b.groups_with_signal())]
+        groups += [(b, i) for b in draws for i in np.flatnonzero(~b.groups_with_signal())]
+        rollouts = [r for b, i in groups[:self.prompts_per_step] for r in b.rollouts[i * g:(i + 1) * g]]
+        stats = rollout_stats(rollouts, sum(b.stats["time/generate_s"] for b in draws),
+                              sum(b.stats["time/reward_s"] for b in draws))
+        stats.update({"rollout/groups_drawn": len(draws) * self.prompts_per_step,
+                      "rollout/groups_kept": int(min(sum(b.groups_with_signal().sum() for b in draws),
+                                                     self.prompts_per_step))})  # fmt: skip
+        done: Future = Future()
+        done.set_result(RolloutBatch(version, g, rollouts, stats))
+        return done
+
+    def _draw(self, index: int, version: int, draw: int) -> Future:
+        """prompts_per_step tasks, sampled and scored; draw > 0: a refill of batch `index`."""
         tasks = [next(self.tasks) for _ in range(self.prompts_per_step)]
         envs = [self.make_env() for _ in range(len(tasks) * self.group_size)]
         # The sampling seed depends only on the run seed and the batch index, so a resumed run
@@ -227,8 +263,9 @@ class RolloutProducer:
         episodes = sample_episodes(
             self.sampler, envs, tasks, self.pool, num_samples=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            seed=self.seed * 1_000_003 + index, stop_token_ids=self.tokenizer.stop_ids,
-            version=version, top_k=self.top_k, top_p=self.top_p)
+            seed=(self.seed * 1_000_003 + index) * (1 + 7919 * draw) + draw,
+            stop_token_ids=self.tokenizer.stop_ids, version=version, top_k=self.top_k,
+            top_p=self.top_p)
         batch: Future = Future()
 
         def done(f: Future) -> None:

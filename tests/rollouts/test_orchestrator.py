@@ -13,6 +13,7 @@ import pytest
 from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
 from jaxagent.tokenizer import ByteTokenizer
+from rollouts.environment import StepResult
 from rollouts.orchestrator import Orchestrator, WeightStore
 from rollouts.producer import (
     INFRA_ERROR,
@@ -203,3 +204,46 @@ def test_infrastructure_failures_are_counted_not_scored(sampler):
     failed = [r for r in batch.rollouts if r.status == INFRA_ERROR]
     assert len(failed) == 3 and batch.stats["rollout/infra_failures"] == 3
     assert batch.valid().sum() == 3
+
+
+class ScriptedRewardEnv(CodeTaskEnv):
+    """Tasks whose id ends in an even digit reward every completion 0 (a group without
+    signal); the others reward sum(tokens) % 7 (completions differ, so rewards do)."""
+
+    def step(self, action):
+        flat = int(self.task.id[-1]) % 2 == 0
+        reward = 0.0 if flat else float(sum(action) % 7)
+        return StepResult([], reward, True, {"status": "failed", "text": ""})
+
+
+def test_dynamic_sampling_refills_groups_without_signal(sampler):
+    """DAPO's dynamic sampling draws more groups until the batch holds prompts_per_step with
+    signal (bounded by refill_draws), deterministically, and says how many it drew and kept."""
+    tok = ByteTokenizer()
+    tasks = synthetic_tasks(40, seed=5)
+    assert sum(int(t.id[-1]) % 2 == 0 for t in tasks[:2]) >= 1  # the first draw lacks signal
+
+    def produce(refill, batches=1):
+        it = iter(tasks)
+        producer = RolloutProducer(sampler, tok, None, it, prompts_per_step=2, group_size=3,
+                                   max_new_tokens=5, temperature=1.0, seed=0, refill_draws=refill,
+                                   make_env=lambda: ScriptedRewardEnv(tok, None))
+        out = [producer.produce(i, version=0) for i in range(batches)]
+        producer.close()
+        return out, next(it)
+
+    [plain], after_plain = produce(0)
+    assert plain.groups_with_signal().sum() < 2 and "rollout/groups_drawn" not in plain.stats
+    assert after_plain.id == tasks[2].id
+    batches, after = produce(4, batches=2)
+    for batch in batches:
+        assert len(batch.rollouts) == 6 and batch.groups_with_signal().all()
+        assert batch.stats["rollout/groups_kept"] == 2
+        assert batch.stats["rollout/groups_drawn"] >= 4
+    drawn = sum(b.stats["rollout/groups_drawn"] for b in batches)
+    assert after.id == tasks[drawn].id  # the iterator moved by exactly the draws
+    again, _ = produce(4, batches=2)  # deterministic: a resume repeats it
+    assert [r.completion for b in again for r in b.rollouts] == \
+        [r.completion for b in batches for r in b.rollouts]
+    [capped], _ = produce(1)  # at most one more draw: what lacks signal fills the rest
+    assert capped.stats["rollout/groups_drawn"] <= 4 and len(capped.rollouts) == 6
