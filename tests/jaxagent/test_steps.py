@@ -455,7 +455,8 @@ def test_feedback_term_equals_float64_kl_and_the_step_reduces_it():
     assert after < 0.9 * want
 
 
-@pytest.mark.parametrize("sampling", [(0.6, 7, 0.9), (0.6, None, None), (1.3, None, 0.8)])
+@pytest.mark.parametrize("sampling", [(0.6, 7, 0.9), pytest.param((0.6, None, None), marks=pytest.mark.slow),
+                                      pytest.param((1.3, None, 0.8), marks=pytest.mark.slow)])
 def test_on_policy_ratios_are_one_under_the_sampling_distribution(sampling):
     """The sampler draws at temperature T with top-k / top-p; the trainer's log-probs of the
     same tokens, with the same weights, under the same distribution: every ratio is 1. Under
