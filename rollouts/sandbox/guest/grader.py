@@ -259,9 +259,10 @@ class Solution:
             raise self.aborted
         try:
             reply = self._exchange(msg)
-            if reply[0] in ("hack", "oom") or reply[0] not in ("ok", "stop", "raise"):
-                raise _reply_error(reply) if reply[0] in ("hack", "oom") else Abort(
-                    "hack", "malformed reply from solution")
+            if reply[0] in ("hack", "oom"):
+                raise _reply_error(reply)
+            if reply[0] not in ("ok", "stop", "raise"):
+                raise Abort("hack", "malformed reply from solution")
             return reply
         except Abort as e:
             self.aborted = e
@@ -280,19 +281,7 @@ class Solution:
         return self.receive()
 
     def _call(self, args: tuple, kwargs: dict) -> object:
-        try:
-            self.sock.settimeout(self._timeout())
-            wire.send_sock(
-                self.sock,
-                {"args": codec.encode(list(args)), "kwargs": codec.encode(kwargs)},
-            )
-        except TimeoutError:
-            raise Abort(
-                "timeout", f"wall time limit of {self.wall_s}s exceeded"
-            ) from None
-        except OSError:
-            raise self._death() from None
-        reply = self.receive()
+        reply = self._exchange({"args": codec.encode(list(args)), "kwargs": codec.encode(kwargs)})
         if reply[0] == "ok" and len(reply) == 2:
             try:
                 return codec.decode(reply[1])
