@@ -55,6 +55,7 @@ from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
 from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
+from rollouts.tasks.source import ProcessShare
 from rollouts.tasks.documents import lookup_examples
 from rollouts.tasks.humaneval import humaneval_tasks
 from sharding.distributed import initialize, is_leader
@@ -431,9 +432,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     train_tasks, eval_tasks = ((load_agent_tasks(cfg), []) if cfg.agent.enabled
                                else load_task_splits(cfg))
     if task_iter is None:
-        task_iter = iter(task_dataset(train_tasks, seed=cfg.seed,
-                                      shard_index=jax.process_index(),
-                                      shard_count=jax.process_count()))
+        task_iter = task_stream(cfg, train_tasks)
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep)
     start = ckpt.latest_step()
     metrics_writer = MetricsWriter(workdir, resume_step=start,
@@ -552,6 +551,18 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     return summary
 
 
+def task_stream(cfg: Config, train_tasks: list[Task]):
+    """This process's training tasks, with get_state/set_state. Single completions: its share
+    of one global stream, so every global batch (and, with per-row sampling keys, every
+    rollout) is the same on any number of processes. Agent episodes refill slots one task at
+    a time: a disjoint shard per process."""
+    if cfg.agent.enabled:
+        return iter(task_dataset(train_tasks, seed=cfg.seed, shard_index=jax.process_index(),
+                                 shard_count=jax.process_count()))
+    return ProcessShare(iter(task_dataset(train_tasks, seed=cfg.seed)), jax.process_index(),
+                        jax.process_count(), cfg.train.prompts_per_step)
+
+
 def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task_iter):
     """Tool episodes (`agent.enabled`) or single completions, behind one interface."""
     t = cfg.train
@@ -561,7 +572,8 @@ def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task
                                max_new_tokens=t.max_new_tokens, temperature=t.temperature,
                                top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p,
                                seed=cfg.seed, in_flight=cfg.rollout.max_staleness + 1,
-                               refill_draws=cfg.rl.refill_draws)
+                               refill_draws=cfg.rl.refill_draws,
+                               row_offset=jax.process_index() * t.prompts_per_step * cfg.rl.group_size)
     from rollouts.agent.producer import AgentRolloutProducer
 
     make_env = tool_env_factory(cfg, tokenizer, scorer)

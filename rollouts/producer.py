@@ -125,7 +125,7 @@ def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequen
                     pool: ThreadPoolExecutor, *, num_samples: int, max_new_tokens: int,
                     temperature: float, seed: int, stop_token_ids: Sequence[int] = (),
                     version: int = 0, top_k: int | None = None,
-                    top_p: float | None = None) -> Future:
+                    top_p: float | None = None, row_offset: int = 0) -> Future:
     """Sample `num_samples` completions per task (rows task-major, one environment per row)
     and submit each row's environment step as soon as its completion is finished (the sandbox
     runs while the sampler decodes the longer rows); returns a future of (rollouts, stats)
@@ -145,7 +145,8 @@ def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequen
 
     out = sampler.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p,
-                           stop_token_ids=stop_token_ids, seed=seed, on_finish=submit)
+                           stop_token_ids=stop_token_ids, seed=seed, on_finish=submit,
+                           row_offset=row_offset)
     t1 = time.perf_counter()
 
     result: Future = Future()
@@ -210,11 +211,13 @@ class RolloutProducer:
                  temperature: float, seed: int, top_k: int | None = None,
                  top_p: float | None = None,
                  make_env: Callable[[], Environment] | None = None, in_flight: int = 2,
-                 refill_draws: int = 0):
+                 refill_draws: int = 0, row_offset: int = 0):
         self.sampler, self.tokenizer, self.scorer = sampler, tokenizer, scorer
         # DAPO dynamic sampling: up to this many more draws of prompts_per_step tasks while
         # the batch holds fewer groups with signal (then scored before the next batch starts)
         self.refill_draws = refill_draws
+        # This process's rows of the global batch start here (their sampling keys are global)
+        self.row_offset = row_offset
         self.tasks = tasks
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
@@ -265,7 +268,7 @@ class RolloutProducer:
             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
             seed=(self.seed * 1_000_003 + index) * (1 + 7919 * draw) + draw,
             stop_token_ids=self.tokenizer.stop_ids, version=version, top_k=self.top_k,
-            top_p=self.top_p)
+            top_p=self.top_p, row_offset=self.row_offset)
         batch: Future = Future()
 
         def done(f: Future) -> None:

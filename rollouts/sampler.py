@@ -361,8 +361,12 @@ class Sampler:
                  stop_token_ids=(), seed: int = 0,
                  documents: list[list[list[int]]] | None = None,
                  on_finish: Callable[[int, list[int], np.ndarray, str], None] | None = None,
-                 ) -> SampleOutput:
-        """`documents[i]`: the documents (token lists) before prompt i, laid out as
+                 row_offset: int = 0) -> SampleOutput:
+        """`row_offset`: the rows sample as rows row_offset, row_offset + 1, ... (their
+        per-row keys): a process's share of a global batch draws what one process drawing the
+        whole batch would for those rows. Outputs and `on_finish` rows count from 0.
+
+        `documents[i]`: the documents (token lists) before prompt i, laid out as
         `jaxagent.models.documents` says (each attends to itself; the prompt, then its
         completion, to all of them); their KVs come from `kv_store`, encoded on a miss.
 
@@ -395,8 +399,11 @@ class Sampler:
         # Documents share the KV store: one thread.
         shards = (1 if documents is not None
                   else self.host_shards(len(prompts) * num_samples, len(prompts)))
+        if on_finish is not None and row_offset:
+            report = on_finish
+            on_finish = lambda row, *rest: report(row - row_offset, *rest)  # noqa: E731
         if shards == 1:
-            return run(prompts, documents, 0, on_finish)
+            return run(prompts, documents, row_offset, on_finish)
         # Whole prompts per thread; row ids stay global, so keys (per step and row), outputs
         # and on_finish's rows are those of one call.
         t0 = time.perf_counter()
@@ -409,7 +416,7 @@ class Sampler:
 
         with ThreadPoolExecutor(shards) as pool:
             parts = list(pool.map(
-                lambda ab: run(prompts[ab[0]:ab[1]], None, int(ab[0]) * num_samples,
+                lambda ab: run(prompts[ab[0]:ab[1]], None, row_offset + int(ab[0]) * num_samples,
                                on_finish and finished), zip(bounds, bounds[1:])))
         stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats}
         stats.update(prefill_seconds=max(p.stats["prefill_seconds"] for p in parts),

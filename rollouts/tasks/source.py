@@ -41,3 +41,34 @@ def task_dataset(
     if shuffle:
         ds = ds.seed(seed).shuffle()
     return ds.repeat(num_epochs).to_iter_dataset()
+
+
+class ProcessShare:
+    """This process's share of a global task stream: every `per_batch * count` tasks of
+    `tasks` (one global batch, the same in every process) are cut into `count` runs of
+    `per_batch` and process `index` gets run `index`. So the global batch, in process order,
+    is the same whatever the number of processes. get_state/set_state at batch boundaries."""
+
+    def __init__(self, tasks, index: int, count: int, per_batch: int):
+        if not 0 <= index < count:
+            raise ValueError(f"process index {index} not in [0, {count})")
+        self.tasks, self.index, self.count, self.per_batch = tasks, index, count, per_batch
+        self._mine: list = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self._mine:
+            batch = [next(self.tasks) for _ in range(self.per_batch * self.count)]
+            self._mine = batch[self.index * self.per_batch:(self.index + 1) * self.per_batch]
+        return self._mine.pop(0)
+
+    def get_state(self):
+        if self._mine:
+            raise RuntimeError("ProcessShare.get_state inside a batch: take whole batches")
+        return self.tasks.get_state()
+
+    def set_state(self, state) -> None:
+        self._mine = []
+        self.tasks.set_state(state)

@@ -133,6 +133,35 @@ def test_two_processes_train_like_one(tmp_path):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.slow  # two short RL runs, ~3 min on 2 shared cores
+def test_two_processes_do_rl_like_one(tmp_path):
+    """RL on 2 processes x 2 devices and on 1 process x 4 devices, same seed, mesh and global
+    batch (each process takes its share of one task stream, and samples its rows with their
+    global keys): the same losses at every step."""
+    common = ["-m", "jaxagent.cli", "train", "sft.steps=2", "sft.batch_size=8", "train.steps=3",
+              "rl.group_size=4", "train.max_new_tokens=8", "tasks.num_train=50",
+              "tasks.num_eval=2", "eval.samples=2", "eval.every=0", "model.num_layers=1",
+              "mesh.data=2", "mesh.fsdp=2", "checkpoint.every=0", "rewards.workers=1",
+              "sampler.prompt_bucket=64", "sampler.cache_bucket=16"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    _run(["bash", str(LAUNCH / "local_multihost.sh"), "--logdir", str(tmp_path / "logs"), "2",
+          "2", "--", sys.executable, *common, "train.prompts_per_step=2",
+          f"workdir={tmp_path / 'multi'}"], env, ROOT)
+    _run([sys.executable, *common, "train.prompts_per_step=4", f"workdir={tmp_path / 'single'}"],
+         {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+         ROOT)
+
+    def steps(run):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").open()]
+        return [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in rows
+                if "train/loss" in r]
+
+    multi, single = steps("multi"), steps("single")
+    assert [s for s, _, _ in multi] == [s for s, _, _ in single] == [1, 2, 3]
+    np.testing.assert_allclose([x[1:] for x in multi], [x[1:] for x in single], rtol=1e-5,
+                               atol=1e-7)
+
+
 def test_k8s_dry_run_renders_the_jobset():
     import yaml
 

@@ -421,3 +421,19 @@ def test_misuse_is_named(model):
         cont.start(2, [5])
     with pytest.raises(ValueError, match="slot 1 has no episode"):
         cont.append(1, [5])
+
+
+def test_row_offset_samples_a_share_of_a_global_batch(model):
+    """Process p of n generates its prompts with row_offset = its first global row: the same
+    tokens and log-probs as those rows of one call over the whole batch (keys are per row)."""
+    prompts = prompts_of([4, 7, 3, 6])
+    kwargs = dict(num_samples=2, max_new_tokens=9, temperature=1.0, top_k=20, seed=7)
+    whole = Sampler(model, **OPTS).generate(prompts, **kwargs)
+    seen = []
+    second = Sampler(model, **OPTS).generate(prompts[2:], row_offset=4, **kwargs,
+                                             on_finish=lambda row, *_: seen.append(row))
+    assert second.tokens == whole.tokens[4:]
+    np.testing.assert_allclose(np.concatenate(second.logprobs), np.concatenate(whole.logprobs[4:]))
+    assert sorted(seen) == [0, 1, 2, 3]  # reported rows count from 0
+    unshifted = Sampler(model, **OPTS).generate(prompts[2:], **kwargs)
+    assert unshifted.tokens != whole.tokens[4:]
