@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+from pathlib import PurePosixPath
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWPID = 0x20000000
@@ -134,12 +135,12 @@ def fork_isolated() -> tuple[int, bool]:
     return os.fork(), isolated
 
 
-def _private_mounts(hide: list[str]) -> bool:
+def _private_mounts(hide: list[str]) -> None:
     """A mount namespace of our own with a /proc of our pid namespace, and an empty
-    read-only tmpfs over each directory of `hide` (False if forbidden)."""
+    read-only tmpfs over each directory of `hide` (nothing where the kernel forbids it)."""
     libc = _libc()
     if libc.unshare(_CLONE_NEWNS) != 0:
-        return False
+        return
     _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     _check(libc.mount(b"proc", b"/proc", b"proc", flags, None), "mounting /proc")
@@ -149,24 +150,22 @@ def _private_mounts(hide: list[str]) -> bool:
             _check(libc.mount(None, sub, None, remount, None), f"read-only {sub.decode()}")
     for path in hide:
         _check(libc.mount(b"none", path.encode(), b"tmpfs", flags | _MS_RDONLY, None), f"hiding {path}")
-    return True
 
 
 def own(workdir: str, uid: int, keep: tuple[str, ...] = ()) -> None:
     """Hand the work dir to the solution's uid (never following a link), except the paths
     of `keep` (a repository's tests), which stay ours and read-only to it; the directories
     above them stay ours too, sticky and world-writable, so nothing kept can be renamed away."""
-    above = {""} | {k.rstrip("/").rsplit("/", i)[0] for k in keep for i in range(1, k.count("/") + 1)}
-    above = above if keep else set()
+    above = {str(p) for k in keep for p in PurePosixPath(k).parents} if keep else set()
     for rel in above:
         if os.path.isdir(os.path.join(workdir, rel)):
-            os.chmod(os.path.join(workdir, rel), 0o1777)
-    if not keep:
+            os.chmod(os.path.normpath(os.path.join(workdir, rel)), 0o1777)
+    if not above:
         os.lchown(workdir, uid, uid)
     for root, dirs, files in os.walk(workdir):
         for name in dirs + files:
             rel = os.path.relpath(os.path.join(root, name), workdir)
-            kept = rel in above or any(rel == k or rel.startswith(k.rstrip("/") + "/") for k in keep)
+            kept = rel in above or any(PurePosixPath(rel).is_relative_to(k) for k in keep)
             if not kept:
                 os.lchown(os.path.join(root, name), uid, uid)
 
@@ -198,14 +197,15 @@ def _status() -> dict[str, str]:
 def confine(
     uid: int, workdir: str | None = None, private_mounts: bool = False, hide: tuple[str, ...] = (),
     keep: tuple[str, ...] = (),
-) -> dict:
-    """Drop everything (see the module docstring); {"uid", "namespaces"} or ConfinementError.
+) -> None:
+    """Drop everything (see the module docstring), or raise ConfinementError.
 
     `uid`: the unprivileged uid (and gid) to become where we run as root; `workdir` is then
     handed to it, but for the paths of `keep` (see `own`). `private_mounts`: this process is pid 1 of its own pid namespace
     (`fork_isolated`) and gets a mount namespace and /proc of its own, where the
     directories of `hide` are empty (the grader's; as root they are another uid's)."""
-    namespaces = private_mounts and _private_mounts([p for p in hide if os.path.isdir(p)])
+    if private_mounts:
+        _private_mounts([p for p in hide if os.path.isdir(p)])
     if os.geteuid() == 0 and workdir is not None:
         own(workdir, uid, keep)
     _drop_capabilities(uid)
@@ -223,4 +223,3 @@ def confine(
         raise ConfinementError(f"privileges remain after confinement: {status}")
     if os.getuid() == 0:
         raise ConfinementError("the solution would run as uid 0")
-    return {"uid": os.getuid(), "namespaces": namespaces}

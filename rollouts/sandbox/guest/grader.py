@@ -479,23 +479,42 @@ def _expected_tests(spec: dict) -> set[str]:
     return expected
 
 
+class _Tally:
+    """What a pytest run reported: the collected node ids, each test's first non-pass
+    outcome and the first failure's message. In-process, fed from the solution's frames;
+    isolated, a pytest plugin in the grader itself."""
+
+    def __init__(self):
+        self.collected: list[str] = []
+        self.outcomes: dict[str, str] = {}
+        self.message = ""
+
+    def report(self, nodeid: str, when: str, outcome: str, detail: str) -> None:
+        if self.outcomes.get(nodeid, "passed") == "passed":  # keep the first non-pass
+            self.outcomes[nodeid] = outcome
+        if outcome != "passed" and not self.message:
+            self.message = f"{nodeid} ({when}) {outcome}: {detail}"[:1500]
+
+    def pytest_collection_finish(self, session) -> None:
+        self.collected = [item.nodeid for item in session.items]
+
+    def pytest_runtest_logreport(self, report) -> None:
+        detail = str(report.longrepr)[-1000:] if report.failed else ""
+        self.report(report.nodeid, report.when, report.outcome, detail)
+
+
 def _run_pytest(spec: dict, solution: Solution, workdir: str) -> dict:
-    collected: list[str] = []
-    outcomes: dict[str, str] = {}
-    message = ""
+    tally = _Tally()
     while (msg := solution.receive())[0] != "done":
         if msg[0] == "collected" and len(msg) == 2 and isinstance(msg[1], list):
-            collected = [str(n) for n in msg[1]]
+            tally.collected = [str(n) for n in msg[1]]
         elif msg[0] == "report" and len(msg) == 5:
             nodeid, when, outcome, detail = map(str, msg[1:])
             if outcome == "failed" and "SystemExit" in detail:
                 raise Abort(
                     "hack", f"{nodeid}: solution raised SystemExit under pytest"
                 )
-            if outcomes.get(nodeid, "passed") == "passed":  # keep the first non-pass
-                outcomes[nodeid] = outcome
-            if outcome != "passed" and not message:
-                message = f"{nodeid} ({when}) {outcome}: {detail}"[:1500]
+            tally.report(nodeid, when, outcome, detail)
         else:
             err = _reply_error(msg)
             raise (
@@ -506,7 +525,7 @@ def _run_pytest(spec: dict, solution: Solution, workdir: str) -> dict:
     changed = _changed_tests(spec, workdir)
     if changed:  # read-only to the solution as root; as a normal user, checked here
         raise Abort("hack", f"the tests were modified during the run: {', '.join(changed[:5])}")
-    return _pytest_verdict(spec, collected, outcomes, msg[1:], message)
+    return _pytest_verdict(spec, tally, msg[1:])
 
 
 def _changed_tests(spec: dict, workdir: str) -> list[str]:
@@ -525,16 +544,16 @@ def _changed_tests(spec: dict, workdir: str) -> list[str]:
     return changed
 
 
-def _pytest_verdict(spec: dict, collected: list[str], outcomes: dict[str, str], exit_code: list,
-                    message: str) -> dict:  # fmt: skip
+def _pytest_verdict(spec: dict, tally: _Tally, exit_code: list) -> dict:
     """Every test the pristine files define must have been collected; all passed, exit 0."""
+    collected, message = tally.collected, tally.message
     for test in sorted(_expected_tests(spec)):
         if not any(n == test or n.startswith(test + "[") for n in collected):
             raise Abort(
                 "hack",
                 f"test {test} was not run (deselected, skipped at collection or hidden)",
             )
-    passed = sum(outcomes.get(n) == "passed" for n in collected)
+    passed = sum(tally.outcomes.get(n) == "passed" for n in collected)
     ok = bool(collected) and passed == len(collected) and exit_code == [0]
     if not collected:
         message = "no tests collected"
@@ -542,25 +561,6 @@ def _pytest_verdict(spec: dict, collected: list[str], outcomes: dict[str, str], 
         message = f"pytest exited with status {exit_code}"
     return {"status": "passed" if ok else "failed", "tests_passed": passed, "tests_total": len(collected),
             "message": message}  # fmt: skip
-
-
-class _Collector:
-    """pytest plugin of the isolated mode: it runs in the grader, next to no solution code."""
-
-    def __init__(self):
-        self.collected: list[str] = []
-        self.outcomes: dict[str, str] = {}
-        self.message = ""
-
-    def pytest_collection_finish(self, session) -> None:
-        self.collected = [item.nodeid for item in session.items]
-
-    def pytest_runtest_logreport(self, report) -> None:
-        if self.outcomes.get(report.nodeid, "passed") == "passed":
-            self.outcomes[report.nodeid] = report.outcome
-        if report.outcome != "passed" and not self.message:
-            detail = str(report.longrepr)[-1000:] if report.failed else ""
-            self.message = f"{report.nodeid} ({report.when}) {report.outcome}: {detail}"[:1500]
 
 
 def _solution_modules(spec: dict) -> set[str]:
@@ -597,20 +597,16 @@ def _run_isolated(spec: dict, solution: Solution, workdir: str) -> dict:
     _write_files(pristine, tests)
     names = _solution_modules(spec)
     os.chdir(tests)
-    sys.path[:] = [*sys.path, *spec["pylib"], tests]
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    argv = runner.harness_pytest(spec["pytest_args"], tests, spec["pylib"])
     objects = proxy.Objects(solution.request)
     sys.meta_path.insert(0, proxy.SolutionFinder(objects, names))
     import pytest
 
-    collector = _Collector()
-    argv = [*spec["pytest_args"], "-c", os.path.join(os.path.dirname(__file__), "pytest.ini"),
-            "--rootdir", tests, "--confcutdir", tests, "--import-mode=append",
-            "-p", "no:cacheprovider", "-q"]  # fmt: skip
-    exit_code = int(pytest.main(argv, plugins=[collector]))
+    tally = _Tally()  # a plugin here, in the grader, next to no solution code
+    exit_code = int(pytest.main(argv, plugins=[tally]))
     if solution.aborted:  # a proxy call timed out, the solution died or cheated
         raise solution.aborted
-    return _pytest_verdict(spec, collector.collected, collector.outcomes, [exit_code], collector.message)
+    return _pytest_verdict(spec, tally, [exit_code])
 
 
 def _write_files(files: dict, workdir: str) -> None:

@@ -76,6 +76,16 @@ def serve(sock: socket.socket, program: str, entry_point: str) -> None:
         wire.send_sock(sock, reply)
 
 
+def harness_pytest(args: list[str], root: str, pylib: list[str]) -> list[str]:
+    """Set this process up for a pytest run the harness alone configures, over the tests
+    under `root`; its argv. Both pytest modes (here and in the grader) run this way."""
+    sys.path[:] = [*sys.path, *pylib, root]
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    harness = os.path.dirname(os.path.abspath(__file__))
+    return [*args, "-c", os.path.join(harness, "pytest.ini"), "--rootdir", root,
+            "--confcutdir", root, "--import-mode=append", "-p", "no:cacheprovider", "-q"]  # fmt: skip
+
+
 def run_pytest(sock: socket.socket, args: list[str], pylib: list[str]) -> None:
     """Run pytest in this process (it imports the solution) with the reporting plugin,
     configured by the harness alone: its own ini file, no plugin autoloading (a
@@ -83,8 +93,7 @@ def run_pytest(sock: socket.socket, args: list[str], pylib: list[str]) -> None:
     standard library, the harness and pytest on sys.path (a root `inspect.py` or
     `pytest_verdict.py` shadows nothing)."""
     root = os.getcwd()
-    sys.path[:] = [*sys.path, *pylib, root]
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    argv = harness_pytest(args, root, pylib)
     loaded = _attempt(lambda: importlib.import_module("pytest"))
     if loaded[0] != "ok":
         wire.send_sock(
@@ -95,9 +104,6 @@ def run_pytest(sock: socket.socket, args: list[str], pylib: list[str]) -> None:
 
     pytest = loaded[1]
     plugin = pytest_verdict.Reporter(sock)
-    harness = os.path.dirname(os.path.abspath(__file__))
-    argv = [*args, "-c", os.path.join(harness, "pytest.ini"), "--rootdir", root,
-            "--confcutdir", root, "--import-mode=append", "-p", "no:cacheprovider", "-q"]  # fmt: skip
     reply = _attempt(lambda: int(pytest.main(argv, plugins=[plugin])))
     wire.send_sock(sock, ["done", reply[1]] if reply[0] == "ok" else reply)
 
