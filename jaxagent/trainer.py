@@ -55,9 +55,9 @@ from rollouts.producer import RolloutBatch, RolloutProducer, sample_and_score
 from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
-from rollouts.tasks.source import ProcessShare
 from rollouts.tasks.documents import lookup_examples
 from rollouts.tasks.humaneval import humaneval_tasks
+from rollouts.tasks.source import ProcessShare
 from sharding.distributed import initialize, is_leader
 from sharding.layout import Layout
 
@@ -404,8 +404,10 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     layout = Layout(cfg)
     layout.check_batch(cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count(),
                        "train.prompts_per_step * rl.group_size")
-    layout.check_batch(cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count()
-                       // cfg.rl.mini_batches, "train.prompts_per_step * rl.group_size / rl.mini_batches")
+    if cfg.rl.mini_batches > 1:
+        layout.check_batch(cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count()
+                           // cfg.rl.mini_batches,
+                           "train.prompts_per_step * rl.group_size / rl.mini_batches")
     if cfg.sft.steps:
         layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     if cfg.agent.feedback_beta:

@@ -239,20 +239,20 @@ class RolloutProducer:
         first = self._draw(index, version, 0)
         if not self.refill_draws:
             return first
-        batch = first.result()
-        draws = [batch]
-        while (sum(b.groups_with_signal().sum() for b in draws) < self.prompts_per_step
-               and len(draws) <= self.refill_draws):
+        draws = [first.result()]
+        signal = [draws[0].groups_with_signal()]
+        while sum(s.sum() for s in signal) < self.prompts_per_step and len(draws) <= self.refill_draws:
             draws.append(self._draw(index, version, len(draws)).result())
+            signal.append(draws[-1].groups_with_signal())
         g = self.group_size
-        groups = [(b, i) for b in draws for i in np.flatnonzero(b.groups_with_signal())]
-        groups += [(b, i) for b in draws for i in np.flatnonzero(~b.groups_with_signal())]
+        groups = [(b, i) for b, s in zip(draws, signal) for i in np.flatnonzero(s)]
+        kept = min(len(groups), self.prompts_per_step)
+        groups += [(b, i) for b, s in zip(draws, signal) for i in np.flatnonzero(~s)]
         rollouts = [r for b, i in groups[:self.prompts_per_step] for r in b.rollouts[i * g:(i + 1) * g]]
         stats = rollout_stats(rollouts, sum(b.stats["time/generate_s"] for b in draws),
                               sum(b.stats["time/reward_s"] for b in draws))
         stats.update({"rollout/groups_drawn": len(draws) * self.prompts_per_step,
-                      "rollout/groups_kept": int(min(sum(b.groups_with_signal().sum() for b in draws),
-                                                     self.prompts_per_step))})  # fmt: skip
+                      "rollout/groups_kept": kept})
         done: Future = Future()
         done.set_result(RolloutBatch(version, g, rollouts, stats))
         return done

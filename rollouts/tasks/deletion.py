@@ -173,7 +173,8 @@ def make_deletion_tasks(
     Returns the tasks made and, for each feature skipped, why."""
     repo, out = Path(repo).resolve(), Path(out).resolve()
     limits = limits or Limits(wall_s=60, cpu_s=60)
-    files = load_repo_task(repo, list(test_command), test_paths=tuple(test_paths)).files
+    base = load_repo_task(repo, list(test_command), test_paths=tuple(test_paths))
+    files = base.files
     original = _outcomes(files, test_command, backend, limits)
     bad = sorted(t for t, kind in original.items() if kind not in ("passed", "skipped"))
     if not original or bad:
@@ -182,52 +183,52 @@ def make_deletion_tasks(
         )
     has_git = (repo / ".git").is_dir()
     made, skipped = [], []
-    for feature in features or [[t] for t in candidates(files, test_paths)]:
-        feature = tuple(feature)
-        task_id = f"{repo.name}-" + "+".join(t.qualname for t in feature).replace(".", "-").lower()
-        by_path: dict[str, list[str]] = {}
-        for t in feature:
-            if t.path not in files:
-                raise TaskFormatError(f"{repo}: feature target {t}: no such file")
-            by_path.setdefault(t.path, []).append(t.qualname)
-        deleted = dict(files)
-        for path, names in by_path.items():
-            deleted[path] = delete_bodies(files[path], names)
-        after = _outcomes(deleted, test_command, backend, limits)
-        targets = tuple(sorted(t for t, kind in original.items()
-                               if kind == "passed" and after.get(t) != "passed"))
-        if not targets:
-            skipped.append(f"{'+'.join(map(str, feature))}: no test fails once it is deleted")
-            continue
-        task_dir = out / task_id
-        if task_dir.exists():
-            shutil.rmtree(task_dir)
-        (task_dir / "repo").mkdir(parents=True)
-        for path, text in deleted.items():
-            (task_dir / "repo" / path).parent.mkdir(parents=True, exist_ok=True)
-            (task_dir / "repo" / path).write_text(text)
-        if has_git:
-            with tempfile.TemporaryDirectory() as tmp:
-                _replay_history(repo, Path(tmp), feature)
-                git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
-        reference = {path: files[path] for path in by_path}
-        task = load_repo_task(task_dir / "repo", list(test_command), task_id,
-                              test_paths=tuple(test_paths))
-        with Sandbox(backend, workers=1, limits=limits) as sandbox:
+    # one sandbox grades every feature's reference (it starts on the first run)
+    with Sandbox(backend, workers=1, limits=limits) as sandbox:
+        for feature in features or [[t] for t in candidates(files, test_paths)]:
+            feature = tuple(feature)
+            task_id = f"{repo.name}-" + "+".join(t.qualname for t in feature).replace(".", "-").lower()
+            by_path: dict[str, list[str]] = {}
+            for t in feature:
+                if t.path not in files:
+                    raise TaskFormatError(f"{repo}: feature target {t}: no such file")
+                by_path.setdefault(t.path, []).append(t.qualname)
+            deleted = dict(files)
+            for path, names in by_path.items():
+                deleted[path] = delete_bodies(files[path], names)
+            after = _outcomes(deleted, test_command, backend, limits)
+            targets = tuple(sorted(t for t, kind in original.items()
+                                   if kind == "passed" and after.get(t) != "passed"))
+            if not targets:
+                skipped.append(f"{'+'.join(map(str, feature))}: no test fails once it is deleted")
+                continue
+            task_dir = out / task_id
+            if task_dir.exists():
+                shutil.rmtree(task_dir)
+            (task_dir / "repo").mkdir(parents=True)
+            for path, text in deleted.items():
+                (task_dir / "repo" / path).parent.mkdir(parents=True, exist_ok=True)
+                (task_dir / "repo" / path).write_text(text)
+            if has_git:
+                with tempfile.TemporaryDirectory() as tmp:
+                    _replay_history(repo, Path(tmp), feature)
+                    git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
+            reference = {path: files[path] for path in by_path}
+            task = replace(base, id=task_id, files=deleted, repo=str(task_dir / "repo"))
             grading = choose_grading(task, json.dumps(reference), sandbox)
-        spec = {
-            "id": task_id,
-            "prompt": deletion_prompt(files, feature, targets),
-            "test_command": list(test_command),
-            "test_paths": list(test_paths),
-            "target_tests": list(targets),
-            "feature": [str(t) for t in feature],
-            "repo_key": repo.name,
-            "reference": reference,
-            "grading": grading,
-        }
-        (task_dir / "task.json").write_text(json.dumps(spec, indent=1))
-        made.append(Made(task_id, feature, targets))
+            spec = {
+                "id": task_id,
+                "prompt": deletion_prompt(files, feature, targets),
+                "test_command": list(test_command),
+                "test_paths": list(test_paths),
+                "target_tests": list(targets),
+                "feature": [str(t) for t in feature],
+                "repo_key": repo.name,
+                "reference": reference,
+                "grading": grading,
+            }
+            (task_dir / "task.json").write_text(json.dumps(spec, indent=1))
+            made.append(Made(task_id, feature, targets))
     return made, skipped
 
 
