@@ -309,3 +309,25 @@ def test_in_process_grading_still_passes_honest_work(bwrap_sandbox, repo_task):
     request = dataclasses.replace(repo_task.request(json.dumps(FIXED)), grading="in-process")
     result = bwrap_sandbox.submit(request).result()
     assert (result.status, result.tests_passed) == ("passed", 4), result
+
+
+def test_in_process_tests_cannot_be_rewritten_before_they_are_collected(bwrap_sandbox, tmp_path):
+    """The solution's module, imported while an earlier test file is collected, rewrites a
+    later one with the same test names and empty bodies. Were that to work, the broken `add`
+    would pass; the tests are read-only to it (root) or re-checked after the run (hack)."""
+    import dataclasses
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "lib.py").write_text("def add(a, b):\n    return a - b\n")
+    (tmp_path / "tests" / "test_a.py").write_text("import lib\n\ndef test_a():\n    assert lib\n")
+    (tmp_path / "tests" / "test_b.py").write_text(
+        "from lib import add\n\ndef test_b():\n    assert add(1, 2) == 3\n")
+    task = load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], task_id="rewrite")
+    attack = ("try:\n    open('tests/test_b.py', 'w').write('def test_b():\\n    pass\\n')\n"
+              "except OSError:\n    pass\ndef add(a, b):\n    return a - b\n")
+    request = dataclasses.replace(task.request(json.dumps({"lib.py": attack})), grading="in-process")
+    result = bwrap_sandbox.submit(request).result()
+    assert result.status in ("failed", "hack") and result.tests_passed < 2, result
+    fixed = dataclasses.replace(task.request(json.dumps({"lib.py": "def add(a, b):\n    return a + b\n"})),
+                                grading="in-process")
+    assert bwrap_sandbox.submit(fixed).result().status == "passed"
