@@ -22,18 +22,26 @@ SIZES = {
     "100m": {"vocab_size": 32768, "hidden_size": 768, "intermediate_size": 2048,
              "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
              "head_dim": 64},
+    # Qwen2.5-0.5B and -1.5B dimensions in the Qwen3 layout (q/k RMSNorm where Qwen2.5 has
+    # q/k/v biases: a few kFLOPs per token either way), untied LM head; the GPU sizes.
+    "qwen2.5-0.5b": {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "head_dim": 64},
+    "qwen2.5-1.5b": {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+                     "num_hidden_layers": 28, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "head_dim": 128},
 }
 
 
-def make_checkpoint(size: str, path: Path) -> None:
-    """Save a random HF Qwen3 checkpoint of SIZES[size] (safetensors) to `path`."""
+def make_checkpoint(size: str, path: Path, dtype: str = "float32") -> None:
+    """Save a random HF Qwen3 checkpoint of SIZES[size] (safetensors, `dtype`) to `path`."""
     import torch
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(**SIZES[size], tie_word_embeddings=False,
                                    max_position_embeddings=4096, initializer_range=0.05)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    transformers.Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path)
 
 
 def ensure_tunix() -> Path:
@@ -47,6 +55,26 @@ def ensure_tunix() -> Path:
         subprocess.run([str(python), "-m", "pip", "install", "-q", "google-tunix",
                         f"jax=={jax.__version__}", f"jaxlib=={jax.__version__}"], check=True)
     return python
+
+
+def run_worker(cmd: list[str], timeout: float | None = None) -> tuple[list[dict], str]:
+    """The JSON lines a peer worker printed, and why it stopped early ("" if it did not).
+
+    On a timeout the rows printed so far are kept: a lent GPU's minutes are too scarce to lose
+    the settings that did finish."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, err, reason = proc.stdout, proc.stderr, ""
+        if proc.returncode:
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            reason = f"worker exited {proc.returncode}: {last[:200]}"
+    except subprocess.TimeoutExpired as e:  # captured output is bytes here, whatever `text` says
+        out = (e.stdout or b"").decode(errors="replace")
+        err = (e.stderr or b"").decode(errors="replace")
+        reason = f"worker stopped after {timeout:.0f} s"
+    if reason:
+        print(err[-3000:], file=sys.stderr)
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")], reason
 
 
 def even_fraction(ids) -> float:
@@ -76,8 +104,9 @@ class IdTokenizer:
         return 0
 
 
-def load_tunix_qwen3(checkpoint: str):
-    """Tunix's Qwen3 (float32) from an HF checkpoint directory."""
+def load_tunix_qwen3(checkpoint: str, param_dtype: str = "float32", dtype: str | None = None):
+    """Tunix's Qwen3 from an HF checkpoint directory: `param_dtype` parameters, activations in
+    `dtype` (default: the same)."""
     import jax.numpy as jnp
     from tunix.models.qwen3 import model as qwen3_model
     from tunix.models.qwen3 import params as qwen3_params
@@ -91,5 +120,8 @@ def load_tunix_qwen3(checkpoint: str):
         num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
         num_kv_heads=hf["num_key_value_heads"],
         rope_theta=int(rope.get("rope_theta", hf.get("rope_theta", 10000))),
-        norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf["tie_word_embeddings"])
-    return qwen3_params.create_model_from_safe_tensors(checkpoint, cfg, dtype=jnp.float32), cfg
+        norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf["tie_word_embeddings"],
+        param_dtype=jnp.dtype(param_dtype), dtype=jnp.dtype(dtype or param_dtype))
+    model = qwen3_params.create_model_from_safe_tensors(checkpoint, cfg,
+                                                         dtype=jnp.dtype(param_dtype))
+    return model, cfg

@@ -35,12 +35,13 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--dtype", default="float32", help="activations (parameters stay float32)")
     args = p.parse_args()
     prompts = json.loads(args.prompts)
     prompt_len = max(len(x) for x in prompts)
     total = args.warmup + args.steps
 
-    model, _ = load_tunix_qwen3(args.checkpoint)
+    model, _ = load_tunix_qwen3(args.checkpoint, "float32", args.dtype)
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     # Same optimizer as jaxagent.optim.make_optimizer(OptimizerConfig(learning_rate=lr)).
     tx = optax.chain(optax.clip_by_global_norm(1.0),

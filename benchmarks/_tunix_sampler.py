@@ -18,8 +18,9 @@ def main():
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--settings", required=True, help="JSON list of [batch, prompt_len, new_tokens]")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="float32", help="parameters and activations")
     args = p.parse_args()
-    model, cfg = load_tunix_qwen3(args.checkpoint)
+    model, cfg = load_tunix_qwen3(args.checkpoint, args.dtype)
     rng = np.random.default_rng(0)
     for batch, prompt_len, new_tokens in json.loads(args.settings):
         sampler = Sampler(model, IdTokenizer(), CacheConfig(

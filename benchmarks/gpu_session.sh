@@ -5,9 +5,11 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # compiled kernel tests, then attention timings
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh tests      # only the compiled kernel tests
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh train      # only the ~0.5B train-step MFU runs
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh rl         # sampler and GRPO step vs Tunix, MFU
 #
-# Needs jax with a CUDA plugin (`pip install -e .[gpu]`); wheels missing on the machine (grain)
-# go in .whl/ and are installed to /tmp/site first. Logs and JSON land in $OUT.
+# Needs jax with a CUDA plugin (`pip install -e .[gpu]`); wheels missing on the machine (grain,
+# google-tunix and the four of its imports the lent machines lack: clu, google-metrax, perfetto,
+# tensorboardX) go in .whl/ and are installed to /tmp/site first. Logs and JSON land in $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/gpu}
 mkdir -p "$OUT"
@@ -19,8 +21,49 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 quiet() { grep -v "^W0\|^I0\|^\*\*\*\|slow_op\|Compiling"; }
 
 STAGE=${1:-all}
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/device.txt"
-python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+python3 -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
+START=$SECONDS
+# seconds left until $1 seconds after the start (at least 10): a step that ends early leaves its
+# time to the next, and none runs past its mark
+budget() { local left=$(( $1 - (SECONDS - START) )); echo $(( left > 10 ? left : 10 )); }
+
+# Real-size RL (7 min): the sampler at the Qwen2.5-0.5B and -1.5B shapes against Tunix and the
+# bandwidth limit, one GRPO step against Tunix's GRPOLearner, and train-step MFU. Every result is
+# a JSON line in $OUT/rl.jsonl as soon as it exists, so a step cut short keeps the rest. Each
+# process takes at most 45% of the GPU's memory, so ours and Tunix's worker fit side by side.
+if [ "$STAGE" = rl ]; then
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=.45
+  for size in qwen2.5-0.5b qwen2.5-1.5b; do
+    t=$(budget $([ $size = qwen2.5-0.5b ] && echo 110 || echo 190))
+    echo "== sampler $size (${t}s)" | tee -a "$OUT/rl.log"
+    timeout $t python3 benchmarks/sampler.py --gpu --sizes $size --repeats 2 --tunix-python python3 \
+      --ours-timeout $(( t * 35 / 100 )) --tunix-timeout $(( t * 45 / 100 )) \
+      --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
+  done
+  t=$(budget 350)
+  echo "== grpo step (${t}s)" | tee -a "$OUT/rl.log"
+  timeout $t python3 benchmarks/grpo_step.py --size qwen2.5-0.5b --prompts 8 --group 8 \
+    --prompt-len 256 --new-tokens 256 --dtype bfloat16 --warmup 1 --steps 3 \
+    --tunix-python python3 --tunix-timeout $(( t * 55 / 100 )) --out "$OUT/grpo_step.json" 2>&1 \
+    | quiet | tee -a "$OUT/rl.log"
+  t=$(budget 410)
+  echo "== train step (${t}s)" | tee -a "$OUT/rl.log"
+  timeout $t python3 benchmarks/train_step.py --gpu --attention-backend doc --steps 5 --micro-batch 0 \
+    --logits-chunk-mib 1024 --param-dtype bfloat16 2>&1 | quiet | tail -3 | tee -a "$OUT/rl.log"
+  exit 0
+fi
+
+# NSA on hardware (2.5 min; NSA_SECONDS for longer): the Mosaic GPU (Hopper) kernels against their float64
+# references (never run on a GPU before), then every branch and the whole layer at 16k and 64k,
+# Triton vs Mosaic vs XLA vs cuDNN dense, forward and forward + backward.
+if [ "$STAGE" = nsa ]; then
+  timeout $(budget 80) python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 \
+    | quiet | tee "$OUT/gpu_tests_mosaic.log"
+  timeout $(budget ${NSA_SECONDS:-150}) python3 benchmarks/attention.py --seq 16384 65536 --heads 16 --kv-heads 1 \
+    --head-dim 128 --repeats 3 --out "$OUT/attention.json" 2>&1 | quiet | tee "$OUT/attention.log"
+  exit 0
+fi
 
 # 3. (own call: about 4 min) MFU of the ~0.5B model, bf16 compute, doc-attention kernel:
 #    4 micro-batches (the best so far) against the whole batch with the LM head in 1 GiB
