@@ -63,7 +63,7 @@ def run_worker(cmd: list[str], timeout: float | None = None) -> tuple[list[dict]
     On a timeout the rows printed so far are kept: a lent GPU's minutes are too scarce to lose
     the settings that did finish."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         out, err, reason = proc.stdout, proc.stderr, ""
         if proc.returncode:
             last = (err.strip().splitlines() or ["no output"])[-1]
