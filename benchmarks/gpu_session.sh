@@ -58,7 +58,7 @@ fi
 # references (never run on a GPU before), then every branch and the whole layer at 16k and 64k,
 # Triton vs Mosaic vs XLA vs cuDNN dense, forward and forward + backward.
 if [ "$STAGE" = nsa ]; then
-  timeout $(budget 80) python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 \
+  JAX_PLATFORMS=cuda timeout $(budget 80) python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 \
     | quiet | tee "$OUT/gpu_tests_mosaic.log"
   timeout $(budget ${NSA_SECONDS:-150}) python3 benchmarks/attention.py --seq 16384 65536 --heads 16 --kv-heads 1 \
     --head-dim 128 --repeats 3 --out "$OUT/attention.json" 2>&1 | quiet | tee "$OUT/attention.log"
@@ -80,9 +80,9 @@ fi
 
 # 1. every kernel compiled against its float64 reference (NSA: selected, window, compressed;
 #    document attention), forward and gradients
-timeout 240 python3 -m pytest -q -m gpu -k "not mosaic" -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests.log"
+JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -m gpu -k "not mosaic" -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests.log"
 #    the Mosaic GPU (Hopper) kernels have never run on hardware: alone, so a fault stops nothing else
-timeout 180 python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
+JAX_PLATFORMS=cuda timeout 180 python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
 [ "$STAGE" = tests ] && exit 0
 
 # 2. NSA vs dense at 8k-64k: each branch's kernel vs XLA/cuDNN, the layer with one and with all

@@ -59,7 +59,7 @@ def run_ours(ckpt: Path, prompts, group: int, new_tokens: int, warmup: int, step
     from jaxagent.config import OptimizerConfig
     from jaxagent.models import from_pretrained
     from jaxagent.optim import make_optimizer
-    from jaxagent.steps import LossOptions, pack, pack_shared, rl_step
+    from jaxagent.steps import LossOptions, logits_chunk_tokens, pack, pack_shared, rl_step
     from rollouts.sampler import Sampler
 
     model = from_pretrained(ckpt, dtype="float32", compute_dtype=dtype)
@@ -68,6 +68,7 @@ def run_ours(ckpt: Path, prompts, group: int, new_tokens: int, warmup: int, step
     tx = make_optimizer(OptimizerConfig(learning_rate=lr), 100)
     opt_state = tx.init(params)
     options = LossOptions()
+    chunk = logits_chunk_tokens(1024, model.config.vocab_size)
     rows = [p for p in prompts for _ in range(group)]  # num_samples rows per prompt, in order
     before = [np.array(x, copy=True) for x in jax.tree.leaves(params)]
     out = []
@@ -84,7 +85,10 @@ def run_ours(ckpt: Path, prompts, group: int, new_tokens: int, warmup: int, step
                                 group_size=group)
         else:
             batch = pack(rows, gen.tokens, gen.logprobs, advantages.reshape(-1))
-        params, opt_state, _ = rl_step(graphdef, tx, params, opt_state, batch, options=options)
+        # The LM head in 1 GiB chunks, as `jaxagent train` does (train.logits_chunk_mib): whole,
+        # 64 rows x 512 tokens x a 151,936 vocabulary asked an H200 for 106 GiB.
+        params, opt_state, _ = rl_step(graphdef, tx, params, opt_state, batch, options=options,
+                                       logits_chunk=chunk)
         sampler.update_weights(params)
         jax.block_until_ready(params)
         t3 = time.perf_counter()

@@ -177,6 +177,8 @@ def main():
     p.add_argument("--peers", default=None, help="besides ours (default: hf,tunix and ours on "
                    "one host thread; --gpu: tunix)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--settings", type=json.loads, default=None,
+                   help='JSON [[batch, prompt_len, new_tokens], ...] instead of the size\'s own')
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--tunix-python", type=Path, help="an interpreter with google-tunix "
                    "(default: benchmarks/.venv-tunix, created on first use)")
@@ -206,7 +208,7 @@ def main():
                                  datasheet_bytes_per_s=datasheet))
     results = []
     for size in sizes.split(","):
-        settings = SETTINGS[size]
+        settings = [tuple(x) for x in args.settings] if args.settings else SETTINGS[size]
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = Path(tmp) / size
             make_checkpoint(size, ckpt, dtype)
