@@ -3,16 +3,31 @@
 A checkpoint holds two items: `state`, a pytree of arrays (params, optimizer state, RNG key),
 and `extra`, JSON (step, data-iterator state, finished-but-untrained rollouts, anything small).
 Orbax writes into a temporary directory and renames it when complete, so a kill during a save
-leaves the previous newest checkpoint as the newest complete one.
+leaves the previous newest checkpoint as the newest complete one. A complete checkpoint that
+no longer restores (a truncated or damaged file) is set aside, never deleted, and the next
+newest one is used (`restore_newest`).
 """
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxagent.errors import UserError
+
+
+class CheckpointError(UserError):
+    """No checkpoint in a directory that has some restores."""
+
+
+def _one_line(e: BaseException) -> str:
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first[:200]}"
 
 
 class Checkpointer:
@@ -39,6 +54,42 @@ class Checkpointer:
         out = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()))
         return out["state"], out["extra"]
+
+    def restore_newest(self, like: Any, report: Callable[[str], None] = print
+                       ) -> tuple[int, Any, dict] | None:
+        """(step, state, extra) of the newest checkpoint that restores, None when there is none.
+
+        A newer one that fails is reported through `report` in one line and moved to
+        `<directory>.corrupt/<step>` (kept for inspection; out of the way of the next save of
+        that step). When every checkpoint fails, CheckpointError says so in one line.
+        """
+        failed = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state, extra = self.restore(step, like)
+            except Exception as e:  # orbax and tensorstore raise many types for damaged files
+                kept = self._set_aside(step)
+                report(f"checkpoint step {step} does not restore ({_one_line(e)}); "
+                       f"moved to {kept}, trying the previous one")
+                failed.append(step)
+                continue
+            if failed:
+                self._manager.reload()
+            return step, state, extra
+        if failed:
+            self._manager.reload()
+            raise CheckpointError(
+                f"{self.directory}: no checkpoint restores (steps {', '.join(map(str, failed))} "
+                f"failed and were moved to {self.directory}.corrupt)")
+        return None
+
+    def _set_aside(self, step: int) -> Path:
+        target = Path(f"{self.directory}.corrupt") / str(step)
+        target.parent.mkdir(exist_ok=True)
+        if target.exists():  # the same step failed before: keep both
+            target = target.with_name(f"{step}-{len(list(target.parent.iterdir()))}")
+        shutil.move(str(self.directory / str(step)), target)
+        return target
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

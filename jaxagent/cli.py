@@ -124,11 +124,21 @@ def _cmd_sft(args) -> int:
 def _cmd_eval(args) -> int:
     import json
 
+    from jaxagent.errors import UserError
     from jaxagent.trainer import run_eval
 
+    try:
+        ks = [int(k) for k in args.k.split(",")]
+    except ValueError:
+        raise UserError(f"--k {args.k}: expected comma-separated whole numbers, e.g. 1,5") from None
+    if min(ks) < 1:
+        raise UserError(f"--k {args.k}: every k must be >= 1")
+    if args.samples is not None and (args.samples < 1 or args.samples < max(ks)):
+        raise UserError(f"--samples {args.samples}: pass@{max(ks)} needs at least {max(ks)} "
+                        "samples per task")
     cfg = _load_config(args)
-    scores, rows = run_eval(cfg, checkpoint=args.checkpoint, tasks=args.tasks,
-                            ks=[int(k) for k in args.k.split(",")], samples=args.samples)
+    scores, rows = run_eval(cfg, checkpoint=args.checkpoint, tasks=args.tasks, ks=ks,
+                            samples=args.samples)
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -138,17 +148,22 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_check_solutions(args: argparse.Namespace) -> int:
-    from rollouts.check import check_solutions
+    from rollouts.check import check_solutions, same_file
     from rollouts.sandbox import Limits, SandboxUnavailable
     from rollouts.tasks import load_tasks
 
+    if not args.timeout > 0:
+        print(f"error: --timeout: must be > 0 seconds, got {args.timeout}", file=sys.stderr)
+        return 2
+    if same_file(args.out, args.tasks):
+        print(f"error: --out {args.out}: is the --tasks file; write the results elsewhere",
+              file=sys.stderr)
+        return 2
     try:  # bad input files or an unusable backend: one clear line, no traceback
         tasks = load_tasks(args.tasks)
         limits = Limits(wall_s=args.timeout, cpu_s=args.timeout)
-        with open(args.out, "w", encoding="utf-8") as out:
-            summary = check_solutions(
-                tasks, args.solutions, out, args.backend, args.workers, limits
-            )
+        summary = check_solutions(tasks, args.solutions, args.out, args.backend, args.workers,
+                                  limits)
     except (OSError, ValueError, SandboxUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -190,6 +205,9 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not tasks:
+        print(f"error: {args.tasks}: no tasks", file=sys.stderr)
+        return 1
     if args.action == "list":
         for task in tasks:
             tests = task.metadata.get("target_tests", ()) if task.repo else task.tests
@@ -310,6 +328,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from jaxagent.errors import UserError
+    from rollouts.tasks.task import TaskFormatError
 
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -319,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("tasks make-deletion: REPO and --out DIR are required")
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
+    except (UserError, TaskFormatError) as e:
         print(f"jaxagent: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # one line, not a traceback from wherever the signal landed
+        print(f"jaxagent: {args.command} interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

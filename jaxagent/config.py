@@ -470,6 +470,10 @@ def _read_yaml(file: Path) -> dict:
         data = yaml.safe_load(file.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{file}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{file}: is a directory, not a YAML config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file}: not UTF-8 text (byte {e.start + 1})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{file}: invalid YAML: {e}") from None
     if data is None:

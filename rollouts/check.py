@@ -1,19 +1,22 @@
 """`jaxagent check-solutions`: grade a JSONL of completions, write one result per line.
 
-Results are written in input order as they complete, so an interrupted or
-failing run keeps everything computed so far. A bad input line becomes an
-`error` record naming the line and field; the run goes on.
+The input is read and checked before any output is opened, and `--out` may not be an input.
+Results are written in input order as they complete, to `<out>.partial`, which is renamed to
+`<out>` when every line is graded: an interrupted or failing run keeps everything computed so
+far there and never leaves a half-written `<out>`. A bad input line (not JSON, not UTF-8, a
+missing field, an unknown task) becomes an `error` record naming the file, line and field;
+the run goes on.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from rollouts.rewards import Reward, RewardConfig, Scorer
 from rollouts.sandbox import Limits
@@ -39,16 +42,20 @@ class Summary:
 
 
 def read_submissions(path: str | Path, tasks: dict[str, Task]) -> Iterator[Submission]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield _parse(line, lineno, path, tasks)
+    with open(path, "rb") as f:  # decoded per line: one bad byte costs its line, not the file
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                yield _parse(raw, lineno, path, tasks)
 
 
 def _parse(
-    line: str, lineno: int, path: str | Path, tasks: dict[str, Task]
+    raw: bytes, lineno: int, path: str | Path, tasks: dict[str, Task]
 ) -> Submission:
     where = f"{path}:{lineno}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Submission(lineno, None, None, f"{where}: not UTF-8 (byte {e.start + 1})")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -97,10 +104,18 @@ def _record(sub: Submission, reward: Reward | None) -> dict:
     }
 
 
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file (also through links; False when either is missing)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).absolute() == Path(b).absolute()
+
+
 def check_solutions(
     tasks: Sequence[Task],
     solutions: str | Path,
-    out: IO[str],
+    out: str | Path,
     backend: str = "bwrap",
     workers: int | None = None,
     limits: Limits | None = None,
@@ -110,10 +125,14 @@ def check_solutions(
     """Grade every line of `solutions`, writing JSON records to `out` in input order."""
     from rich.progress import Progress
 
+    if same_file(out, solutions):
+        raise ValueError(f"--out {out}: is the --solutions file; write the results elsewhere")
     by_id = {t.id: t for t in tasks}
     subs = list(read_submissions(solutions, by_id))
     summary = Summary()
-    with Scorer(config, backend=backend, workers=workers, limits=limits) as scorer:
+    partial = Path(f"{out}.partial")
+    with (Scorer(config, backend=backend, workers=workers, limits=limits) as scorer,
+          open(partial, "w", encoding="utf-8") as out_file):
         futures: list[Future[Reward] | None] = [
             None if s.error else scorer.submit(by_id[s.task_id], s.completion)
             for s in subs
@@ -122,10 +141,11 @@ def check_solutions(
             job = bar.add_task("checking solutions", total=len(subs))
             for sub, future in zip(subs, futures):
                 record = _record(sub, future.result() if future else None)
-                out.write(json.dumps(record) + "\n")
-                out.flush()
+                out_file.write(json.dumps(record) + "\n")
+                out_file.flush()
                 summary.statuses[record["status"]] += 1
                 if sub.error:
                     summary.bad_lines.append(sub.error)
                 bar.advance(job)
+    os.replace(partial, out)
     return summary

@@ -106,13 +106,15 @@ def load_jsonl_tasks(path: str | Path) -> list[Task]:
     """Tasks from a JSONL file; errors name the file, line and field."""
     tasks: list[Task] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:  # decoded per line, so an error names the line
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise TaskFormatError(f"{where}: not UTF-8 (byte {e.start + 1})") from None
             except json.JSONDecodeError as e:
                 raise TaskFormatError(f"{where}: invalid JSON: {e.msg}") from None
             task = parse_task(obj, where)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollouts.tasks.task import Task
+from rollouts.tasks.task import Task, TaskFormatError
 
 
 def load_tasks(spec: str) -> list[Task]:
@@ -22,12 +22,12 @@ def load_tasks(spec: str) -> list[Task]:
                 (int(parts[1]) if len(parts) > 1 else 0),
             )
         except ValueError:
-            raise ValueError(
+            raise TaskFormatError(
                 f"bad task set {spec!r}: expected synthetic[:N[:SEED]] with integers"
             ) from None
         return synthetic_tasks(n, seed)
     if Path(spec).is_file():
         return load_jsonl_tasks(spec)
-    raise ValueError(
+    raise TaskFormatError(
         f"unknown task set {spec!r}: use 'humaneval', 'synthetic[:N[:SEED]]' or a JSONL file"
     )

@@ -12,7 +12,7 @@ CompletionMode = Literal["continue", "full"]
 
 
 class TaskFormatError(ValueError):
-    """A task file is malformed; the message names the file, line and field."""
+    """A task set is malformed or unknown; the message names the file, line and field."""
 
 
 @dataclass(frozen=True)

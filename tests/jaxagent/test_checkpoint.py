@@ -31,3 +31,51 @@ def test_metrics_resume_drops_rows_after_the_checkpoint(tmp_path):
     resumed.write(4, {"train/loss": float("nan")})
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     assert read_metrics(tmp_path / "metrics.jsonl")[-1]["train/loss"] is None
+
+
+def _damage_newest(directory, step):
+    """Truncate every array file of checkpoint `step`'s state (what a bad disk or copy leaves)."""
+    files = [f for f in (directory / str(step) / "state").rglob("*") if f.is_file()
+             and f.stat().st_size > 0 and not f.name.startswith("_")]
+    assert files
+    for f in files:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def test_restore_newest_skips_a_damaged_checkpoint_and_keeps_it(tmp_path):
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(directory, keep=3)
+    state = {"w": jnp.arange(11.0)}
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": state["w"] * step}, {"step": step})
+    ckpt.close()
+    _damage_newest(directory, 3)
+
+    said = []
+    ckpt = Checkpointer(directory, keep=3)
+    step, restored, extra = ckpt.restore_newest(state, report=said.append)
+    assert step == 2 and extra == {"step": 2}
+    np.testing.assert_array_equal(restored["w"], np.arange(11.0) * 2)
+    assert len(said) == 1 and "step 3" in said[0] and "\n" not in said[0]
+    assert (tmp_path / "ckpt.corrupt" / "3" / "state").is_dir()  # set aside, never deleted
+    # The resumed run saves step 3 again where the damaged one was.
+    ckpt.save(3, {"w": state["w"] * 30}, {"step": 3})
+    ckpt.wait()
+    assert ckpt.restore_newest(state)[0] == 3
+    ckpt.close()
+
+
+def test_restore_newest_with_no_good_checkpoint_is_one_line(tmp_path):
+    import pytest
+
+    from jaxagent.checkpoint import CheckpointError
+
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(directory)
+    assert ckpt.restore_newest({"w": jnp.zeros(3)}) is None  # nothing saved: a fresh start
+    ckpt.save(1, {"w": jnp.ones(3)}, {"step": 1})
+    ckpt.close()
+    _damage_newest(directory, 1)
+    with pytest.raises(CheckpointError, match="no checkpoint restores") as e:
+        Checkpointer(directory).restore_newest({"w": jnp.zeros(3)}, report=lambda _: None)
+    assert "\n" not in str(e.value)

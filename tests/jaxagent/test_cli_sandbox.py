@@ -129,3 +129,48 @@ def test_tasks_list_and_show(capsys):
     shown = capsys.readouterr().out
     assert "def truncate_number" in shown and "# HumanEval/2#0" in shown
     assert main(["tasks", "show", "HumanEval/999"]) == 1
+
+
+def test_check_solutions_never_destroys_input(tmp_path, humaneval, capsys):
+    solutions = _solutions(tmp_path, humaneval)
+    before = solutions.read_bytes()
+    args = ["check-solutions", "--tasks", "humaneval", "--solutions", str(solutions)]
+    # --out naming the input (also through a link) is refused before anything is opened.
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(solutions)
+    for out in (solutions, link):
+        assert main([*args, "--out", str(out)]) == 2
+        assert "is the --solutions file" in capsys.readouterr().err
+        assert solutions.read_bytes() == before
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"task_id": "t", "prompt": "p", "entry_point": "f",
+                                 "tests": ["assert f() == 1"]}) + "\n")
+    assert main(["check-solutions", "--tasks", str(tasks), "--solutions", str(solutions),
+                 "--out", str(tasks)]) == 2
+    assert "is the --tasks file" in capsys.readouterr().err and tasks.stat().st_size > 0
+    # A typo in --solutions leaves an existing --out as it was.
+    out = tmp_path / "results.jsonl"
+    out.write_text("earlier results\n")
+    assert main(["check-solutions", "--tasks", "humaneval", "--solutions",
+                 str(tmp_path / "typo.jsonl"), "--out", str(out)]) == 2
+    assert out.read_text() == "earlier results\n"
+    assert "typo.jsonl" in capsys.readouterr().err
+
+
+def test_non_utf8_costs_its_line_only(tmp_path, humaneval, capsys):
+    solutions = _solutions(tmp_path, humaneval)
+    with solutions.open("ab") as f:
+        f.write(b'{"task_id": "HumanEval/0", "completion": "\xff\xfe"}\n')
+    rc, records = _run(tmp_path, solutions)
+    assert rc == 1 and [r["status"] for r in records] == ["passed", "failed", "hack", "error"]
+    assert records[3]["message"].endswith("solutions.jsonl:4: not UTF-8 (byte 43)")
+    assert not (tmp_path / "results.jsonl.partial").exists()  # renamed when complete
+
+
+def test_check_solutions_timeout_must_be_positive(tmp_path, humaneval, capsys):
+    assert main(["check-solutions", "--tasks", "humaneval", "--solutions",
+                 str(_solutions(tmp_path, humaneval)), "--out", str(tmp_path / "o.jsonl"),
+                 "--timeout", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--timeout: must be > 0" in err and "Limits" not in err
+    assert not (tmp_path / "o.jsonl").exists()
