@@ -71,9 +71,12 @@ def _under(path: str, roots: Sequence[str]) -> bool:
     return any(path == r.rstrip("/") or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-def edited_test_files(pristine: dict[str, str], final: dict[str, str], test_paths: Sequence[str]) -> list[str]:
-    """Test files the agent added, changed or removed."""
-    paths = {p for p in (*pristine, *final) if _under(p, test_paths)}
+def edited_test_files(pristine: dict[str, str | bytes], final: dict[str, str],
+                      test_paths: Sequence[str]) -> list[str]:
+    """Test files the agent added, changed or removed (text: `final` holds no binary file, and
+    the grader writes the pristine binary ones itself)."""
+    paths = {p for p in (*pristine, *final)
+             if _under(p, test_paths) and not isinstance(pristine.get(p), bytes)}
     return sorted(p for p in paths if pristine.get(p) != final.get(p))
 
 

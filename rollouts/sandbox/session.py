@@ -123,7 +123,7 @@ class Session:
 
     def __init__(
         self,
-        files: dict[str, str],
+        files: dict[str, str | bytes],
         backend: str = "bwrap",
         limits: Limits | None = None,
         tools: dict[str, str] | None = None,
@@ -182,12 +182,14 @@ class Session:
             raise SessionError(f"file {rel!r} does not exist")
         if not full.is_file():  # directories, FIFOs, devices
             raise SessionError(f"{rel!r} is not a regular file")
+        data = full.read_bytes()
         try:
-            return full.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise SessionError(f"file {rel!r} is not UTF-8 text") from None
+            return data.decode("utf-8")
+        except UnicodeDecodeError:  # never shown as text: its bytes would be noise or a leak
+            raise SessionError(f"{rel!r} is a binary file, {len(data)} bytes") from None
 
-    def write_text(self, rel: str, content: str) -> None:
+    def write_text(self, rel: str, content: str | bytes) -> None:
+        """Write `content` (bytes: a binary file, byte for byte) as a regular file."""
         full = self.path(rel)
         if full.is_dir():
             raise SessionError(f"{rel!r} is a directory")
@@ -195,10 +197,14 @@ class Session:
         self.path(rel)  # the parents may be symlinks made by a command: check again
         if full.is_symlink():
             full.unlink()  # write a regular file, never through a link
-        full.write_text(content, encoding="utf-8")
+        if isinstance(content, bytes):
+            full.write_bytes(content)
+        else:
+            full.write_text(content, encoding="utf-8")
 
     def files(self) -> dict[str, str]:
-        """Every regular UTF-8 file of the work dir outside .git (symlinks are skipped)."""
+        """Every regular UTF-8 file of the work dir outside .git (symlinks and binary files,
+        bytecode caches included, are skipped: a solution is text)."""
         out = {}
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames[:] = sorted(d for d in dirnames if d != ".git")

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollouts.sandbox.guest.wire import encode_files
+
 Status = Literal["passed", "failed", "error", "timeout", "oom", "hack"]
 STATUSES: tuple[str, ...] = ("passed", "failed", "error", "timeout", "oom", "hack")
 
@@ -54,10 +56,10 @@ class RunRequest:
     entry_point: str
     cases: tuple[TestCase, ...]
     setup: str = ""
-    files: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str | bytes] = field(default_factory=dict)  # bytes: a binary file
     image: str | None = None  # docker backend: the task's image
     mode: Literal["call", "pytest"] = "call"
-    edits: dict[str, str] = field(default_factory=dict)
+    edits: dict[str, str | bytes] = field(default_factory=dict)
     protected: tuple[str, ...] = ()
     pytest_args: tuple[str, ...] = ()
     # pytest mode: "isolated" runs pytest and the pristine tests in the grader, the
@@ -74,10 +76,10 @@ class RunRequest:
         return {
             "program": self.program,
             "entry_point": self.entry_point,
-            "files": dict(self.files),
+            "files": encode_files(self.files),
             "limits": dataclasses.asdict(limits),
             "mode": self.mode,
-            "edits": dict(self.edits),
+            "edits": encode_files(self.edits),
             "protected": list(self.protected),
             "pytest_args": list(self.pytest_args),
             "grading": self.grading,

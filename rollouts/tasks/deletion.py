@@ -7,6 +7,12 @@ sandbox session: the original passes every test, the deleted version fails the t
 task's git history is replayed with the same deletion applied to every commit, so `history`
 shows real commits but never the deleted code.
 
+No copy of a deleted body may survive: generated artefacts (build copies, bytecode, rendered
+docs, coverage reports, patch leftovers: `leaks.generated`) are dropped from the repository and
+from every commit, and a feature whose body is still found anywhere else (the other files, the
+prompt, any commit: `leaks.find_leaks`) is refused, naming the file and line. Binary files are
+carried byte for byte.
+
 On disk a task is `DIR/ID/task.json`, `DIR/ID/repo/` (the deleted repository) and, when the
 source has git history, `DIR/ID/history.bundle`.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 import ast
 import json
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -24,6 +31,7 @@ from pathlib import Path
 from rollouts.sandbox import Limits, Sandbox
 from rollouts.sandbox.session import Session
 from rollouts.tasks.embedded import git
+from rollouts.tasks.leaks import Body, find_leaks, generated
 from rollouts.tasks.repo import choose_grading, load_repo_task
 from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
@@ -61,11 +69,10 @@ def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFunctio
     return out
 
 
-def delete_bodies(source: str, qualnames: Sequence[str], strict: bool = True) -> str:
-    """`source` with each named function's body (after its docstring) replaced by the stub.
-    `strict`: a name that is absent or has nothing but a docstring is a ValueError."""
+def _body_spans(source: str, qualnames: Sequence[str], strict: bool) -> list[tuple[str, int, int, int]]:
+    """(name, first line index, end line, indent) of each named function's body after its
+    docstring. `strict`: a name that is absent or has nothing but a docstring is a ValueError."""
     funcs = _functions(ast.parse(source))
-    lines = source.splitlines(keepends=True)
     spans = []
     for name in qualnames:
         node = funcs.get(name)
@@ -74,18 +81,34 @@ def delete_bodies(source: str, qualnames: Sequence[str], strict: bool = True) ->
             if strict:
                 raise ValueError(f"{name}: no such function, or it has no body beyond a docstring")
             continue
-        indent = " " * body[0].col_offset
-        spans.append((body[0].lineno - 1, node.end_lineno, f"{indent}{STUB}\n"))
-    for start, end, stub in sorted(spans, reverse=True):
-        lines[start:end] = [stub]
+        spans.append((name, body[0].lineno - 1, node.end_lineno, body[0].col_offset))
+    return spans
+
+
+def delete_bodies(source: str, qualnames: Sequence[str], strict: bool = True) -> str:
+    """`source` with each named function's body (after its docstring) replaced by the stub."""
+    lines = source.splitlines(keepends=True)
+    for _, start, end, indent in sorted(_body_spans(source, qualnames, strict), key=lambda s: -s[1]):
+        lines[start:end] = [f"{' ' * indent}{STUB}\n"]
     return "".join(lines)
+
+
+def deleted_bodies(files: dict[str, str | bytes], feature: Sequence[Target]) -> list[Body]:
+    """The source each target's deletion removes, as leak patterns."""
+    out = []
+    for t in feature:
+        lines = files[t.path].splitlines(keepends=True)
+        for _, start, end, _ in _body_spans(files[t.path], [t.qualname], True):
+            out.append(Body(str(t), "".join(lines[start:end])))
+    return out
 
 
 def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]:
     """Every documented function or method outside the tests whose body can be deleted."""
     out = []
     for path, text in sorted(files.items()):
-        if not path.endswith(".py") or any(path.startswith(p.rstrip("/") + "/") for p in test_paths):
+        if (not path.endswith(".py") or isinstance(text, bytes)
+                or any(path.startswith(p.rstrip("/") + "/") for p in test_paths)):
             continue
         for name, node in _functions(ast.parse(text)).items():
             if ast.get_docstring(node) and len(node.body) > 1:
@@ -131,21 +154,47 @@ def _outcomes(files: dict[str, str], test_command: Sequence[str], backend: str,
     return {test: kind for test, (kind, _) in outcomes.items()}
 
 
-def _replay_history(source: Path, dest: Path, feature: Sequence[Target]) -> None:
+def _show(repo: Path, sha: str, path: str) -> str | bytes:
+    """A file at a commit: str if UTF-8 text, else its bytes."""
+    data = subprocess.run(["git", "-C", str(repo), "-c", "safe.directory=*", "show",
+                           f"{sha}:{path}"], check=True, capture_output=True).stdout
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data
+
+
+def _write(root: Path, files: dict[str, str | bytes]) -> None:
+    for path, content in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            (root / path).write_bytes(content)
+        else:
+            (root / path).write_text(content)
+
+
+def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
+                    bodies: Sequence[Body]) -> str | None:
     """Re-create `source`'s first-parent history at `dest` with the feature deleted in every
-    commit (names a commit does not have yet are left alone)."""
+    commit (names a commit does not have yet are left alone) and generated artefacts dropped.
+    Returns where a commit still holds a copy of a deleted body (and stops), else None."""
     git(dest, "init", "-q", "-b", "main")
     for sha in git(source, "rev-list", "--reverse", "--first-parent", "HEAD").split():
         for old in dest.iterdir():
             if old.name != ".git":
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
+        files = {}
         for path in git(source, "ls-tree", "-r", "--name-only", sha).splitlines():
-            text = git(source, "show", f"{sha}:{path}")
+            if generated(path):
+                continue
+            content = _show(source, sha, path)
             names = [t.qualname for t in feature if t.path == path]
-            if names:
-                text = delete_bodies(text, names, strict=False)
-            (dest / path).parent.mkdir(parents=True, exist_ok=True)
-            (dest / path).write_text(text)
+            if names and isinstance(content, str):
+                content = delete_bodies(content, names, strict=False)
+            files[path] = content
+        if leaks := find_leaks(bodies, files):
+            return f"commit {sha[:12]}: {leaks[0]}"
+        _write(dest, files)
         an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
         git(dest, "add", "-A")
         git(dest, "commit", "-q", "--allow-empty", "-m", msg.strip(),
@@ -174,7 +223,7 @@ def make_deletion_tasks(
     repo, out = Path(repo).resolve(), Path(out).resolve()
     limits = limits or Limits(wall_s=60, cpu_s=60)
     base = load_repo_task(repo, list(test_command), test_paths=tuple(test_paths))
-    files = base.files
+    files = {path: c for path, c in base.files.items() if not generated(path)}
     original = _outcomes(files, test_command, backend, limits)
     bad = sorted(t for t, kind in original.items() if kind not in ("passed", "skipped"))
     if not original or bad:
@@ -199,26 +248,32 @@ def make_deletion_tasks(
             after = _outcomes(deleted, test_command, backend, limits)
             targets = tuple(sorted(t for t, kind in original.items()
                                    if kind == "passed" and after.get(t) != "passed"))
+            name = "+".join(map(str, feature))
             if not targets:
-                skipped.append(f"{'+'.join(map(str, feature))}: no test fails once it is deleted")
+                skipped.append(f"{name}: no test fails once it is deleted")
+                continue
+            prompt = deletion_prompt(files, feature, targets)
+            bodies = deleted_bodies(files, feature)
+            if leaks := find_leaks(bodies, {**deleted, "the task's prompt": prompt}):
+                skipped.append(f"{name}: refused: {leaks[0]}")
                 continue
             task_dir = out / task_id
-            if task_dir.exists():
-                shutil.rmtree(task_dir)
-            (task_dir / "repo").mkdir(parents=True)
-            for path, text in deleted.items():
-                (task_dir / "repo" / path).parent.mkdir(parents=True, exist_ok=True)
-                (task_dir / "repo" / path).write_text(text)
-            if has_git:
-                with tempfile.TemporaryDirectory() as tmp:
-                    _replay_history(repo, Path(tmp), feature)
+            with tempfile.TemporaryDirectory() as tmp:
+                if has_git and (leak := _replay_history(repo, Path(tmp), feature, bodies)):
+                    skipped.append(f"{name}: refused: {leak}")
+                    continue
+                if task_dir.exists():
+                    shutil.rmtree(task_dir)
+                (task_dir / "repo").mkdir(parents=True)
+                _write(task_dir / "repo", deleted)
+                if has_git:
                     git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
             reference = {path: files[path] for path in by_path}
             task = replace(base, id=task_id, files=deleted, repo=str(task_dir / "repo"))
             grading = choose_grading(task, json.dumps(reference), sandbox)
             spec = {
                 "id": task_id,
-                "prompt": deletion_prompt(files, feature, targets),
+                "prompt": prompt,
                 "test_command": list(test_command),
                 "test_paths": list(test_paths),
                 "target_tests": list(targets),
@@ -226,6 +281,7 @@ def make_deletion_tasks(
                 "repo_key": repo.name,
                 "reference": reference,
                 "grading": grading,
+                "dropped": sorted(set(base.files) - set(files)),  # generated artefacts
             }
             (task_dir / "task.json").write_text(json.dumps(spec, indent=1))
             made.append(Made(task_id, feature, targets))

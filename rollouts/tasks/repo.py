@@ -1,6 +1,8 @@
 """Repository tasks: a directory or tarball plus a pytest command.
 
-The repository is read into memory as the task's pristine files. A completion
+The repository is read into memory as the task's pristine files: UTF-8 text as str, any other
+file as bytes (carried to the sandbox byte for byte, never shown to the model as text), within
+MAX_REPO_BYTES; a symbolic link is refused (a task is plain files). A completion
 is a JSON object {path: new content}; the sandbox writes the pristine files,
 then the edits, and scores `hack` for edits under `test_paths`, outside the
 repository, or to conftest/pytest config/`.pth` files. The tests run with
@@ -27,11 +29,17 @@ def _check_member(name: str, source: str) -> str:
 
 def _read_dir(root: Path) -> dict[str, bytes]:
     """The repository's files; its .git directory is history, not content."""
-    return {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and ".git" not in p.relative_to(root).parts
-    }
+    files = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if ".git" in rel.parts:
+            continue
+        if p.is_symlink():
+            raise TaskFormatError(f"{root}: {rel} is a symbolic link; repositories must be "
+                                  "plain files (copy what it points to)")
+        if p.is_file():
+            files[str(rel)] = p.read_bytes()
+    return files
 
 
 def _read_tar(path: Path) -> dict[str, bytes]:
@@ -65,8 +73,11 @@ def load_repo_task(
         raw = _read_tar(path)
     else:
         raise TaskFormatError(f"{path}: not a directory or tarball")
-    if sum(len(b) for b in raw.values()) > MAX_REPO_BYTES:
-        raise TaskFormatError(f"{path}: repository exceeds {MAX_REPO_BYTES} bytes")
+    size = sum(len(b) for b in raw.values())
+    if size > MAX_REPO_BYTES:
+        largest = max(raw, key=lambda name: len(raw[name]))
+        raise TaskFormatError(f"{path}: repository has {size:,} bytes, over the {MAX_REPO_BYTES:,} "
+                              f"a task may carry (largest file: {largest}, {len(raw[largest]):,})")
     if not test_command:
         raise TaskFormatError(
             f"{path}: field 'test_command' must be a non-empty command"
@@ -77,12 +88,12 @@ def load_repo_task(
         pytest_args(tuple(test_command))
     except ValueError as e:
         raise TaskFormatError(f"{path}: field 'test_command': {e}") from None
-    files = {}
+    files: dict[str, str | bytes] = {}
     for name, data in raw.items():
         try:
             files[name] = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise TaskFormatError(f"{path}: file {name!r} is not UTF-8 text") from None
+            files[name] = data
     return Task(
         id=task_id or path.name,
         prompt=prompt,

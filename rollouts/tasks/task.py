@@ -32,7 +32,7 @@ class Task:
     entry_point: str
     tests: tuple[TestCase, ...]
     test_setup: str = ""
-    files: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str | bytes] = field(default_factory=dict)  # bytes: a binary file
     repo: str | None = None
     test_command: tuple[str, ...] = ()
     language: str = "python"

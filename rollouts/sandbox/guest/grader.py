@@ -462,7 +462,7 @@ def _expected_tests(spec: dict) -> set[str]:
         is_test_file = base.endswith(".py") and (
             base.startswith("test_") or base.endswith("_test.py")
         )
-        if not (is_test_file and _under(rel, spec["protected"])):
+        if not (is_test_file and _under(rel, spec["protected"])) or isinstance(text, bytes):
             continue
         for node in ast.parse(text).body:
             if isinstance(
@@ -532,12 +532,12 @@ def _changed_tests(spec: dict, workdir: str) -> list[str]:
     """Protected files that differ from the pristine ones after the run (read from outside
     the solution's process)."""
     changed = []
-    for rel, text in spec["files"].items():
+    for rel, content in spec["files"].items():
         if _under(rel, spec["protected"]):
             try:
-                with open(os.path.join(workdir, rel), encoding="utf-8") as f:
-                    same = f.read() == text
-            except (OSError, UnicodeDecodeError):
+                with open(os.path.join(workdir, rel), "rb") as f:
+                    same = f.read() == (content.encode() if isinstance(content, str) else content)
+            except OSError:
                 same = False
             if not same:
                 changed.append(rel)
@@ -610,11 +610,11 @@ def _run_isolated(spec: dict, solution: Solution, workdir: str) -> dict:
 
 
 def _write_files(files: dict, workdir: str) -> None:
-    for rel, content in files.items():
+    for rel, content in files.items():  # str: text, bytes: a binary file, byte for byte
         path = os.path.join(workdir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(content)
+        with open(path, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
 
 
 def grade(spec: dict, secret_fd: int, verdict_fd: int, workdir: str) -> None:

@@ -6,6 +6,7 @@ frame (the per-run nonce) into its memory before it has forked the grader.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -14,6 +15,18 @@ from collections.abc import Callable
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME = 64 << 20
+
+
+def encode_files(files: dict[str, str | bytes]) -> dict[str, str | dict]:
+    """A repository's files as JSON: text as it is, binary (bytes) as {"base64": ...}."""
+    return {rel: c if isinstance(c, str) else {"base64": base64.b64encode(c).decode("ascii")}
+            for rel, c in files.items()}
+
+
+def decode_files(files: dict[str, str | dict]) -> dict[str, str | bytes]:
+    """The inverse of `encode_files`."""
+    return {rel: c if isinstance(c, str) else base64.b64decode(c["base64"])
+            for rel, c in files.items()}
 
 
 class FrameError(Exception):

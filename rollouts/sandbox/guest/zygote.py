@@ -247,6 +247,7 @@ def main() -> None:
     mounts = _mount_table()
     while (msg := wire.recv(host_in)) is not None:
         spec = {**msg["spec"], "pylib": pylib, "solution_uid": hello["solution_uid"]}
+        spec.update(files=wire.decode_files(spec["files"]), edits=wire.decode_files(spec["edits"]))
         reply, size = run_one(spec, host_in, workroot, hello["isolated"])
         if _mount_table() != mounts:  # nothing may mount here; if it did, start afresh
             reply.update(recycle=True)

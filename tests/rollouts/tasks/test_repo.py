@@ -53,3 +53,21 @@ def test_unsafe_tarballs_and_missing_command_are_rejected(tmp_path):
         load_repo_task(_repo(tmp_path), [])
     with pytest.raises(TaskFormatError, match="not a directory or tarball"):
         load_repo_task(tmp_path / "missing", ["pytest"])
+
+
+def test_binary_files_are_carried_and_links_and_size_refused(tmp_path, monkeypatch):
+    repo = tmp_path / "r"
+    (repo / "tests" / "data").mkdir(parents=True)
+    (repo / "tests" / "data" / "logo.png").write_bytes(b"\x89PNG\xff\x00")
+    (repo / "tests" / "test_a.py").write_text("def test_a():\n    assert True\n")
+    task = load_repo_task(repo, ["python", "-m", "pytest", "tests"])
+    assert task.files["tests/data/logo.png"] == b"\x89PNG\xff\x00"
+    assert isinstance(task.files["tests/test_a.py"], str)
+    (repo / "link.py").symlink_to(repo / "tests" / "test_a.py")
+    with pytest.raises(TaskFormatError, match="link.py is a symbolic link"):
+        load_repo_task(repo, ["python", "-m", "pytest", "tests"])
+    (repo / "link.py").unlink()
+    monkeypatch.setattr("rollouts.tasks.repo.MAX_REPO_BYTES", 20)
+    with pytest.raises(TaskFormatError, match=r"36 bytes, over the 20 a task may carry \(largest file: "
+                                              r"tests/test_a.py, 30\)"):
+        load_repo_task(repo, ["python", "-m", "pytest", "tests"])

@@ -81,6 +81,9 @@ def test_read_file_ranges_and_errors(ctx):
     assert "resolves outside" in call(ctx, "read_file", path="link").text
     assert "bad line range" in call(ctx, "read_file", path="textkit/stats.py", start_line=5, end_line=2).text
     assert "has only" in call(ctx, "read_file", path="textkit/stats.py", start_line=999).text
+    ctx.session.write_text("data/blob.bin", bytes(range(256)))  # never shown as text
+    out = call(ctx, "read_file", path="data/blob.bin")
+    assert "'data/blob.bin' is a binary file, 256 bytes" in out.text and "\\x" not in out.text
 
 
 def test_write_file_and_edit(ctx):
