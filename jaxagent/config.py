@@ -318,6 +318,7 @@ class AgentConfig:
     max_output_chars: int = 2000  # a tool's output beyond this is cut (head + tail, with a note)
     truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: out of the advantage, or penalised
     truncation_penalty: float = 1.0
+    zero_lookup_reward: bool = False  # episodes flagged by rollouts.agent.monitor earn at most 0
     memory: bool = True  # the memory tool's notes persist under WORKDIR/agent_memory
     embedding: Literal["ngram", "minilm"] = "ngram"  # semantic search; minilm: extra `semantic`
     feedback_detectors: tuple[str, ...] = ()  # bad_tool_call, test_edit, repeat

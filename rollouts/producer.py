@@ -44,6 +44,7 @@ class Rollout:
     # (start, end, detector) of the agent turns a feedback detector flagged, in prompt +
     # completion coordinates (rollouts.agent.feedback.flagged_turns)
     flagged: list = dataclasses.field(default_factory=list)
+    lookups: dict = dataclasses.field(default_factory=dict)  # look-up kind -> tool calls (agent.monitor)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -54,7 +55,8 @@ class Rollout:
         return cls(traj.task_id, traj.tokens[:n], traj.tokens[n:], traj.policy_mask[n:],
                    traj.logprobs[n:], traj.info.get("text", ""), traj.reward,
                    traj.info.get("status", ""), finish_reason, traj.version,
-                   bool(traj.info.get("masked")), grading=traj.info.get("grading", "isolated"))
+                   bool(traj.info.get("masked")), grading=traj.info.get("grading", "isolated"),
+                   lookups=dict(traj.info.get("lookups", {})))
 
 
 @dataclasses.dataclass

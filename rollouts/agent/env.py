@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from rollouts.agent.formats import BadCall, make_format, observation_text
+from rollouts.agent.monitor import lookup_flags
 from rollouts.environment import Environment, StepResult
 from rollouts.rewards import Scorer
 from rollouts.sandbox import Limits
@@ -50,6 +51,9 @@ class AgentOptions:
     truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: no advantage, or penalised
     truncation_penalty: float = 1.0
     hack_penalty: float = 0.0  # subtracted when the tests were edited (the reward is then -penalty)
+    # an episode whose tool calls went looking for the deleted code (rollouts.agent.monitor)
+    # earns at most 0
+    zero_lookup_reward: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "tool_timeout_s", "episode_timeout_s",
@@ -124,6 +128,8 @@ class ToolEnvironment(Environment):
         self.context_len, self.turns, self.started = len(prompt), 0, time.monotonic()
         self.tool_calls: Counter[str] = Counter()
         self.bad_tool_calls = self.test_edit_attempts = 0
+        self.lookups: Counter[str] = Counter()
+        self._deleted_paths = [f.partition("::")[0] for f in task.metadata.get("feature", ())]
         self.turn_flags: list[dict[str, bool]] = []
         self._last_action: list[int] | None = None
         self._tests_before = self._test_files()
@@ -140,9 +146,13 @@ class ToolEnvironment(Environment):
         self.turns += 1
         self.context_len += len(action)
         parsed = self.format.parse(self.tokenizer.decode(action))
+        lookups = []
         if isinstance(parsed, BadCall):
             out_text, bad, finished = f"error: {parsed.reason}", True, False
         else:
+            lookups = lookup_flags(parsed.name, parsed.args, self._deleted_paths,
+                                   self.session.workdir_inside)
+            self.lookups.update(lookups)
             out = self.toolbox.call(self.ctx, parsed.name, parsed.args, self.options.max_output_chars)
             out_text, bad, finished = out.text, out.bad_call, out.finished
             if parsed.name in self.toolbox.tools:
@@ -153,7 +163,7 @@ class ToolEnvironment(Environment):
         self._tests_before = tests_now
         self.test_edit_attempts += edited_tests
         self.turn_flags.append({"bad_tool_call": bad, "test_edit": edited_tests,
-                                "repeat": action == self._last_action})
+                                "repeat": action == self._last_action, "lookup": bool(lookups)})
         self._last_action = action
         cut = self._budget_cut()
         if finished or cut:
@@ -179,7 +189,7 @@ class ToolEnvironment(Environment):
     def _info(self) -> dict[str, Any]:
         return {"turns": self.turns, "tool_calls": dict(self.tool_calls),
                 "bad_tool_calls": self.bad_tool_calls, "test_edit_attempts": self.test_edit_attempts,
-                "turn_flags": list(self.turn_flags)}
+                "lookups": dict(self.lookups), "turn_flags": list(self.turn_flags)}
 
     def _grade(self, truncated: bool, why: str) -> tuple[float, dict[str, Any]]:
         task = self.task
@@ -197,6 +207,8 @@ class ToolEnvironment(Environment):
         masked = truncated and self.options.truncation == "mask"
         if truncated and self.options.truncation == "penalty":
             reward -= self.options.truncation_penalty
+        if self.lookups and self.options.zero_lookup_reward:
+            reward = min(reward, 0.0)
         info = {**self._info(), "status": graded.status, "passed": graded.passed,
                 "grading": task.grading,
                 "tests_passed": graded.result.tests_passed, "tests_total": graded.result.tests_total,

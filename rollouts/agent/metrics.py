@@ -10,13 +10,17 @@ from rollouts.environment import Trajectory
 
 def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """turns_mean, tool_calls (total and per tool), bad_tool_calls, truncated, masked,
-    test_edit_attempts, hack, reward_mean and pass_rate, over the episodes."""
+    test_edit_attempts, hack, reward_mean and pass_rate, lookup_flags (tool calls that went
+    looking for the deleted code, total and per kind: rollouts.agent.monitor), over the
+    episodes."""
     if not trajs:
         return {}
     n = len(trajs)
     calls: Counter[str] = Counter()
+    lookups: Counter[str] = Counter()
     for t in trajs:
         calls.update(t.info.get("tool_calls", {}))
+        lookups.update(t.info.get("lookups", {}))
     out = {
         "agent/episodes": float(n),
         "agent/turns_mean": sum(t.info.get("turns", 0) for t in trajs) / n,
@@ -28,6 +32,8 @@ def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "agent/hack": sum(bool(t.info.get("hack")) for t in trajs) / n,
         "agent/reward_mean": sum(t.reward for t in trajs) / n,
         "agent/pass_rate": sum(bool(t.info.get("passed")) for t in trajs) / n,
+        "agent/lookup_flags": float(sum(lookups.values())),
     }
     out.update({f"agent/tool_calls/{name}": float(k) for name, k in sorted(calls.items())})
+    out.update({f"agent/lookup_flags/{kind}": float(k) for kind, k in sorted(lookups.items())})
     return out
