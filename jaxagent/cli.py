@@ -199,6 +199,8 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
 
     if args.action == "make-deletion":
         return _cmd_make_deletion(args)
+    if args.action == "check":
+        return _cmd_check_tasks(args)
 
     try:
         tasks = load_tasks(args.tasks)
@@ -224,6 +226,26 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
     for case in task.tests:
         print(f"# {case.name}\n{case.code}")
     return 0
+
+
+def _cmd_check_tasks(args: argparse.Namespace) -> int:
+    from rollouts.check import check_tasks
+    from rollouts.sandbox import SandboxUnavailable
+    from rollouts.tasks import load_tasks
+
+    spec = args.task_id or args.tasks
+    try:
+        tasks = load_tasks(spec)
+        problems = check_tasks(tasks, backend=args.backend)
+    except (OSError, ValueError, SandboxUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in problems:
+        print(line)
+    print(f"{len(tasks)} tasks checked in {spec}: "
+          + (f"{len(problems)} problems" if problems else "every reference passes, no leak"),
+          file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -303,11 +325,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_check_solutions)
 
-    p = sub.add_parser("tasks", help="list or show tasks of a task set; make deletion tasks",
+    p = sub.add_parser("tasks", help="list, show or check tasks of a task set; make deletion tasks",
                        description="`tasks make-deletion REPO --out DIR`: repository tasks made "
-                                   "by deleting function bodies whose tests then fail.")
-    p.add_argument("action", choices=("list", "show", "make-deletion"))
-    p.add_argument("task_id", nargs="?", help="the task to show (make-deletion: the repository)")
+                                   "by deleting function bodies whose tests then fail. `tasks "
+                                   "check SET`: every reference solution passes its tests in the "
+                                   "sandbox, and no deletion task holds a copy of its answer.")
+    p.add_argument("action", choices=("list", "show", "check", "make-deletion"))
+    p.add_argument("task_id", nargs="?", help="the task to show (make-deletion: the repository; "
+                                              "check: the task set, default --tasks)")
     p.add_argument("--out", help="make-deletion: directory to write the tasks into")
     p.add_argument("--feature", action="append", default=[],
                    help="make-deletion: comma-separated PATH::QUALNAME deleted together "
@@ -316,7 +341,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="make-deletion: the repository's test command")
     p.add_argument("--test-paths", default="tests", help="make-deletion: comma-separated test dirs")
     p.add_argument("--backend", choices=("bwrap", "process"), default="bwrap",
-                   help="make-deletion: sandbox backend for the test runs")
+                   help="make-deletion and check: sandbox backend for the test runs")
     p.add_argument(
         "--tasks",
         default="humaneval",

@@ -123,6 +123,7 @@ def check_solutions(
     progress: bool = True,
 ) -> Summary:
     """Grade every line of `solutions`, writing JSON records to `out` in input order."""
+    from rich.console import Console
     from rich.progress import Progress
 
     if same_file(out, solutions):
@@ -137,7 +138,7 @@ def check_solutions(
             None if s.error else scorer.submit(by_id[s.task_id], s.completion)
             for s in subs
         ]
-        with Progress(disable=not progress, transient=True) as bar:
+        with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
             job = bar.add_task("checking solutions", total=len(subs))
             for sub, future in zip(subs, futures):
                 record = _record(sub, future.result() if future else None)
@@ -149,3 +150,35 @@ def check_solutions(
                 bar.advance(job)
     os.replace(partial, out)
     return summary
+
+
+def check_tasks(tasks: Sequence[Task], backend: str = "bwrap", workers: int | None = None,
+                limits: Limits | None = None, progress: bool = True) -> list[str]:
+    """One line per problem of a task set: a task with no reference solution, one whose tests
+    do not pass its reference in the sandbox, and a deletion task whose repository or
+    prompt still hold a copy of a deleted body (`rollouts.tasks.leaks`)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from rollouts.tasks.deletion import Target, deleted_bodies
+    from rollouts.tasks.leaks import find_leaks
+
+    problems = []
+    graded = [t for t in tasks if isinstance(t.metadata.get("reference"), str)]
+    problems += [f"{t.id}: no reference solution to check" for t in tasks if t not in graded]
+    for t in graded:
+        if t.metadata.get("feature"):
+            feature = [Target.parse(f) for f in t.metadata["feature"]]
+            bodies = deleted_bodies(json.loads(t.metadata["reference"]), feature)
+            problems += [f"{t.id}: {leak}" for leak in find_leaks(bodies, {**t.files, "prompt": t.prompt})]
+    with Scorer(None, backend=backend, workers=workers, limits=limits) as scorer:
+        futures = [scorer.submit(t, t.metadata["reference"]) for t in graded]
+        with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
+            job = bar.add_task("checking references", total=len(futures))
+            for t, future in zip(graded, futures):
+                r = future.result().result
+                if not r.passed:
+                    problems.append(f"{t.id}: the reference solution does not pass its tests: "
+                                    f"{r.status}: {r.message[:200]}")
+                bar.advance(job)
+    return problems

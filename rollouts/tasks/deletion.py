@@ -288,6 +288,15 @@ def make_deletion_tasks(
     return made, skipped
 
 
+def load_deletion_tasks(root: str | Path) -> list[Task]:
+    """Every task written by `make_deletion_tasks` under `root` (ROOT/ID/task.json)."""
+    root = Path(root)
+    dirs = sorted(p for p in root.iterdir() if (p / "task.json").is_file()) if root.is_dir() else []
+    if not dirs:
+        raise TaskFormatError(f"{root}: no ID/task.json under it (a directory of deletion tasks)")
+    return [load_deletion_task(d) for d in dirs]
+
+
 def load_deletion_task(task_dir: str | Path) -> Task:
     """A task written by `make_deletion_tasks`; `metadata["reference"]` is a passing completion."""
     task_dir = Path(task_dir)

@@ -43,6 +43,13 @@ def _str_list(value: object) -> bool:
     )
 
 
+def _compiles(code: str, where: str, name: str) -> None:
+    try:
+        compile(code, name, "exec")
+    except SyntaxError as e:
+        raise _field_error(where, name, f"syntax error: {e.msg} (line {e.lineno})") from None
+
+
 def parse_task(obj: object, where: str) -> Task:
     """One validated Task from a decoded JSON object; `where` is 'file:line' for errors."""
     if not isinstance(obj, dict):
@@ -67,9 +74,13 @@ def parse_task(obj: object, where: str) -> Task:
         )
     if not _str_list(rec["tests"]):
         raise _field_error(where, "tests", "expected a non-empty list of strings")
+    for i, code in enumerate(rec["tests"]):  # a test that cannot compile would fail every solution
+        _compiles(code, where, f"tests[{i}]")
     for key in ("test_setup", "reference"):
         if key in rec and not isinstance(rec[key], str):
             raise _field_error(where, key, "expected a string")
+    if "test_setup" in rec:
+        _compiles(rec["test_setup"], where, "test_setup")
     mode = rec.get("completion_mode", "full")
     if mode not in ("full", "continue"):
         raise _field_error(

@@ -1,4 +1,5 @@
-"""Resolve a `--tasks` argument: `humaneval`, `synthetic[:N[:SEED]]`, or a JSONL path."""
+"""Resolve a `--tasks` argument: `humaneval`, `synthetic[:N[:SEED]]`, a JSONL path, or a
+directory of feature-deletion tasks (DIR/ID/task.json)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from rollouts.tasks.task import Task, TaskFormatError
 
 
 def load_tasks(spec: str) -> list[Task]:
+    from rollouts.tasks.deletion import load_deletion_tasks
     from rollouts.tasks.humaneval import humaneval_tasks
     from rollouts.tasks.jsonl import load_jsonl_tasks
     from rollouts.tasks.synthetic import synthetic_tasks
@@ -28,6 +30,9 @@ def load_tasks(spec: str) -> list[Task]:
         return synthetic_tasks(n, seed)
     if Path(spec).is_file():
         return load_jsonl_tasks(spec)
+    if Path(spec).is_dir():
+        return load_deletion_tasks(spec)
     raise TaskFormatError(
-        f"unknown task set {spec!r}: use 'humaneval', 'synthetic[:N[:SEED]]' or a JSONL file"
+        f"unknown task set {spec!r}: use 'humaneval', 'synthetic[:N[:SEED]]', a JSONL file or a "
+        "directory of deletion tasks"
     )

@@ -174,3 +174,30 @@ def test_check_solutions_timeout_must_be_positive(tmp_path, humaneval, capsys):
     err = capsys.readouterr().err
     assert "--timeout: must be > 0" in err and "Limits" not in err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_tasks_check_reports_bad_references_and_passes_good_sets(tmp_path, capsys):
+    good = {"task_id": "ok", "prompt": "def f(x):\n", "entry_point": "f",
+            "tests": ["assert f(2) == 4"], "reference": "def f(x):\n    return 2 * x\n"}
+    wrong = {**good, "task_id": "wrong", "reference": "def f(x):\n    return x\n"}
+    bare = {k: v for k, v in {**good, "task_id": "bare"}.items() if k != "reference"}
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps(t) for t in (good, wrong, bare)) + "\n")
+    assert main(["tasks", "check", str(tasks)]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "bare: no reference solution to check",
+        "wrong: the reference solution does not pass its tests: failed: wrong#0: assert f(2) == 4"
+        " -> AssertionError: got 2, compared with 4"]
+    assert "3 tasks checked" in err and "2 problems" in err
+    shipped = "rollouts/tasks/data/textkit_tasks"
+    assert main(["tasks", "check", "--tasks", shipped]) == 0
+    assert "every reference passes, no leak" in capsys.readouterr().err
+
+
+def test_a_test_that_cannot_compile_is_refused_at_load(tmp_path, capsys):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"task_id": "t", "prompt": "p", "entry_point": "f",
+                                 "tests": ["assert f(1) == 1", "assert f(2) ==="]}) + "\n")
+    assert main(["tasks", "list", "--tasks", str(tasks)]) == 2
+    assert "tasks.jsonl:1: field 'tests[1]': syntax error: invalid syntax (line 1)" in capsys.readouterr().err
