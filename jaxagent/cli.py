@@ -31,7 +31,7 @@ def _load_config(args):
 def _cmd_generate(args) -> int:
     from rich.console import Console
 
-    from jaxagent.trainer import load_model_and_tokenizer, make_sampler
+    from jaxagent.train.build import load_model_and_tokenizer, make_sampler
 
     console = Console(stderr=True)
     cfg = _load_config(args)
@@ -62,7 +62,7 @@ def _cmd_generate(args) -> int:
 def _cmd_agent(args) -> int:
     import json
 
-    from jaxagent.trainer import (
+    from jaxagent.train.build import (
         load_agent_tasks,
         load_model_and_tokenizer,
         make_sampler,
@@ -101,7 +101,7 @@ def _cmd_agent(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from jaxagent.trainer import train
+    from jaxagent.train.loop import train
 
     train(_load_config(args))
     return 0
@@ -112,7 +112,7 @@ def _cmd_sft(args) -> int:
 
     from rich.console import Console
 
-    from jaxagent.trainer import run_sft
+    from jaxagent.train.sft import run_sft
 
     out = run_sft(_load_config(args))
     metrics = json.loads((out / "sft_metrics.json").read_text())
@@ -124,7 +124,7 @@ def _cmd_sft(args) -> int:
 def _cmd_eval(args) -> int:
     import json
 
-    from jaxagent.trainer import run_eval
+    from jaxagent.train.evaluate import run_eval
 
     cfg = _load_config(args)
     scores, rows = run_eval(cfg, checkpoint=args.checkpoint, tasks=args.tasks,
