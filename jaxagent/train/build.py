@@ -29,6 +29,7 @@ from rollouts.tasks.humaneval import humaneval_tasks
 from rollouts.tasks.source import ProcessShare
 from rollouts.tools import MemoryStore, NgramEmbedding
 from rollouts.tools.embedding import TransformerEmbedding, minilm_path
+from sharding.distributed import initialize
 from sharding.layout import Layout
 
 
@@ -110,8 +111,11 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def check_layout(cfg: Config, layout: Layout) -> None:
-    """Every batch of an RL run splits evenly over the data-parallel devices."""
+def rl_layout(cfg: Config) -> Layout:
+    """An RL run's layout (after `jax.distributed` starts, as `distributed` says), every batch
+    of the run checked to split evenly over its data-parallel devices."""
+    initialize(cfg.distributed)
+    layout = Layout(cfg)
     rows = cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count()
     layout.check_batch(rows, "train.prompts_per_step * rl.group_size")
     if cfg.rl.mini_batches > 1:
@@ -125,6 +129,7 @@ def check_layout(cfg: Config, layout: Layout) -> None:
     if cfg.train.share_prompt and jax.process_count() > 1:  # one group row per prompt
         layout.check_batch(cfg.train.prompts_per_step * jax.process_count(),
                            "train.prompts_per_step (with train.share_prompt)")
+    return layout
 
 
 def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):

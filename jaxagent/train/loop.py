@@ -41,15 +41,18 @@ from jaxagent.models import sees_all_segments
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_feedback,
                             pack_shared, ppo_update, split_rows)
-from jaxagent.train.build import (check_layout, load_model_and_tokenizer, logits_chunk,
-                                  loss_options, make_producer, make_progress, make_sampler,
-                                  make_scorer, run_tasks, task_stream, validate)
+from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_options,
+                                  make_producer, make_progress, make_sampler, make_scorer,
+                                  rl_layout, run_tasks, task_stream, validate)
 from jaxagent.train.evaluate import held_out_pass_at_k
 from jaxagent.train.sft import sft
 from rollouts.agent.feedback import turn_examples
 from rollouts.orchestrator import Orchestrator, WeightStore
 from rollouts.producer import RolloutBatch
-from sharding.distributed import initialize, is_leader
+from rollouts.rewards import Scorer
+from rollouts.sampler import Sampler
+from rollouts.tasks import Task
+from sharding.distributed import is_leader
 from sharding.layout import Layout
 
 
@@ -58,9 +61,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     with get_state/set_state (default: grain over the config's training split)."""
     # Set up: the resolved config (saved with the run), the model and its update, the tasks.
     cfg = validate(cfg)
-    initialize(cfg.distributed)
-    layout = Layout(cfg)
-    check_layout(cfg, layout)
+    layout = rl_layout(cfg)
     workdir, t = Path(cfg.workdir), cfg.train
     workdir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, workdir / "config.yaml")
@@ -87,14 +88,9 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
         # The producer thread's sampler, and one for evaluation in this thread.
         sampler, eval_sampler = (make_sampler(layout.sampler_model(learner.graphdef, state.params),
                                               tokenizer, cfg) for _ in range(2))
-
-        def evaluate(step: int) -> None:  # pass@k of the current weights, held-out tasks
-            eval_sampler.update_weights(layout.sampler_params(state.params))
-            log.evaluation(step, held_out_pass_at_k(cfg, eval_sampler, tokenizer, scorer,
-                                                    eval_tasks))
-
+        evaluate = HeldOutEval(cfg, layout, eval_sampler, tokenizer, scorer, eval_tasks, log)
         if start == 0 and eval_tasks:
-            evaluate(0)
+            evaluate(0, state.params)
         producer = make_producer(cfg, sampler, tokenizer, scorer, task_iter)
         weights = WeightStore.like(sampler.params)
         weights.publish(start, layout.sampler_params(state.params))
@@ -108,22 +104,20 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
                 # Update: advantages, then clipped policy-gradient steps; publish the weights
                 # (the sampler switches to them before its next batch).
                 rows, feedback, keep = learner.prepare(batch)
-                t1 = time.perf_counter()
-                state, update_metrics = learner.update(state, rows, feedback)
-                t2 = time.perf_counter()
+                state, update_metrics, train_s = learner.update(state, rows, feedback)
                 done = step + 1
                 sync_s = (weights.publish(done, layout.sampler_params(state.params))
                           if done < t.steps else 0.0)
                 # Log: metrics, a few rollouts, progress; evaluate every eval.every steps.
                 log.step(done, batch, step_row(step, batch, timing, update_metrics, keep, t0=t0,
-                                               train_s=t2 - t1, sync_s=sync_s), bar)
+                                               train_s=train_s, sync_s=sync_s), bar)
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < t.steps:
-                    evaluate(done)
+                    evaluate(done, state.params)
                 # Checkpoint: the state, and the batches the next k steps train.
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == t.steps:
                     ckpt.save(done, state.arrays(), {"step": done, **orchestrator.snapshot(done)})
         if eval_tasks and start < t.steps:
-            evaluate(t.steps)
+            evaluate(t.steps, state.params)
     if is_leader():
         plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
     return log.summary
@@ -192,15 +186,18 @@ class Learner:
         return rows, feedback, keep
 
     def update(self, state: TrainState, rows: TrainBatch,
-               feedback: FeedbackBatch | None) -> tuple[TrainState, dict]:
-        """`rl.ppo_epochs` passes of clipped steps over `rl.mini_batches` of the rows."""
+               feedback: FeedbackBatch | None) -> tuple[TrainState, dict, float]:
+        """`rl.ppo_epochs` passes of clipped steps over `rl.mini_batches` of the rows ->
+        (the new state, the update's metrics, its seconds)."""
+        t0 = time.perf_counter()
         minis = [self.layout.batch(b) for b in split_rows(rows, self.cfg.rl.mini_batches)]
         params, opt_state, metrics = ppo_update(
             self.graphdef, self.tx, state.params, state.opt_state, minis, state.ref_params,
             feedback, options=self.options, epochs=self.cfg.rl.ppo_epochs,
             micro_batch=self.cfg.train.micro_batch, logits_chunk=self.chunk)
-        return (dataclasses.replace(state, params=params, opt_state=opt_state),
-                {k: float(v) for k, v in metrics.items()})
+        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the update
+        return (dataclasses.replace(state, params=params, opt_state=opt_state), metrics,
+                time.perf_counter() - t0)
 
 
 def warm_up(cfg: Config, learner: Learner, state: TrainState, train_tasks, progress: Progress,
@@ -235,6 +232,24 @@ def step_row(step: int, batch: RolloutBatch, timing: dict, update_metrics: dict,
             "rollout/overlap": 1 - min(1.0, timing["time/wait_s"] / max(sampling_s, 1e-9)),
             "time/train_s": train_s, "time/weight_sync_s": sync_s,
             "time/step_s": time.perf_counter() - t0}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOutEval:
+    """pass@k of given weights on the held-out tasks (`cfg.eval`), logged at a step."""
+
+    cfg: Config
+    layout: Layout
+    sampler: Sampler  # its own, in the trainer's thread
+    tokenizer: Any
+    scorer: Scorer
+    tasks: list[Task]
+    log: Log
+
+    def __call__(self, step: int, params) -> None:
+        self.sampler.update_weights(self.layout.sampler_params(params))
+        self.log.evaluation(step, held_out_pass_at_k(self.cfg, self.sampler, self.tokenizer,
+                                                     self.scorer, self.tasks))
 
 
 @dataclasses.dataclass
