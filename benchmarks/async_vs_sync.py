@@ -91,7 +91,8 @@ SCENARIOS = {
 def run(overrides: list[str], steps: int, staleness: int, workdir: Path, slow: bool) -> dict:
     from jaxagent.config import load_config
     from jaxagent.metrics import read_metrics
-    from jaxagent.trainer import load_task_splits, train
+    from jaxagent.train.build import load_task_splits
+    from jaxagent.train.loop import train
 
     cfg = load_config(None, [*overrides, f"train.steps={steps}", "tasks.num_eval=0",
                              "checkpoint.every=0", "eval.every=0",

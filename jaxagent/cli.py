@@ -31,7 +31,7 @@ def _load_config(args):
 def _cmd_generate(args) -> int:
     from rich.console import Console
 
-    from jaxagent.trainer import load_model_and_tokenizer, make_sampler
+    from jaxagent.train.build import load_model_and_tokenizer, make_sampler
 
     console = Console(stderr=True)
     cfg = _load_config(args)
@@ -62,7 +62,7 @@ def _cmd_generate(args) -> int:
 def _cmd_agent(args) -> int:
     import json
 
-    from jaxagent.trainer import (
+    from jaxagent.train.build import (
         load_agent_tasks,
         load_model_and_tokenizer,
         make_sampler,
@@ -101,7 +101,7 @@ def _cmd_agent(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from jaxagent.trainer import train
+    from jaxagent.train.loop import train
 
     train(_load_config(args))
     return 0
@@ -112,7 +112,7 @@ def _cmd_sft(args) -> int:
 
     from rich.console import Console
 
-    from jaxagent.trainer import run_sft
+    from jaxagent.train.sft import run_sft
 
     out = run_sft(_load_config(args))
     metrics = json.loads((out / "sft_metrics.json").read_text())
@@ -125,7 +125,7 @@ def _cmd_eval(args) -> int:
     import json
 
     from jaxagent.errors import UserError
-    from jaxagent.trainer import run_eval
+    from jaxagent.train.evaluate import run_eval
 
     try:
         ks = [int(k) for k in args.k.split(",")]

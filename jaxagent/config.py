@@ -197,12 +197,18 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class RLConfig:
     # grpo: (r - mean) / std; dr_grpo: r - mean with a constant length normaliser;
-    # rloo: leave-one-out baseline; dapo: grpo + clip-higher + dynamic sampling + overlong.
+    # rloo: leave-one-out baseline; dapo: grpo + clip-higher + dynamic sampling.
+    # Validation fills each None below from the algorithm's preset (jaxagent/rl/algorithms.py);
+    # a value set here wins, and the run's config.yaml holds the values used.
     algorithm: Literal["grpo", "rloo", "dr_grpo", "dapo"] = "grpo"
     group_size: int = 8  # G completions per prompt
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # dapo default below raises it (clip-higher)
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    # Advantage baseline: the group's mean, or each member's mean of the others (rloo).
+    baseline: Literal["mean", "leave_one_out"] | None = None
+    normalize_std: bool | None = None  # divide advantages by the group's std (grpo, dapo)
+    clip_low: float | None = None  # 0.2
+    clip_high: float | None = None  # 0.2; dapo 0.28 (clip-higher)
+    # token-mean; dr_grpo: seq-mean-token-sum-norm (over train.max_new_tokens)
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
     kl_coef: float = 0.0  # > 0 keeps a frozen reference copy
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_clamp: float = 0.0  # > 0 bounds each token's KL estimate to [-kl_clamp, kl_clamp]; 0 = off
@@ -219,11 +225,13 @@ class RLConfig:
     # one update per batch (the PPO clip then never acts: the ratio starts at 1).
     ppo_epochs: int = 1
     mini_batches: int = 1
-    drop_zero_variance_groups: bool = False  # DAPO dynamic sampling (on for dapo)
+    drop_zero_variance_groups: bool | None = None  # DAPO dynamic sampling (on for dapo)
     # With dynamic sampling: up to this many more draws of train.prompts_per_step tasks per
     # batch while it holds fewer groups with signal (rollout/groups_drawn, groups_kept); 0: off
     refill_draws: int = 0
-    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 = off
+    # DAPO soft overlong penalty over the last N of train.max_new_tokens (any algorithm; single
+    # completions only); 0 = off
+    overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
 

@@ -1,13 +1,14 @@
 """Pure RL math for GRPO / RLOO / DAPO / Dr.GRPO: advantages, losses, KL, log-probs.
 
 Imports only jax and numpy; every function is pure and jit-compatible (string and size
-options static). See advantages.py, losses.py and feedback.py for the formulas.
+options static). See advantages.py, losses.py and feedback.py for the formulas, and
+algorithms.py for what each `rl.algorithm` sets.
 """
 
 from jaxagent.rl.advantages import (
     group_has_signal,
     grpo_advantages,
-    masked_grpo_advantages,
+    masked_advantages,
     overlong_penalty,
     rloo_advantages,
 )
@@ -35,7 +36,7 @@ __all__ = [
     "grpo_advantages",
     "importance_ratio_stats",
     "kl_penalty",
-    "masked_grpo_advantages",
+    "masked_advantages",
     "overlong_penalty",
     "policy_loss",
     "rloo_advantages",

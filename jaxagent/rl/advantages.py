@@ -12,21 +12,61 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def _group_std(rewards):
-    """Population std (ddof=0) over the group axis, [N, G] -> [N, 1], with a finite gradient at 0.
+def _masked_std(centered, n):
+    """Population std (ddof=0) of a group's valid members, [N, 1], from their deviations
+    `centered` [N, G] (0 at invalid members) and count `n` [N, 1]; finite gradient at 0.
 
     sqrt has an infinite derivative at 0, and 0 * inf = NaN in the backward pass of a
     zero-variance group, hence the double ``where``.
     """
-    centered = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
-    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    var = jnp.sum(centered * centered, axis=-1, keepdims=True) / jnp.maximum(n, 1.0)
     positive = var > 0
     return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
 
 
-def _all_equal(rewards):
-    """[N, G] -> [N, 1] bool: every reward of the group equals the first, exactly."""
-    return jnp.all(rewards == rewards[..., :1], axis=-1, keepdims=True)
+def _all_equal(r, v):
+    """[N, G] rewards (0 at invalid members) and 0/1 validity -> [N, 1] bool: every valid
+    reward of the group equals the first valid one, exactly."""
+    first = jnp.sum(jnp.where(jnp.cumsum(v, axis=-1) == 1, r * v, 0.0), axis=-1, keepdims=True)
+    return jnp.all((v == 0) | (r == first), axis=-1, keepdims=True)
+
+
+def _group_stats(rewards, valid):
+    """(r, v, n, total, centered): the rewards with invalid members zeroed (garbage there never
+    reaches a result), the 0/1 validity, the valid count [N, 1], the valid rewards' sum
+    [N, 1] and their deviations from the valid mean (0 at invalid members)."""
+    rewards = jnp.asarray(rewards)
+    v = (jnp.ones(rewards.shape, bool) if valid is None else jnp.asarray(valid) != 0
+         ).astype(rewards.dtype)
+    n = jnp.sum(v, axis=-1, keepdims=True)
+    r = jnp.where(v > 0, rewards, 0.0)
+    total = jnp.sum(r, axis=-1, keepdims=True)
+    return r, v, n, total, v * (r - total / jnp.maximum(n, 1.0))
+
+
+def masked_advantages(rewards, valid=None, *, baseline="mean", normalize_std=True, eps=1e-6):
+    """Group advantages over the valid members of each group only (a rollout whose environment
+    failed, or an agent episode cut by a budget, is masked out). With v the 0/1 validity,
+    n = sum_j v_j, S = sum_j v_j r_j and mean = S / n:
+
+        baseline "mean":           A_i = v_i (r_i - mean)                     (GRPO, Dr.GRPO)
+        baseline "leave_one_out":  A_i = v_i (r_i - (S - r_i) / (n - 1))      (RLOO)
+
+    each divided by (std + eps) if normalize_std, std = sqrt(sum_j v_j (r_j - mean)^2 / n)
+    (population std). Invalid members get exactly 0 and do not move their group's statistics;
+    a group with fewer than two valid members, or whose valid rewards are all exactly equal,
+    gets exactly 0 (not merely ~1e-11 from the rounding of the mean), so it adds nothing to
+    the loss; no NaN, also in the gradient. `valid` None: every member is valid.
+
+    rewards, valid: [N, G] -> advantages [N, G] (the rewards' float dtype).
+    """
+    if baseline not in ("mean", "leave_one_out"):
+        raise ValueError(f"baseline: 'mean' or 'leave_one_out', got {baseline!r}")
+    r, v, n, total, centered = _group_stats(rewards, valid)
+    adv = centered if baseline == "mean" else v * (r - (total - r) / jnp.maximum(n - 1, 1.0))
+    if normalize_std:
+        adv = adv / (_masked_std(centered, n) + eps)
+    return jnp.where(_all_equal(r, v) | (n < 2), 0.0, adv)
 
 
 def grpo_advantages(rewards, *, normalize_std=True, eps=1e-6):
@@ -35,18 +75,12 @@ def grpo_advantages(rewards, *, normalize_std=True, eps=1e-6):
         A_i = (r_i - mean_j r_j) / (std_j r_j + eps)    if normalize_std   (GRPO)
         A_i =  r_i - mean_j r_j                          otherwise          (Dr.GRPO)
 
-    std is the *population* std (ddof=0): sqrt(mean_j (r_j - mean)^2).
-
-    A group whose rewards are all exactly equal gets exactly 0 (not merely ~1e-11 from
-    the rounding of the mean), so it adds nothing to the loss; no NaN, also in the gradient.
+    std is the *population* std (ddof=0): sqrt(mean_j (r_j - mean)^2). A group of exactly
+    equal rewards gets exactly 0 (see `masked_advantages`, of which this is the unmasked case).
 
     rewards: [N, G] -> advantages [N, G] (same float dtype).
     """
-    rewards = jnp.asarray(rewards)
-    centered = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
-    if normalize_std:
-        centered = centered / (_group_std(rewards) + eps)
-    return jnp.where(_all_equal(rewards), 0.0, centered)
+    return masked_advantages(rewards, normalize_std=normalize_std, eps=eps)
 
 
 def rloo_advantages(rewards):
@@ -59,27 +93,27 @@ def rloo_advantages(rewards):
     rewards: [N, G] with G >= 2 (checked on the static shape) -> [N, G].
     """
     rewards = jnp.asarray(rewards)
-    group_size = rewards.shape[-1]
-    if group_size < 2:
+    if rewards.shape[-1] < 2:
         raise ValueError(f"rloo_advantages needs a group size G >= 2, got rewards of shape {rewards.shape}")
-    others_mean = (jnp.sum(rewards, axis=-1, keepdims=True) - rewards) / (group_size - 1)
-    return jnp.where(_all_equal(rewards), 0.0, rewards - others_mean)
+    return masked_advantages(rewards, baseline="leave_one_out", normalize_std=False)
 
 
-def group_has_signal(rewards, *, eps=1e-6):
-    """DAPO dynamic-sampling filter: True where the group's rewards differ.
+def group_has_signal(rewards, valid=None, *, eps=1e-6):
+    """DAPO dynamic-sampling filter: True where the group's valid rewards differ.
 
-        has_signal = (not all r_j equal) and std_j r_j > eps     (population std)
+        has_signal = n >= 2 and (not all valid r_j equal) and std_j r_j > eps
+                     (over the valid members, population std)
 
     A group with all-equal rewards (all pass / all fail) gets exactly zero advantage from
-    grpo_advantages and rloo_advantages, so no gradient; DAPO drops such groups and samples
-    more. The exact test makes that False for any eps (the std of a constant group computed
-    in float can be a few ulps above 0); eps also drops groups that differ only by float noise.
+    `masked_advantages`, so no gradient; DAPO drops such groups and samples more. The exact
+    test makes that False for any eps (the std of a constant group computed in float can be a
+    few ulps above 0); eps also drops groups that differ only by float noise. `valid` None:
+    every member is valid.
 
-    rewards: [N, G] -> [N] bool.
+    rewards, valid: [N, G] -> [N] bool.
     """
-    rewards = jnp.asarray(rewards)
-    return (~_all_equal(rewards) & (_group_std(rewards) > eps))[..., 0]
+    r, v, n, _, centered = _group_stats(rewards, valid)
+    return ((n >= 2) & ~_all_equal(r, v) & (_masked_std(centered, n) > eps))[..., 0]
 
 
 def overlong_penalty(lengths, *, max_len, buffer_len, penalty=1.0):
@@ -102,33 +136,3 @@ def overlong_penalty(lengths, *, max_len, buffer_len, penalty=1.0):
     lengths = lengths.astype(jnp.result_type(lengths.dtype, float))
     excess = (lengths - (max_len - buffer_len)) / buffer_len
     return -penalty * jnp.clip(excess, 0.0, 1.0)
-
-
-def masked_grpo_advantages(rewards, valid, *, normalize_std=True, eps=1e-6):
-    """GRPO advantages over the valid members of each group only (agent episodes cut by a
-    budget are masked out of the advantage): with v the 0/1 validity and n = sum_j v_j,
-
-        mean = sum_j v_j r_j / n,   std = sqrt(sum_j v_j (r_j - mean)^2 / n)
-        A_i  = v_i (r_i - mean) / (std + eps)     (or v_i (r_i - mean) without normalize_std)
-
-    Invalid members get exactly 0 and do not move their group's statistics; a group with fewer
-    than two valid members, or whose valid rewards are all equal, gets exactly 0. With every
-    member valid this is `grpo_advantages`.
-
-    rewards, valid: [N, G] -> advantages [N, G].
-    """
-    rewards = jnp.asarray(rewards)
-    v = (jnp.asarray(valid) != 0).astype(rewards.dtype)
-    n = jnp.sum(v, axis=-1, keepdims=True)
-    safe_n = jnp.maximum(n, 1.0)
-    r = jnp.where(v > 0, rewards, 0.0)  # garbage at invalid members never reaches the result
-    mean = jnp.sum(r, axis=-1, keepdims=True) / safe_n
-    centered = v * (r - mean)
-    if normalize_std:
-        var = jnp.sum(centered * centered, axis=-1, keepdims=True) / safe_n
-        positive = var > 0
-        std = jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
-        centered = centered / (std + eps)
-    first = jnp.sum(jnp.where(jnp.cumsum(v, axis=-1) == 1, r * v, 0.0), axis=-1, keepdims=True)
-    all_equal = jnp.all((v == 0) | (r == first), axis=-1, keepdims=True)
-    return jnp.where(all_equal | (n < 2), 0.0, centered)

@@ -140,7 +140,7 @@ def test_real_model_configs_are_valid(name):
 
 
 def test_document_attention_config_is_valid():
-    from jaxagent.trainer import validate
+    from jaxagent.train.build import validate
 
     cfg = load_config("configs/doc_tiny.yaml")
     assert cfg.model.attention == "doc" and cfg.sft.data == "documents"
@@ -152,7 +152,7 @@ def test_one_rollout_temperature_and_no_kl_across_truncated_supports():
     otherwise, or a KL penalty with top-k / top-p, is an error naming the keys."""
     import glob
 
-    from jaxagent.trainer import validate
+    from jaxagent.train.build import validate
 
     validate(apply_overrides(Config(), ["train.temperature=0.6", "sampler.top_k=20",
                                         "sampler.top_p=0.95"]))

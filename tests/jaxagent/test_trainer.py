@@ -2,6 +2,7 @@
 re-run, trains each step exactly once and matches an uninterrupted run (with a KL penalty
 against the post-SFT reference, which the checkpoint carries)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -76,9 +77,13 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
     (["sft.data=documents", "model.attention=nsa"], "sft.data: documents need document attention"),
     (["sft.data=agent"], "sft.data: agent demonstrations need agent.enabled: true"),
     (["agent.enabled=true", "agent.episodes=0"], "agent.episodes: must be >= 1"),
+    (["rl.overlong_buffer=-1"], "rl.overlong_buffer: must be >= 0"),
+    (["agent.enabled=true", "rl.overlong_buffer=4"], "rl.overlong_buffer: is for single completions"),
+    (["rl.algorithm=dapo", "rl.drop_zero_variance_groups=false", "rl.refill_draws=2"],
+     "rl.refill_draws: needs dynamic sampling"),
 ])
 def test_semantic_config_errors_fail_before_compute(tmp_path, overrides, message):
-    from jaxagent.trainer import train
+    from jaxagent.train.loop import train
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         train(load_config(None, [*overrides, f"workdir={tmp_path}"]))
@@ -90,7 +95,7 @@ def test_logits_chunk_follows_the_loaded_models_vocabulary():
     from types import SimpleNamespace
 
     from jaxagent.config import Config, ModelConfig, TrainConfig
-    from jaxagent.trainer import logits_chunk
+    from jaxagent.train.build import logits_chunk
 
     cfg = Config(train=TrainConfig(logits_chunk_mib=3))
     model = SimpleNamespace(config=ModelConfig(vocab_size=151_936))
@@ -153,23 +158,23 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_exactly(tmp_path):
 
     from jaxagent.optim import make_optimizer
     from jaxagent.steps import rl_step
-    from jaxagent.trainer import (
-        compute_advantages,
+    from jaxagent.train.build import (
         load_model_and_tokenizer,
         load_task_splits,
         logits_chunk,
         loss_options,
         make_scorer,
-        to_train_batch,
-        train,
+        validate,
     )
+    from jaxagent.train.loop import compute_advantages, to_train_batch, train
     from rollouts.producer import Rollout, RolloutBatch
     from rollouts.sampler import Sampler
     from rollouts.tasks import task_dataset
 
     small = [o for o in TINY if not o.startswith(("sft.steps", "tasks.num_eval", "train.steps"))]
     overrides = [*small, "sft.steps=0", "tasks.num_eval=0", "train.steps=3"]
-    cfg = load_config(None, [*overrides, "rollout.max_staleness=0", f"workdir={tmp_path / 'k0'}"])
+    cfg = validate(load_config(None, [*overrides, "rollout.max_staleness=0",
+                                      f"workdir={tmp_path / 'k0'}"]))
     train(cfg)
     rows = [r for r in read_metrics(tmp_path / "k0" / "metrics.jsonl") if "train/loss" in r]
     assert [r["rollout/staleness"] for r in rows] == [0, 0, 0]
@@ -210,7 +215,7 @@ def test_max_staleness_0_reproduces_the_synchronous_loop_exactly(tmp_path):
 
 
 def test_max_staleness_1_trains_on_one_step_old_batches(tmp_path):
-    from jaxagent.trainer import train
+    from jaxagent.train.loop import train
 
     small = [o for o in TINY if not o.startswith(("sft.steps", "tasks.num_eval"))]
     cfg = load_config(None, [*small, "sft.steps=0", "tasks.num_eval=0", "checkpoint.every=1",
@@ -236,7 +241,8 @@ def test_max_staleness_1_trains_on_one_step_old_batches(tmp_path):
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
     from jaxagent.config import RLConfig
-    from jaxagent.trainer import compute_advantages
+    from jaxagent.train.build import expand_algorithm
+    from jaxagent.train.loop import compute_advantages
     from rollouts.producer import INFRA_ERROR, Rollout, RolloutBatch
 
     rewards = [[1.0, 0.0, 0.5, 0.0], [0.25, 1.0, 0.0, 0.75]]
@@ -245,7 +251,8 @@ def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
         Rollout("t", [1], [2, 3], [True, True], [-1.0, -1.0], "", r,
                 INFRA_ERROR if (g, i) in failed else "passed", "stop", 0)
         for g, row in enumerate(rewards) for i, r in enumerate(row)], {})
-    adv, keep = compute_advantages(RLConfig(algorithm=algorithm, group_size=4), batch, 8)
+    adv, keep = compute_advantages(expand_algorithm(RLConfig(algorithm=algorithm, group_size=4)),
+                                   batch, 8)
 
     def reference(r):  # over the group's scored members only, in float64
         r = np.asarray(r)
@@ -260,9 +267,73 @@ def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
     assert keep.tolist() == [(g, i) not in failed for g in range(2) for i in range(4)]
 
 
+def test_validation_expands_the_algorithm_and_an_explicit_key_wins():
+    from jaxagent.train.build import loss_options, validate
+
+    def resolved(*overrides):
+        return validate(load_config(None, list(overrides)))
+
+    dapo = resolved("rl.algorithm=dapo")
+    assert (dapo.rl.clip_low, dapo.rl.clip_high, dapo.rl.drop_zero_variance_groups) == (0.2, 0.28, True)
+    assert (loss_options(dapo).clip_low, loss_options(dapo).clip_high) == (0.2, 0.28)
+    assert validate(dapo) == dapo  # a saved (resolved) config validates to itself
+    # An explicit key wins whether it comes before or after the algorithm; a preset does not
+    # stick when a later override changes the algorithm.
+    assert resolved("rl.clip_high=0.25", "rl.algorithm=dapo").rl.clip_high == 0.25
+    assert resolved("rl.algorithm=dapo", "rl.clip_high=0.25").rl.clip_high == 0.25
+    assert resolved("rl.algorithm=rloo", "rl.algorithm=grpo").rl.baseline == "mean"
+    dr = loss_options(resolved("rl.algorithm=dr_grpo"))
+    assert (dr.aggregation, dr.norm_length) == ("seq-mean-token-sum-norm", 16)
+    dr = loss_options(resolved("rl.algorithm=dr_grpo", "rl.aggregation=token-mean"))
+    assert (dr.aggregation, dr.norm_length) == ("token-mean", None)
+    # Dynamic sampling (which refill_draws needs) from dapo's preset or from the key itself.
+    resolved("rl.algorithm=dapo", "rl.refill_draws=2")
+    resolved("rl.drop_zero_variance_groups=true", "rl.refill_draws=2")
+
+
+def test_the_saved_config_holds_the_resolved_settings(tmp_path):
+    from jaxagent.models.hf import CheckpointError
+    from jaxagent.train.build import validate
+    from jaxagent.train.loop import train
+
+    cfg = load_config(None, ["rl.algorithm=dapo", "rl.clip_high=0.3",
+                             f"init_from={tmp_path / 'missing'}", f"workdir={tmp_path}"])
+    with pytest.raises(CheckpointError):  # after the config is saved, before any compute
+        train(cfg)
+    saved = load_config(tmp_path / "config.yaml")
+    want = dict(algorithm="dapo", baseline="mean", normalize_std=True, clip_low=0.2,
+                clip_high=0.3, aggregation="token-mean", drop_zero_variance_groups=True)
+    assert {key: getattr(saved.rl, key) for key in want} == want
+    assert saved.rl == validate(cfg).rl and None not in dataclasses.asdict(saved.rl).values()
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "dapo"])
+def test_overlong_buffer_is_honoured_with_every_algorithm(algorithm):
+    from jaxagent.config import RLConfig
+    from jaxagent.train.build import expand_algorithm
+    from jaxagent.train.loop import compute_advantages
+    from rollouts.producer import Rollout, RolloutBatch
+
+    # One group; every completion passes. Of max_new_tokens 8, the last 4 are penalised:
+    # lengths 2, 5, 7, 8 get 0, -0.25, -0.75, -1.
+    lengths = [2, 5, 7, 8]
+    batch = RolloutBatch(0, 4, [Rollout("t", [1], [2] * n, [True] * n, [-1.0] * n, "", 1.0,
+                                        "passed", "stop", 0) for n in lengths], {})
+    rl_cfg = expand_algorithm(RLConfig(algorithm=algorithm, group_size=4, overlong_buffer=4))
+    adv, keep = compute_advantages(rl_cfg, batch, 8)
+    r = np.array([1.0, 0.75, 0.25, 0.0])
+    want = r - (r.sum() - r) / 3 if algorithm == "rloo" else r - r.mean()
+    if algorithm in ("grpo", "dapo"):
+        want = want / (r.std() + 1e-6)
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+    assert keep.all()  # the penalty gives the group a signal, also for dapo's filter
+    adv, keep = compute_advantages(dataclasses.replace(rl_cfg, overlong_buffer=0), batch, 8)
+    assert not adv.any() and keep.all() == (algorithm != "dapo")
+
+
 def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
     from jaxagent.tokenizer import ByteTokenizer
-    from jaxagent.trainer import to_feedback_batch
+    from jaxagent.train.loop import to_feedback_batch
     from rollouts.agent.feedback import HINTS
     from rollouts.producer import Rollout, RolloutBatch
 

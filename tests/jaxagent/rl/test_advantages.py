@@ -8,7 +8,7 @@ import pytest
 from jaxagent.rl import (
     group_has_signal,
     grpo_advantages,
-    masked_grpo_advantages,
+    masked_advantages,
     overlong_penalty,
     rloo_advantages,
 )
@@ -188,18 +188,23 @@ def test_advantage_functions_jit():
     np.testing.assert_allclose(jax.jit(fn)(lengths), fn(lengths), rtol=1e-6, atol=1e-7)
 
 
-def _masked_grpo_reference(rewards, valid, normalize_std, eps=1e-6):
+def _masked_reference(rewards, valid, baseline, normalize_std, eps=1e-6):
+    """One group at a time over its valid members, in float64."""
     out = np.zeros_like(rewards, dtype=np.float64)
     for i, (r, v) in enumerate(zip(rewards.astype(np.float64), valid.astype(bool), strict=True)):
         if v.sum() < 2 or np.all(r[v] == r[v][0]):
             continue
-        centered = r[v] - r[v].mean()
-        out[i, v] = centered / (r[v].std() + eps) if normalize_std else centered
+        if baseline == "mean":
+            adv = r[v] - r[v].mean()
+        else:
+            adv = r[v] - (r[v].sum() - r[v]) / (v.sum() - 1)
+        out[i, v] = adv / (r[v].std() + eps) if normalize_std else adv
     return out
 
 
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
 @pytest.mark.parametrize("normalize_std", [True, False])
-def test_masked_grpo_advantages_match_a_float64_reference(normalize_std):
+def test_masked_advantages_match_a_float64_reference(baseline, normalize_std):
     rng = np.random.default_rng(7)
     rewards = rng.normal(size=(5, 7)).astype(np.float32)
     valid = rng.random((5, 7)) < 0.6
@@ -208,11 +213,42 @@ def test_masked_grpo_advantages_match_a_float64_reference(normalize_std):
     valid[1, 3] = True
     rewards[2] = 0.5
     rewards[~valid] = np.nan  # masked-out episodes may carry anything
-    got = masked_grpo_advantages(rewards, valid, normalize_std=normalize_std)
-    np.testing.assert_allclose(got, _masked_grpo_reference(rewards, valid, normalize_std), atol=1e-5)
+    got = masked_advantages(rewards, valid, baseline=baseline, normalize_std=normalize_std)
+    np.testing.assert_allclose(got, _masked_reference(rewards, valid, baseline, normalize_std),
+                               atol=1e-5)
     assert np.all(np.asarray(got)[~valid] == 0.0) and not np.any(np.asarray(got)[1:3])
     full = rng.normal(size=(3, 5)).astype(np.float32)
-    np.testing.assert_allclose(masked_grpo_advantages(full, np.ones((3, 5))),
-                               grpo_advantages(full), atol=1e-6)
-    grad = jax.grad(lambda r: jnp.sum(masked_grpo_advantages(r, valid) ** 2))(jnp.nan_to_num(rewards))
+    if baseline == "mean":
+        unmasked = grpo_advantages(full, normalize_std=normalize_std)
+    else:
+        unmasked = rloo_advantages(full) / (full.std(-1, keepdims=True) + 1e-6 if normalize_std
+                                            else 1.0)
+    np.testing.assert_allclose(masked_advantages(full, np.ones((3, 5)), baseline=baseline,
+                                                 normalize_std=normalize_std), unmasked, atol=1e-5)
+    grad = jax.grad(lambda r: jnp.sum(masked_advantages(
+        r, valid, baseline=baseline, normalize_std=normalize_std) ** 2))(jnp.nan_to_num(rewards))
     assert np.all(np.isfinite(grad))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_masked_advantages_and_signal_on_random_batches(seed):
+    """Random sizes, rewards (0/1 passes, ties, fractions) and masks against the loop."""
+    rng = np.random.default_rng(seed)
+    n, g = rng.integers(1, 9), rng.integers(2, 9)
+    rewards = rng.choice([0.0, 0.25, 1.0], size=(n, g)) + (rng.random((n, g)) < 0.3) * rng.normal(
+        size=(n, g))
+    valid = rng.random((n, g)) < 0.7
+    for baseline in ("mean", "leave_one_out"):
+        for normalize_std in (True, False):
+            got = masked_advantages(jnp.asarray(rewards, jnp.float32), valid, baseline=baseline,
+                                    normalize_std=normalize_std)
+            want = _masked_reference(rewards.astype(np.float32), valid, baseline, normalize_std)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    signal = [v.sum() >= 2 and np.std(r[v]) > 1e-6 for r, v in zip(rewards, valid, strict=True)]
+    got = group_has_signal(jnp.asarray(rewards, jnp.float32), valid)
+    assert np.asarray(got).tolist() == signal
+
+
+def test_masked_advantages_rejects_an_unknown_baseline():
+    with pytest.raises(ValueError, match="baseline"):
+        masked_advantages(jnp.zeros((2, 3)), np.ones((2, 3)), baseline="median")

@@ -15,7 +15,8 @@ from flax import nnx
 from jaxagent.config import ModelConfig, RLConfig
 from jaxagent.models import init_model
 from jaxagent.tokenizer import ByteTokenizer
-from jaxagent.trainer import compute_advantages, to_train_batch
+from jaxagent.train.build import expand_algorithm
+from jaxagent.train.loop import compute_advantages, to_train_batch
 from rollouts.agent import AgentOptions, ToolEnvironment
 from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
 from rollouts.agent.feedback import action_spans
@@ -58,7 +59,7 @@ def test_producer_batches_groups_and_train_rows_mask_only_policy_tokens():
         assert len(r.completion) == len(mask) == len(r.logprobs) and mask[0] and not mask.all()
         assert np.all(np.asarray(r.logprobs)[~mask] == 0.0)
     assert not batch.valid().any()
-    _, keep = compute_advantages(RLConfig(group_size=2), batch, 16)
+    _, keep = compute_advantages(expand_algorithm(RLConfig(group_size=2)), batch, 16)
     assert not keep.any()
 
     # With every row kept, the loss mask is the policy mask, shifted onto the targets.

