@@ -55,32 +55,34 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()))
         return out["state"], out["extra"]
 
-    def restore_newest(self, like: Any, report: Callable[[str], None] = print
-                       ) -> tuple[int, Any, dict] | None:
+    def restore_newest(self, like: Any, report: Callable[[str], None] = print, *,
+                       set_aside: bool = True) -> tuple[int, Any, dict] | None:
         """(step, state, extra) of the newest checkpoint that restores, None when there is none.
 
-        A newer one that fails is reported through `report` in one line and moved to
-        `<directory>.corrupt/<step>` (kept for inspection; out of the way of the next save of
-        that step). When every checkpoint fails, CheckpointError says so in one line.
+        A newer one that fails is reported through `report` in one line and, with `set_aside`
+        (a run that will save again), moved to `<directory>.corrupt/<step>` (kept for
+        inspection; out of the way of the next save of that step). When every checkpoint
+        fails, CheckpointError says so in one line.
         """
         failed = []
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
                 state, extra = self.restore(step, like)
             except Exception as e:  # orbax and tensorstore raise many types for damaged files
-                kept = self._set_aside(step)
+                kept = f"moved to {self._set_aside(step)}" if set_aside else "skipped"
                 report(f"checkpoint step {step} does not restore ({_one_line(e)}); "
-                       f"moved to {kept}, trying the previous one")
+                       f"{kept}, trying the previous one")
                 failed.append(step)
                 continue
-            if failed:
+            if failed and set_aside:
                 self._manager.reload()
             return step, state, extra
-        if failed:
+        if failed and set_aside:
             self._manager.reload()
-            raise CheckpointError(
-                f"{self.directory}: no checkpoint restores (steps {', '.join(map(str, failed))} "
-                f"failed and were moved to {self.directory}.corrupt)")
+        if failed:
+            where = f" and were moved to {self.directory}.corrupt" if set_aside else ""
+            raise CheckpointError(f"{self.directory}: no checkpoint restores (steps "
+                                  f"{', '.join(map(str, failed))} failed{where})")
         return None
 
     def _set_aside(self, step: int) -> Path:

@@ -300,6 +300,9 @@ class SFTConfig:
 class CheckpointConfig:
     every: int = 25  # steps; 0 = only at the end
     keep: int = 3
+    # resume with changed train.steps / logging / eval / checkpoint settings (any other change
+    # to a run's config is refused: jaxagent.workdir.check_resume_config)
+    allow_changes: bool = False
 
 
 @dataclass(frozen=True)

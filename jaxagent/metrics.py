@@ -25,6 +25,15 @@ def read_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
+def trim_jsonl(path: str | Path, last_step: int | None) -> None:
+    """Keep the rows of a run's JSONL log up to step `last_step` (a resume's checkpoint); None
+    keeps none (a fresh run). Rows trained after the checkpoint, and a line cut short by a
+    kill, are dropped, so a resumed run logs each step once."""
+    path = Path(path)
+    rows = [] if last_step is None else [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 class MetricsWriter:
     """Appends metrics rows; on resume from `resume_step`, rows of later steps (trained after
     the last checkpoint, before a crash) are dropped so each step appears once."""
@@ -37,12 +46,7 @@ class MetricsWriter:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        rows = read_metrics(self.path)
-        if resume_step is not None:
-            rows = [r for r in rows if r.get("step", 0) <= resume_step]
-        else:
-            rows = []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        trim_jsonl(self.path, resume_step)
         if tensorboard:
             from tensorboardX import SummaryWriter
 

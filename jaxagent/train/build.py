@@ -24,7 +24,8 @@ from rollouts.producer import RolloutProducer
 from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
-from rollouts.tasks.deletion import load_deletion_task
+from rollouts.tasks.deletion import load_deletion_tasks
+from rollouts.tasks.task import TaskFormatError
 from rollouts.tasks.humaneval import humaneval_tasks
 from rollouts.tasks.source import ProcessShare
 from rollouts.tools import MemoryStore, NgramEmbedding
@@ -220,11 +221,10 @@ def load_task_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
 
 def load_agent_tasks(cfg: Config) -> list[Task]:
     """The repository tasks under `agent.tasks` (DIR/ID/task.json)."""
-    root = Path(cfg.agent.tasks)
-    dirs = sorted(p for p in root.iterdir() if (p / "task.json").is_file()) if root.is_dir() else []
-    if not dirs:
-        raise ConfigError(f"agent.tasks: no DIR/ID/task.json under {root}")
-    return [load_deletion_task(d) for d in dirs]
+    try:
+        return load_deletion_tasks(cfg.agent.tasks)
+    except TaskFormatError as e:
+        raise ConfigError(f"agent.tasks: {e}") from None
 
 
 def run_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:

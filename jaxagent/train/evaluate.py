@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from jaxagent.checkpoint import Checkpointer
+from jaxagent.checkpoint import CheckpointError, Checkpointer
 from jaxagent.config import Config, load_config
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.optim import make_optimizer
@@ -49,12 +49,14 @@ def load_policy(cfg: Config, checkpoint: str | None):
         run_cfg = load_config(path / "config.yaml")
         model, tokenizer = load_model_and_tokenizer(run_cfg)
         graphdef, params = nnx.split(model)
+        tx = make_optimizer(run_cfg.optim, run_cfg.train.steps)
+        like = {"params": params, "opt_state": tx.init(params),
+                **({"ref_params": params} if run_cfg.rl.kl_coef else {})}  # as the run saved
         with closing(Checkpointer(path / "checkpoints")) as ckpt:
-            step = ckpt.latest_step()
-            if step is None:
-                raise ValueError(f"{path / 'checkpoints'}: no complete checkpoint")
-            tx = make_optimizer(run_cfg.optim, run_cfg.train.steps)
-            state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
+            resumed = ckpt.restore_newest(like, set_aside=False)  # evaluating changes nothing
+        if resumed is None:
+            raise CheckpointError(f"{path / 'checkpoints'}: no complete checkpoint")
+        state = resumed[1]
         return nnx.merge(graphdef, state["params"]), tokenizer, run_cfg
     model, tokenizer = load_model_and_tokenizer(cfg, checkpoint)
     return model, tokenizer, cfg

@@ -36,7 +36,7 @@ from rich.progress import Progress
 from jaxagent import rl
 from jaxagent.checkpoint import Checkpointer
 from jaxagent.config import Config, RLConfig, save_config
-from jaxagent.metrics import MetricsWriter, plot_curves
+from jaxagent.metrics import MetricsWriter, plot_curves, trim_jsonl
 from jaxagent.models import sees_all_segments
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_feedback,
@@ -46,6 +46,7 @@ from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_o
                                   rl_layout, run_tasks, task_stream, validate)
 from jaxagent.train.evaluate import held_out_pass_at_k
 from jaxagent.train.sft import sft
+from jaxagent.workdir import check_resume_config, workdir_lock
 from rollouts.agent.feedback import turn_examples
 from rollouts.orchestrator import Orchestrator, WeightStore
 from rollouts.producer import RolloutBatch
@@ -57,29 +58,45 @@ from sharding.layout import Layout
 
 
 def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dict:
-    """RL (after the SFT warm-up) as configured. `task_iter`: the training tasks, an iterator
-    with get_state/set_state (default: grain over the config's training split)."""
-    # Set up: the resolved config (saved with the run), the model and its update, the tasks.
+    """RL (after the SFT warm-up) as configured, one run per workdir (a second refuses at once,
+    naming the holder). `task_iter`: the training tasks, an iterator with get_state/set_state
+    (default: grain over the config's training split)."""
     cfg = validate(cfg)
     layout = rl_layout(cfg)
+    console = console or Console(stderr=True)
+    with workdir_lock(cfg.workdir, jax.process_index(), jax.process_count(), console.print):
+        try:
+            return run_rl(cfg, layout, console, task_iter)
+        except KeyboardInterrupt:
+            step = Checkpointer(Path(cfg.workdir) / "checkpoints").latest_step()
+            console.print(f"interrupted: the run resumes from checkpoint step {step}" if step
+                          is not None else "interrupted before the first checkpoint")
+            raise
+
+
+def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
+    # Set up: the resolved config (checked against a checkpoint's, then saved with the run), the
+    # model and its update, the tasks.
     workdir, t = Path(cfg.workdir), cfg.train
-    workdir.mkdir(parents=True, exist_ok=True)
+    check_resume_config(cfg, workdir)
     save_config(cfg, workdir / "config.yaml")
     model, tokenizer = load_model_and_tokenizer(cfg)
     learner, state = Learner.create(cfg, model, tokenizer, layout)
     train_tasks, eval_tasks = run_tasks(cfg)
     task_iter = task_stream(cfg, train_tasks) if task_iter is None else task_iter
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep)
-    start = ckpt.latest_step()
-    console = console or Console(stderr=True)
+    # The newest checkpoint that restores (a damaged one is set aside, never deleted).
+    resumed = ckpt.restore_newest(state.arrays(), report=console.print)
+    start = resumed[0] if resumed else None
+    trim_jsonl(workdir / "rollouts.jsonl", start)
     with (closing(ckpt), make_scorer(cfg) as scorer,
           closing(MetricsWriter(workdir, resume_step=start, enabled=is_leader())) as metrics,
           make_progress(console) as progress,
           (workdir / "rollouts.jsonl").open("a") as rollouts_file):
         log = Log(metrics, rollouts_file, console, progress, t.log_rollouts)
         # Restore the newest checkpoint, or warm up (SFT) and save step 0.
-        if start is not None:
-            state, queued = restore(ckpt, start, state, task_iter)
+        if resumed:
+            state, queued = restored(*resumed[1:], task_iter)
             console.print(f"Resuming from checkpoint step {start} in {ckpt.directory}")
         else:
             start, queued = 0, []
@@ -211,11 +228,9 @@ def warm_up(cfg: Config, learner: Learner, state: TrainState, train_tasks, progr
     return dataclasses.replace(state, params=params, ref_params=kl_reference(cfg, params))
 
 
-def restore(ckpt: Checkpointer, step: int, like: TrainState,
-            task_iter) -> tuple[TrainState, list[RolloutBatch]]:
-    """(the state saved at `step`, the scored batches queued then); the task iterator is
+def restored(arrays: dict, extra: dict, task_iter) -> tuple[TrainState, list[RolloutBatch]]:
+    """(the state a checkpoint saved, the scored batches queued then); the task iterator is
     put back where it was."""
-    arrays, extra = ckpt.restore(step, like.arrays())
     task_iter.set_state(extra["data"])
     return (TrainState(arrays["params"], arrays["opt_state"], arrays.get("ref_params")),
             [RolloutBatch.from_json(b) for b in extra.get("queued", [])])

@@ -39,12 +39,14 @@ def losses(workdir):
 
 def test_kill_and_resume_trains_each_step_once(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    kl = "rl.kl_coef=0.5"  # against the post-SFT weights: the resumed run must have them too
+    # KL against the post-SFT weights (the resumed run must have them too); the entropy bonus
+    # moves the policy off them even when every reward of the tiny model is 0
+    kl = ("rl.kl_coef=0.5", "rl.entropy_coef=0.05")
     straight = tmp_path / "straight"
-    subprocess.run(train_cmd(straight, kl), check=True, env=env, capture_output=True)
+    subprocess.run(train_cmd(straight, *kl), check=True, env=env, capture_output=True)
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(run, kl), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_cmd(run, *kl), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (run / "checkpoints" / "2").is_dir():
@@ -52,7 +54,7 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed = subprocess.run(train_cmd(run, kl), check=True, env=env, capture_output=True,
+    resumed = subprocess.run(train_cmd(run, *kl), check=True, env=env, capture_output=True,
                              text=True)
     assert "Resuming from checkpoint step" in resumed.stderr
 

@@ -1,0 +1,65 @@
+"""Runs never lose or corrupt work: one run per workdir, a changed config is refused before
+anything is written, a damaged newest checkpoint falls back to the previous one, and logs
+hold each step once after a resume."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from jaxagent.cli import main
+from jaxagent.config import load_config, save_config
+from jaxagent.metrics import read_metrics
+from jaxagent.workdir import workdir_lock
+
+TINY = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=48",
+        "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+        "sft.steps=2", "sft.batch_size=8", "train.steps=2", "train.prompts_per_step=2",
+        "rl.group_size=4", "train.max_new_tokens=8", "tasks.num_train=20", "tasks.num_eval=0",
+        "eval.every=0", "checkpoint.every=1", "rewards.workers=1", "train.log_rollouts=2",
+        "sampler.prompt_bucket=64", "sampler.cache_bucket=16"]
+
+
+def test_a_busy_workdir_is_refused_naming_the_holder(tmp_path, capsys):
+    with workdir_lock(tmp_path):
+        assert main(["train", *TINY, f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"in use by a run on {socket.gethostname()} pid {os.getpid()}" in err
+    assert err.count("\n") == 1 and not (tmp_path / "config.yaml").exists()
+
+
+def test_a_changed_config_is_refused_before_anything_is_written(tmp_path, capsys):
+    from jaxagent.train.build import validate
+
+    # what a run saves: the resolved config
+    save_config(validate(load_config(None, [*TINY, f"workdir={tmp_path}"])), tmp_path / "config.yaml")
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    saved = (tmp_path / "config.yaml").read_text()
+    assert main(["train", *TINY, "model.num_layers=2", "rl.clip_high=0.3", f"workdir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "resuming a run with a different config (model.num_layers: 1 -> 2; rl.clip_high:" in err
+    assert err.count("\n") == 1 and (tmp_path / "config.yaml").read_text() == saved
+    assert main(["train", *TINY, "train.steps=5", f"workdir={tmp_path}"]) == 2
+    assert "(train.steps: 2 -> 5); pass checkpoint.allow_changes=true" in capsys.readouterr().err
+
+
+def _damage(checkpoint):
+    for f in (checkpoint / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and not f.name.startswith("_"):
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+
+
+def test_a_damaged_checkpoint_falls_back_and_logs_stay_once_per_step(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *TINY, f"workdir={run}"]) == 0
+    _damage(run / "checkpoints" / "2")
+    capsys.readouterr()
+    assert main(["train", *TINY, "train.steps=3", "checkpoint.allow_changes=true",
+                 f"workdir={run}"]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoint step 2 does not restore" in err and "Resuming from checkpoint step 1" in err
+    assert (run / "checkpoints.corrupt" / "2").is_dir()  # set aside, never deleted
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r]
+    assert steps == [1, 2, 3]
+    logged = [r["step"] for r in read_metrics(run / "rollouts.jsonl")]
+    assert logged == [1, 1, 2, 2, 3, 3]  # step 2's rollouts from the first run were dropped
