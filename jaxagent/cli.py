@@ -31,11 +31,12 @@ def _load_config(args):
 def _cmd_generate(args) -> int:
     from rich.console import Console
 
-    from jaxagent.train.build import load_model_and_tokenizer, make_sampler
+    from jaxagent.train.build import make_sampler
+    from jaxagent.train.evaluate import load_policy
 
     console = Console(stderr=True)
-    cfg = _load_config(args)
-    model, tokenizer = load_model_and_tokenizer(cfg, args.model)
+    # an HF directory, or a run's workdir (its newest checkpoint, with the run's own config)
+    model, tokenizer, cfg = load_policy(_load_config(args), args.model)
     if args.model is None and cfg.init_from is None:
         console.print("[yellow]No --model or checkpoint: sampling the tiny default model at "
                       "random init.[/yellow]")
@@ -259,7 +260,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample a completion from a model",
                        description="Sample completions of a prompt (tiny default model "
                                    "without --model).")
-    p.add_argument("--model", help="HF checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--model", help="HF checkpoint directory (config.json + *.safetensors), or a "
+                                    "training run's workdir (its newest checkpoint)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-new-tokens", type=int)

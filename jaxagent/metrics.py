@@ -1,5 +1,6 @@
 """Run metrics: `workdir/metrics.jsonl` (one object per line: `step` + namespaced keys),
-TensorBoard event files, and a PNG of the reward and eval curves.
+TensorBoard event files, a PNG of the reward and eval curves, and progress that shows in a log
+file as well as on a terminal.
 
 Only the writer's owner (process 0 in a multi-host run) should write; others pass
 `enabled=False` and every call becomes a no-op.
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
+
+from rich.progress import Progress
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -97,3 +101,34 @@ def plot_curves(metrics_path: str | Path, out: str | Path,
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return Path(out)
+
+
+class LogProgress(Progress):
+    """Rich progress bars on a terminal; elsewhere (a log file, CI, `nohup`), where bars are
+    drawn only at the end, one plain line per task at most every `every_s` seconds (and when a
+    task finishes), so a log shows progress as it happens."""
+
+    def __init__(self, *columns, every_s: float = 10.0, **kwargs):
+        super().__init__(*columns, **kwargs)
+        self.every_s = every_s
+        self._printed: dict = {}
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        self._plain(task_id)
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._plain(task_id)
+
+    def _plain(self, task_id) -> None:
+        if self.disable or self.console.is_terminal:
+            return
+        task, now = self._tasks[task_id], time.monotonic()
+        if now - self._printed.get(task_id, -math.inf) < self.every_s and not task.finished:
+            return
+        self._printed[task_id] = now
+        total = f"/{task.total:.0f}" if task.total is not None else ""
+        info = task.fields.get("info", "")
+        self.console.print(f"{task.description} {task.completed:.0f}{total} "
+                           f"({task.elapsed or 0:.0f}s) {info}".rstrip(), highlight=False)

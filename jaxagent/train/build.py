@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxagent.config import Config, ConfigError, RLConfig, SamplerConfig
+from jaxagent.metrics import LogProgress
 from jaxagent.models import from_pretrained, init_model, sees_all_segments
 from jaxagent.models.hf import CheckpointError
 from jaxagent.rl import algorithms
@@ -48,6 +49,8 @@ def validate(cfg: Config) -> Config:
     t, r = cfg.train, cfg.rl
     checks = [
         (t.steps >= 1, "train.steps", "must be >= 1"),
+        (cfg.sft.steps >= 0, "sft.steps", "must be >= 0 (0: no warm-up)"),
+        (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
         (t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1"),
         (r.group_size >= 2, "rl.group_size", "must be >= 2 (advantages compare a group)"),
         (t.micro_batch == 0 or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,
@@ -171,10 +174,10 @@ def make_scorer(cfg: Config) -> Scorer:
 
 
 def make_progress(console: Console | None = None) -> Progress:
-    """The progress bars (process 0 only)."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
-                    console=console, disable=jax.process_index() != 0)
+    """The progress bars (process 0 only; plain lines when stderr is not a terminal)."""
+    return LogProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                       console=console, disable=jax.process_index() != 0)
 
 
 def loss_options(cfg: Config) -> LossOptions:
@@ -214,6 +217,13 @@ def load_task_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
                                            families=families) if held_out(x)]
         return train, held[:t.num_eval]
     tasks = humaneval_tasks() if t.source == "humaneval" else load_jsonl_tasks(t.path)
+    where = "humaneval" if t.source == "humaneval" else t.path
+    if not tasks:
+        raise ConfigError(f"tasks.path: {where} holds no tasks")
+    if t.num_eval >= len(tasks):
+        raise ConfigError(f"tasks.num_eval: {t.num_eval} held-out tasks would leave none of the "
+                          f"{len(tasks)} in {where} to train on; set tasks.num_eval below "
+                          f"{len(tasks)}")
     order = np.random.default_rng(cfg.seed).permutation(len(tasks))
     held = [tasks[i] for i in order[:t.num_eval]]
     return [tasks[i] for i in order[t.num_eval:]], held

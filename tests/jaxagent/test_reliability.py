@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
+
 from jaxagent.cli import main
 from jaxagent.config import load_config, save_config
 from jaxagent.metrics import read_metrics
@@ -63,3 +65,25 @@ def test_a_damaged_checkpoint_falls_back_and_logs_stay_once_per_step(tmp_path, c
     assert steps == [1, 2, 3]
     logged = [r["step"] for r in read_metrics(run / "rollouts.jsonl")]
     assert logged == [1, 1, 2, 2, 3, 3]  # step 2's rollouts from the first run were dropped
+    # a run's workdir is a model for generate, as for eval
+    assert main(["generate", "--model", str(run), "--prompt", "def f(", "--max-new-tokens", "4"]) == 0
+
+
+@pytest.mark.parametrize("lines, overrides, message", [
+    (20, [], "tasks.num_eval: 200 held-out tasks would leave none of the 20 in"),
+    (0, ["tasks.num_eval=0"], "holds no tasks"),
+    (20, ["tasks.num_eval=5", "sft.steps=-3"], "sft.steps: must be >= 0"),
+])
+def test_small_or_empty_task_files_and_bad_counts_are_one_line(tmp_path, capsys, lines, overrides,
+                                                              message):
+    import json
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"task_id": i, "prompt": "def f(x):\n", "entry_point": "f",
+                                         "tests": ["assert f(1) == 1"], "reference": "    return x\n"})
+                             + "\n" for i in range(lines)))
+    small = [o for o in TINY if not o.startswith("tasks.num_eval")]
+    assert main(["train", *small, "tasks.source=jsonl", f"tasks.path={tasks}", *overrides,
+                 f"workdir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
