@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,9 @@ import numpy as np
 from jaxagent.models.llama import KVCache
 from rollouts.sampler.programs import _decode_segment, _first_tokens, _grow_cache
 from rollouts.sampler.sampling import _SamplingMode
+
+if TYPE_CHECKING:
+    from rollouts.sampler.sampler import Sampler
 
 _MAX_STOP_IDS = 8
 
@@ -116,7 +120,7 @@ def reserve(cache: KVCache, used: int, needed: int, config, bucket: int) -> KVCa
     return cache
 
 
-def decode(sampler, sampling: Sampling, key, cache: KVCache, logits, rows: np.ndarray,
+def decode(sampler: Sampler, sampling: Sampling, key, cache: KVCache, logits, rows: np.ndarray,
            positions, *, used: int, before: Callable[[dict], dict] | None = None,
            after: Callable[[dict], None] | None = None) -> tuple[dict, int, int]:
     """Sample each row's first token from `logits` [B, V], then decode onto `cache` (`used`
@@ -130,7 +134,7 @@ def decode(sampler, sampling: Sampling, key, cache: KVCache, logits, rows: np.nd
     token's included) and the row-steps decoded."""
     first, first_lp, done = _first_tokens(logits, rows, key, sampling.temperature,
                                           sampling.top_p, sampling.stop_ids, mode=sampling.mode)
-    batch, max_new = rows.shape[0], _round_up(sampling.max_new_tokens, 64)
+    batch, max_new = rows.shape[0], _round_up(sampling.max_new_tokens, 64)  # a bucketed buffer
     state = {
         "cache": cache,
         "tokens": jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(first),

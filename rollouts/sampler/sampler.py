@@ -1,4 +1,4 @@
-"""`Sampler`: completions for a batch of token prompts, prefix-shared prefill, compacted decoding."""
+"""`Sampler`: completions for a batch of prompts; prefix-shared prefill, compacted decoding."""
 
 from __future__ import annotations
 
@@ -153,9 +153,10 @@ class Sampler(DocumentPrompts):
             self._collect(state, np.asarray(state["done"]), results)
             report()
 
+        compact = functools.partial(self._maybe_compact, results=results)
         state, _, decode_rows = decode(
             self, sampling, key, cache, logits, rows, next_positions[source], used=cache.size,
-            before=functools.partial(self._maybe_compact, results=results) if self.compact else None,
+            before=compact if self.compact else None,
             after=report_finished if on_finish is not None else None)
         self._collect(state, np.ones(state["done"].shape[0], bool), results)
         if on_finish is not None:
