@@ -1,7 +1,8 @@
 """JAX-native sampler: jitted prefill and decode over a preallocated, growing KV cache.
 
-Letters: B batch rows, P prompts, G samples per prompt, L prompt length, S cache slots,
-N generated-token buffer, V vocab.
+Letters (all modules): B batch rows, P prompts, G samples per prompt, L prompt length, S cache
+slots, N generated-token buffer, V vocab; for document KVs (`rollouts/kv_store.py`) also Y layers,
+K kv heads, H head dim, W document slots per row.
 
 How a call runs:
 1. Prompts are left-padded to a bucketed length L (segment id 0 marks padding), so every row

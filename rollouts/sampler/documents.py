@@ -1,6 +1,5 @@
 """Document prompts: each row's cache assembled from stored document KVs (`rollouts/kv_store.py`),
-then its prompt prefilled onto them. Letters: Y layers, K kv heads, H head dim, W document slots
-per row."""
+then its prompt prefilled onto them."""
 
 from __future__ import annotations
 
