@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import time
 from collections.abc import Callable
 
@@ -23,9 +24,16 @@ from rollouts.sampler.decode import (
 )
 from rollouts.sampler.documents import DocumentPrompts
 from rollouts.sampler.programs import _prefill, _take_rows
-from rollouts.sampler.threads import generate_in_threads, host_shards
+from rollouts.sampler.threads import generate_in_threads
 
 _WEIGHTS_IDS = itertools.count()  # a fresh id per weights a sampler holds (KV store keys)
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one: Linux)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class Sampler(DocumentPrompts):
@@ -103,7 +111,7 @@ class Sampler(DocumentPrompts):
                                 key=jax.random.key(seed))
         # Documents share the KV store: one thread.
         shards = (1 if documents is not None
-                  else host_shards(self, len(prompts) * num_samples, len(prompts)))
+                  else self.host_shards(len(prompts) * num_samples, len(prompts)))
         if on_finish is not None and row_offset:
             report = on_finish
             on_finish = lambda row, *rest: report(row - row_offset, *rest)  # noqa: E731
@@ -111,6 +119,17 @@ class Sampler(DocumentPrompts):
             return run(prompts, documents, row_offset, on_finish)
         return generate_in_threads(run, prompts, shards, num_samples, row_offset, on_finish,
                                    self.tokenizer)
+
+    def host_shards(self, rows: int, groups: int) -> int:
+        """Threads to split `rows` decoding rows (in `groups` that stay whole) over: on a CPU
+        backend with single-device weights (a mesh's programs must not interleave), at least
+        `batch_bucket` rows each."""
+        if jax.default_backend() != "cpu":
+            return 1
+        if any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(self.params)):
+            return 1
+        threads = self.host_threads or _usable_cores()
+        return max(1, min(threads, groups, rows // self.batch_bucket))
 
     def _generate(self, prompts, documents, row_offset: int, on_finish, *, num_samples: int,
                   sampling: Sampling, key) -> SampleOutput:

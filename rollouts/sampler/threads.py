@@ -4,13 +4,11 @@ global, so the keys (per step and row) and outputs are those of one thread."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 
 from rollouts.sampler.continuation import Continuation
@@ -18,25 +16,6 @@ from rollouts.sampler.decode import SampleOutput
 
 if TYPE_CHECKING:
     from rollouts.sampler.sampler import Sampler
-
-
-def _usable_cores() -> int:
-    """Cores this process may run on (the affinity mask where the OS has one: Linux)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def host_shards(sampler: Sampler, rows: int, groups: int) -> int:
-    """Threads to split `rows` decoding rows (in `groups` that stay whole) over: on a CPU
-    backend with single-device weights (a mesh's programs must not interleave), at least
-    `batch_bucket` rows each."""
-    if jax.default_backend() != "cpu":
-        return 1
-    if any(len(x.sharding.device_set) > 1 for x in jax.tree.leaves(sampler.params)):
-        return 1
-    threads = sampler.host_threads or _usable_cores()
-    return max(1, min(threads, groups, rows // sampler.batch_bucket))
 
 
 def generate_in_threads(run, prompts, shards: int, num_samples: int, row_offset: int, on_finish,
@@ -65,7 +44,7 @@ def generate_in_threads(run, prompts, shards: int, num_samples: int, row_offset:
 
 class ThreadedContinuation:
     """`Continuation`'s interface over parts that each hold a range of the slots with their own
-    cache, turned in parallel host threads (CPU, see `host_shards`). Slot i samples with the
+    cache, turned in parallel host threads (CPU, see `Sampler.host_shards`). Slot i samples with the
     keys of row i, so the actions are those of one `Continuation`."""
 
     def __init__(self, sampler: Sampler, slots: int, parts: int, **kwargs):
@@ -107,7 +86,7 @@ class ThreadedContinuation:
 def continuation(sampler: Sampler, slots: int, **kwargs) -> Continuation | ThreadedContinuation:
     """A `Continuation` of `slots` episodes, split over host threads where the sampler would
     split a batch of that many rows."""
-    parts = host_shards(sampler, slots, slots)
+    parts = sampler.host_shards(slots, slots)
     if parts == 1:
         return Continuation(sampler, slots, **kwargs)
     return ThreadedContinuation(sampler, slots, parts, **kwargs)
