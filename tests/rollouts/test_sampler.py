@@ -433,7 +433,8 @@ def test_row_offset_samples_a_share_of_a_global_batch(model):
     second = Sampler(model, **OPTS).generate(prompts[2:], row_offset=4, **kwargs,
                                              on_finish=lambda row, *_: seen.append(row))
     assert second.tokens == whole.tokens[4:]
-    np.testing.assert_allclose(np.concatenate(second.logprobs), np.concatenate(whole.logprobs[4:]))
+    np.testing.assert_allclose(np.concatenate(second.logprobs), np.concatenate(whole.logprobs[4:]),
+                               rtol=1e-5, atol=1e-6)  # another batch shape: float32 rounding
     assert sorted(seen) == [0, 1, 2, 3]  # reported rows count from 0
     unshifted = Sampler(model, **OPTS).generate(prompts[2:], **kwargs)
     assert unshifted.tokens != whole.tokens[4:]
