@@ -94,20 +94,21 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
           make_progress(console) as progress,
           (workdir / "rollouts.jsonl").open("a") as rollouts_file):
         log = Log(metrics, rollouts_file, console, progress, t.log_rollouts)
-        # Restore the newest checkpoint, or warm up (SFT) and save step 0.
+        # Restore the newest checkpoint, or warm up (SFT).
         if resumed:
             state, queued = restored(*resumed[1:], task_iter)
             console.print(f"Resuming from checkpoint step {start} in {ckpt.directory}")
         else:
             start, queued = 0, []
             state = warm_up(cfg, learner, state, train_tasks, progress, metrics)
-            ckpt.save(0, state.arrays(), {"step": 0, "data": task_iter.get_state()})
         # The producer thread's sampler, and one for evaluation in this thread.
         sampler, eval_sampler = (make_sampler(layout.sampler_model(learner.graphdef, state.params),
                                               tokenizer, cfg) for _ in range(2))
         evaluate = HeldOutEval(cfg, layout, eval_sampler, tokenizer, scorer, eval_tasks, log)
-        if start == 0 and eval_tasks:
-            evaluate(0, state.params)
+        if not resumed:  # evaluate, then save step 0: a kill between them repeats the evaluation
+            if eval_tasks:
+                evaluate(0, state.params)
+            ckpt.save(0, state.arrays(), {"step": 0, "data": task_iter.get_state()})
         producer = make_producer(cfg, sampler, tokenizer, scorer, task_iter)
         weights = WeightStore.like(sampler.params)
         weights.publish(start, layout.sampler_params(state.params))
@@ -131,10 +132,13 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < t.steps:
                     evaluate(done, state.params)
                 # Checkpoint: the state, and the batches the next k steps train.
-                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == t.steps:
+                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.steps:
                     ckpt.save(done, state.arrays(), {"step": done, **orchestrator.snapshot(done)})
-        if eval_tasks and start < t.steps:
-            evaluate(t.steps, state.params)
+            if start < t.steps:  # evaluate, then save the last step (as at step 0)
+                if eval_tasks:
+                    evaluate(t.steps, state.params)
+                ckpt.save(t.steps, state.arrays(), {"step": t.steps,
+                                                    **orchestrator.snapshot(t.steps)})
     if is_leader():
         plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
     return log.summary

@@ -87,3 +87,76 @@ def test_small_or_empty_task_files_and_bad_counts_are_one_line(tmp_path, capsys,
                  f"workdir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection: SIGKILL at random moments (start-up, SFT, sampling, rewards, the update, a
+# checkpoint save), resume, repeat; the finished run must equal an uninterrupted one.
+
+FAULT_RUN = [o for o in TINY if not o.startswith(("train.steps", "tasks.num_eval", "eval.every"))] + [
+    "train.steps=4", "tasks.num_eval=3", "eval.samples=2", "eval.every=2"]
+
+
+def _train(workdir):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "jaxagent.cli", "train", *FAULT_RUN,
+                             f"workdir={workdir}"], env={**os.environ, "XLA_FLAGS": ""},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _run_with_kills(workdir, kills: int, seed: int) -> int:
+    """Train to the end, SIGKILLing the run `kills` times at random moments; the kills that
+    landed (a run may finish before its kill)."""
+    import random
+    import signal
+    import subprocess
+
+    rng, landed = random.Random(seed), 0
+    while True:
+        proc = _train(workdir)
+        try:
+            _, err = proc.communicate(timeout=rng.uniform(0.5, 12.0) if landed < kills else 600)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+            landed += 1
+            continue
+        assert proc.returncode == 0, err[-2000:]
+        return landed
+
+
+def _record(workdir):
+    rows = read_metrics(workdir / "metrics.jsonl")
+    return ([(r["step"], r["train/loss"], r["rollout/reward_mean"]) for r in rows if "train/loss" in r],
+            [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r],
+            [r["step"] for r in read_metrics(workdir / "rollouts.jsonl")])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    assert _run_with_kills(workdir, 0, 0) == 0
+    return _record(workdir)
+
+
+def _check_survives(tmp_path, uninterrupted, kills, seed):
+    landed = _run_with_kills(tmp_path, kills, seed)
+    got = _record(tmp_path)
+    losses, evals, logged = got
+    assert [s for s, *_ in losses] == [1, 2, 3, 4] and [s for s, _ in evals] == [0, 2, 4]
+    assert logged == sorted(logged) and set(logged) == {1, 2, 3, 4}
+    assert got == uninterrupted  # same updates, evaluations and logged rollouts
+    assert not (tmp_path / "checkpoints.corrupt").exists()
+    assert max(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == 4
+    return landed
+
+
+def test_runs_survive_kills(tmp_path, uninterrupted):
+    assert _check_survives(tmp_path, uninterrupted, kills=2, seed=1) >= 1
+
+
+@pytest.mark.slow
+def test_runs_survive_twenty_kills(tmp_path, uninterrupted):
+    assert _check_survives(tmp_path, uninterrupted, kills=20, seed=2) == 20
