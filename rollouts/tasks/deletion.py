@@ -293,7 +293,7 @@ def load_deletion_tasks(root: str | Path) -> list[Task]:
     root = Path(root)
     dirs = sorted(p for p in root.iterdir() if (p / "task.json").is_file()) if root.is_dir() else []
     if not dirs:
-        raise TaskFormatError(f"{root}: no ID/task.json under it (a directory of deletion tasks)")
+        raise TaskFormatError(f"no DIR/ID/task.json under {root}")
     return [load_deletion_task(d) for d in dirs]
 
 
