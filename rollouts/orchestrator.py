@@ -38,20 +38,27 @@ class Closed(RuntimeError):
 class WeightStore:
     """Versioned copies of the policy's parameters on the sampler's devices."""
 
-    def __init__(self, shardings):
+    def __init__(self, shardings, dtypes=None):
         self.shardings = shardings  # a pytree of shardings, like the params
+        # the sampler's dtypes (its compute dtype: float32 masters are published as bfloat16
+        # copies, half the bytes); None keeps the published dtypes
+        self.dtypes = dtypes
         self._versions: dict[int, Any] = {}
         self._cond = threading.Condition()
         self._closed = False
 
     @classmethod
     def like(cls, params) -> WeightStore:
-        """A store whose copies keep `params`' shardings (the sampler's current weights)."""
-        return cls(jax.tree.map(lambda x: x.sharding, params))
+        """A store whose copies keep `params`' shardings and dtypes (the sampler's weights)."""
+        return cls(jax.tree.map(lambda x: x.sharding, params),
+                   jax.tree.map(lambda x: x.dtype, params))
 
     def publish(self, version: int, params) -> float:
-        """Copy `params` to the sampler's shardings as `version`; returns the seconds taken."""
+        """Copy `params` to the sampler's shardings (and dtypes) as `version`; returns the
+        seconds taken."""
         t0 = time.perf_counter()
+        if self.dtypes is not None:  # cast where the masters are, then move the smaller copy
+            params = jax.tree.map(lambda x, d: x.astype(d), params, self.dtypes)
         copy = jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False),
                             params, self.shardings)
         jax.block_until_ready(copy)

@@ -3,12 +3,13 @@
 from jaxagent.models.attention import BACKENDS, register_backend
 from jaxagent.models.documents import document_layout
 from jaxagent.models.hf import CheckpointError, from_pretrained, read_config, save_pretrained
-from jaxagent.models.llama import (Decoder, KVCache, init_model, logical_axes,
+from jaxagent.models.llama import (Decoder, KVCache, compute_weights, init_model, logical_axes,
                                    sees_all_segments)
 
 __all__ = [
     "BACKENDS",
     "CheckpointError",
+    "compute_weights",
     "Decoder",
     "document_layout",
     "KVCache",

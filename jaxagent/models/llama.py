@@ -499,6 +499,16 @@ def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
     return nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
 
 
+def compute_weights(params, cfg: ModelConfig):
+    """`params` with every floating leaf in the compute dtype (`cfg.dtype`). Every layer casts
+    its weights to that dtype before use, so a model run on these gives the same numbers as on
+    float32 masters; the sampler keeps this copy (half the bytes to publish and to read per
+    decode step)."""
+    dt = jnp.dtype(cfg.dtype)
+    return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        params)
+
+
 def logical_axes(model: nnx.Module) -> dict:
     """{parameter path: logical axis names}, for `sharding/` to map onto a mesh."""
     return {

@@ -154,7 +154,9 @@ class MoE(nnx.Module):
         tokens = x.reshape(b * t, d)
         logits = jnp.einsum("ND,DE->NE", tokens, self.router[...].astype(x.dtype))
         weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        w = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        # in the compute dtype, as every other layer (float32 masters, bfloat16 compute)
+        w = (self.w_gate[...].astype(x.dtype), self.w_up[...].astype(x.dtype),
+             self.w_down[...].astype(x.dtype))
         if cfg.moe_dispatch == "capacity":
             y = capacity_experts(tokens, weights, experts, *w, keep=mask.reshape(-1),
                                  factor=cfg.capacity_factor)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxagent.models import compute_weights
 from rollouts.kv_store import KVStore
 from rollouts.sampler.decode import (
     SampleOutput,
@@ -48,7 +49,8 @@ class Sampler(DocumentPrompts):
                  batch_bucket: int = 8, segment_steps: int = 32, prefix_sharing: bool = True,
                  compact: bool = True, kv_store: KVStore | None = None,
                  host_threads: int | None = None):
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
+        self.params = compute_weights(params, model.config)  # sampling needs no float32 masters
         self._weights_id = next(_WEIGHTS_IDS)
         self.kv_store = KVStore() if kv_store is None else kv_store
         self.config = model.config
@@ -67,7 +69,7 @@ class Sampler(DocumentPrompts):
         params = model_or_params
         if isinstance(model_or_params, nnx.Module):
             params = nnx.state(model_or_params)
-        self.params = params
+        self.params = compute_weights(params, self.config)
         self._weights_id = next(_WEIGHTS_IDS)
         self.kv_store.clear()  # stored document KVs are of the old weights
 
