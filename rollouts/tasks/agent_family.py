@@ -21,10 +21,11 @@ all task contents (by hash), so held-out tasks are never trained on.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from rollouts.tasks.task import Task
 
@@ -179,22 +180,26 @@ def _held_out(key: str) -> bool:
 
 
 def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = None) -> list[Task]:
-    """n tasks, templates in turn (default: all), drawn from `seed`. `metadata`: reference
-    (JSON {path: content} that passes), blind (what an edit from the prompt alone would
-    write: it fails), family, split_key (the drawn content: equal keys, equal tasks)."""
+    """n tasks, templates in turn (default: all), drawn from `seed`; the first n of a longer
+    list. `metadata`: reference (JSON {path: content} that passes), blind (what an edit from
+    the prompt alone would write: it fails), family, split_key (the drawn content: equal keys,
+    equal tasks)."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return list(itertools.islice(_generate(seed, templates), n))
+
+
+def _generate(seed: int, templates: Sequence[str] | None) -> Iterator[Task]:
     names = list(templates or TEMPLATES)
     unknown = [t for t in names if t not in TEMPLATES]
     if unknown:
         raise ValueError(f"unknown agent task templates {unknown}; known: {', '.join(TEMPLATES)}")
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(f"agent-family/{seed}")
-    tasks = []
-    for i in range(n):
+    for i in itertools.count():
         name = names[i % len(names)]
         made = TEMPLATES[name](rng)
         task_id = f"agent/{seed}/{i}-{name}"
-        tasks.append(Task(
+        yield Task(
             id=task_id, prompt=made["prompt"] + _SUFFIX, entry_point="", tests=(),
             files=made["files"], repo=f"embedded:{task_id}", test_command=TEST_COMMAND,
             completion_mode="full",
@@ -202,8 +207,7 @@ def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = 
                       "repo_key": task_id, "reference": json.dumps(made["reference"]),
                       "blind": json.dumps(made["blind"]),
                       "split_key": json.dumps([name, made["files"], made["prompt"]],
-                                              sort_keys=True)}))
-    return tasks
+                                              sort_keys=True)})
 
 
 def agent_task_splits(num_train: int, num_eval: int, seed: int = 0,
@@ -212,9 +216,9 @@ def agent_task_splits(num_train: int, num_eval: int, seed: int = 0,
     held-out task is ever trained on; the held-out ones come from a disjoint seed."""
     train = [t for t in agent_family_tasks(num_train, seed, templates)
              if not _held_out(t.metadata["split_key"])]
-    held = [t for t in agent_family_tasks(num_eval * 10, seed + 10_000, templates)
-            if _held_out(t.metadata["split_key"])]
-    return train, held[:num_eval]
+    # the first num_eval held-out tasks of the other seed (a fifth of its draws, so this ends)
+    held = (t for t in _generate(seed + 10_000, templates) if _held_out(t.metadata["split_key"]))
+    return train, list(itertools.islice(held, num_eval))
 
 
 def parse_spec(spec: str) -> tuple[int, int] | None:
