@@ -61,3 +61,22 @@ def test_agent_eval_needs_held_out_tasks(tmp_path):
     cfg = load_config("configs/agent_tiny.yaml", [f"workdir={tmp_path}"])
     with pytest.raises(UserError, match="no held-out split"):
         run_eval(cfg)
+
+
+@pytest.mark.slow  # one RL step of episodes plus two evaluations: ~1 min on a quiet 2-core VM
+def test_agent_training_run_evaluates_held_out_episodes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from jaxagent.metrics import read_metrics
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device, as the CLI
+    subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "--config",
+                    "configs/agent_tiny.yaml", "train.steps=1", "sft.steps=0",
+                    "agent.feedback_beta=0", f"workdir={tmp_path}", *FAST],
+                   check=True, env=env, capture_output=True)
+    evals = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 1]  # before RL and at the end
+    assert all(r["eval/agent/episodes"] == 4 and "eval/agent/solved_tested_first" in r
+               for r in evals)
