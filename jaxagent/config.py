@@ -322,6 +322,9 @@ class AgentConfig:
     # N tasks of the embedded agent family (rollouts.tasks.agent_family) minus its held-out fifth
     tasks: str = "rollouts/tasks/data/textkit_tasks"
     eval_tasks: int = 8  # held-out tasks of an embedded family that agent evaluation plays
+    # The tools episodes offer (rollouts.tools.TOOLS names; empty: all). Fewer tools, a shorter
+    # prompt: run_tests, read_file, edit, search, finish cut ~500 of the byte model's tokens.
+    tools: tuple[str, ...] = ()
     call_format: Literal["hermes", "compact"] = "compact"  # hermes: Qwen <tool_call>; compact: @name {json}
     episodes: int = 8  # episodes in flight (sampler slots); a finished one's slot is refilled
     max_turns: int = 8

