@@ -11,6 +11,8 @@ states the behaviour incompletely:
               show: found with `search` or `read_file`
   hidden_file the bug sits in a module the prompt does not mention (reached by reading the
               function's imports), and the expected output shows only in the test output
+  edge_case   an empty input must give a fixed default; which one shows only in the failing
+              test's source line in the output (`assert largest_item([]) == -7`)
 
 Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
 `metadata["reference"]` is a JSON {path: new content} that passes; no file and not the prompt
@@ -150,12 +152,34 @@ def _hidden_file(rng: random.Random) -> dict:
                 [s for s in _SEPS if s not in (sep, wrong)]))}}
 
 
+def _edge_case(rng: random.Random) -> dict:
+    pkg, mod = rng.choice(_PACKAGES), rng.choice(_MODULES)
+    fn = _fn(rng, ("largest", "smallest", "top"))
+    pick = "min" if fn.startswith("smallest") else "max"
+    default = rng.randint(-99, -1)
+    xs = rng.sample(range(1, 50), 3)
+    path = f"{pkg}/{mod}.py"
+    head = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n\n'
+            f"def {fn}(xs):\n    \"\"\"The {'smallest' if pick == 'min' else 'largest'} of xs; "
+            "an empty xs gives a fixed default.\"\"\"\n")
+    tail = f"    return {pick}(xs)\n"
+    test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
+            f"    assert {fn}({xs!r}) == {min(xs) if pick == 'min' else max(xs)}\n"
+            f"    assert {fn}([]) == {default}\n")
+    prompt = (f"`{fn}(xs)` in {path} fails on an empty list; it must return a fixed default "
+              "there, which the tests give. Make the tests pass.")
+    return {"files": {f"{pkg}/__init__.py": "", path: head + tail, f"tests/test_{mod}.py": test},
+            "reference": {path: head + f"    if not xs:\n        return {default}\n" + tail},
+            "prompt": prompt,
+            "blind": {path: head + "    if not xs:\n        return None\n" + tail}}
+
+
 TEMPLATES: dict[str, Callable[[random.Random], dict]] = {
     "constant": _constant, "exception": _exception, "helper": _helper,
-    "hidden_file": _hidden_file,
+    "hidden_file": _hidden_file, "edge_case": _edge_case,
 }
 # Where the missing fact is only in the test output: a blind edit from the prompt cannot pass.
-FACT_IN_TEST_OUTPUT = ("constant", "exception", "hidden_file")
+FACT_IN_TEST_OUTPUT = ("constant", "exception", "hidden_file", "edge_case")
 _SUFFIX = "\n\nDo not edit the tests (edits to them are discarded). Call finish when done.\n"
 
 

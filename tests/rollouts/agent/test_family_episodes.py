@@ -27,7 +27,7 @@ def scorer():
 
 
 def first(template: str, seed: int = 0):
-    return next(t for t in agent_family_tasks(8, seed) if t.metadata["family"] == template)
+    return next(t for t in agent_family_tasks(10, seed) if t.metadata["family"] == template)
 
 
 class Episode:
@@ -88,7 +88,7 @@ def test_a_helper_found_by_search_solves_a_helper_task(scorer):
     env.close()
 
 
-@pytest.mark.parametrize("template", ["exception", "hidden_file"])
+@pytest.mark.parametrize("template", ["exception", "hidden_file", "edge_case"])
 def test_a_blind_edit_from_the_prompt_alone_fails(scorer, template):
     """The prompt does not say which error (or separator): the guess an agent makes without
     running the tests is wrong, and the episode earns nothing."""
