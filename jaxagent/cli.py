@@ -292,10 +292,15 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=_cmd_sft, default_config="configs/default.yaml")
 
-    p = sub.add_parser("eval", help="pass@k of a checkpoint on a task set")
+    p = sub.add_parser("eval", help="pass@k of a checkpoint on a task set",
+                       description="pass@k on the config's held-out tasks (or --tasks). With "
+                                   "agent.enabled, plays tool episodes and adds the eval/agent/... "
+                                   "metrics (turns, tool mix, bad calls, truncation, test edits, "
+                                   "solved episodes that ran the tests first).")
     p.add_argument("--checkpoint", help="HF checkpoint dir or a run's workdir (its newest "
                                         "checkpoint); default: the config's model")
-    p.add_argument("--tasks", default=None, help="humaneval | synthetic[:N[:SEED]] | FILE.jsonl")
+    p.add_argument("--tasks", default=None, help="humaneval | synthetic[:N[:SEED]] | FILE.jsonl "
+                                                 "| a directory of deletion tasks (agent configs)")
     p.add_argument("--k", default="1", help="comma-separated k values")
     p.add_argument("--samples", type=int, default=None, help="completions per task")
     p.add_argument("--out", help="write per-sample results as JSONL here")

@@ -318,7 +318,13 @@ class AgentConfig:
     """Multi-turn tool episodes over repository tasks (rollouts.agent); mirrors AgentOptions."""
 
     enabled: bool = False  # train on agent episodes over agent.tasks instead of single completions
-    tasks: str = "rollouts/tasks/data/textkit_tasks"  # directory of deletion tasks (DIR/ID/task.json)
+    # A directory of deletion tasks (DIR/ID/task.json; no held-out split), or `embedded:N[:SEED]`:
+    # N tasks of the embedded agent family (rollouts.tasks.agent_family) minus its held-out fifth
+    tasks: str = "rollouts/tasks/data/textkit_tasks"
+    eval_tasks: int = 8  # held-out tasks of an embedded family that agent evaluation plays
+    # The tools episodes offer (rollouts.tools.TOOLS names; empty: all). Fewer tools, a shorter
+    # prompt: run_tests, read_file, edit, search, finish cut ~500 of the byte model's tokens.
+    tools: tuple[str, ...] = ()
     call_format: Literal["hermes", "compact"] = "compact"  # hermes: Qwen <tool_call>; compact: @name {json}
     episodes: int = 8  # episodes in flight (sampler slots); a finished one's slot is refilled
     max_turns: int = 8

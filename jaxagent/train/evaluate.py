@@ -1,4 +1,5 @@
-"""pass@k of a policy on held-out tasks: during training, and `jaxagent eval`."""
+"""pass@k of a policy on held-out tasks: during training, and `jaxagent eval`. Single
+completions (`evaluate`), or tool episodes for agent configs (`evaluate_agent`)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ from flax import nnx
 
 from jaxagent.checkpoint import CheckpointError, Checkpointer
 from jaxagent.config import Config, load_config
+from jaxagent.errors import UserError
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.optim import make_optimizer
-from jaxagent.train.build import (load_model_and_tokenizer, load_task_splits, make_sampler,
-                                  make_scorer)
+from jaxagent.train.build import (load_agent_splits, load_model_and_tokenizer, load_task_splits,
+                                  make_sampler, make_scorer, tool_env_factory)
+from rollouts.agent.metrics import agent_metrics
+from rollouts.agent.rollout import run_episodes
+from rollouts.environment import Trajectory
 from rollouts.producer import sample_and_score
 from rollouts.rewards import Scorer
-from rollouts.sampler import Sampler
+from rollouts.sampler import Sampler, continuation
 from rollouts.tasks import Task, load_tasks
 
 
@@ -39,6 +44,64 @@ def held_out_pass_at_k(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer,
                          ks=cfg.eval.k, temperature=cfg.eval.temperature,
                          max_new_tokens=cfg.train.max_new_tokens, seed=cfg.seed + 7)
     return scores
+
+
+def solved(traj: Trajectory) -> bool:
+    """An episode counts for pass@k when its final files pass the task's tests, whether it
+    finished or ran out of budget (`eval/agent/truncated` says how often), and it left the
+    tests alone."""
+    return bool(traj.info.get("passed")) and not traj.info.get("hack")
+
+
+def evaluate_agent(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task],
+                   *, samples: int, ks, temperature: float,
+                   seed: int) -> tuple[dict, list[Trajectory]]:
+    """({"eval/pass@k": ..., "eval/agent/...": ...}, trajectories): `samples` episodes per
+    task as `cfg.agent` configures them (budgets, tools, call format), `agent.episodes` in
+    flight. pass@k is the unbiased estimator over each task's episodes (`solved`); the
+    agent/... metrics are `agent_metrics` over all episodes (turns, calls per tool, bad calls,
+    truncation, test-edit attempts, the share of solved episodes that ran the tests before
+    finishing), with the tool mix as shares of all calls."""
+    episodes = [t for t in tasks for _ in range(samples)]
+    if not episodes:
+        return {}, []
+    make_env = tool_env_factory(cfg, tokenizer, scorer)
+    envs = [make_env() for _ in range(min(cfg.agent.episodes, len(episodes)))]
+    cont = continuation(sampler, len(envs), max_new_tokens=cfg.agent.max_action_tokens,
+                        temperature=temperature, top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p,
+                        stop_token_ids=tokenizer.stop_ids, seed=seed)
+    try:
+        trajs = run_episodes(cont, envs, episodes)
+    finally:
+        for env in envs:
+            env.close()
+    scores = mean_pass_at_k([(t.task_id, solved(t)) for t in trajs],
+                            [k for k in ks if k <= samples])
+    out = {f"eval/pass@{k}": v for k, v in scores.items()}
+    metrics = agent_metrics(trajs)
+    out.update({f"eval/{k}": v for k, v in metrics.items()})
+    calls = metrics["agent/tool_calls"]
+    out.update({f"eval/agent/tool_share/{k.rsplit('/', 1)[1]}": v / calls
+                for k, v in metrics.items() if k.startswith("agent/tool_calls/") and calls})
+    return out, trajs
+
+
+def agent_held_out(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer,
+                   tasks: list[Task]) -> dict:
+    """`evaluate_agent`'s scores as `cfg.eval` sets it (an agent training run's evaluation)."""
+    scores, _ = evaluate_agent(cfg, sampler, tokenizer, scorer, tasks, samples=cfg.eval.samples,
+                               ks=cfg.eval.k, temperature=cfg.eval.temperature,
+                               seed=cfg.seed + 7)
+    return scores
+
+
+def episode_row(traj: Trajectory, tokenizer) -> dict:
+    """One evaluated episode as `jaxagent eval --out` writes it."""
+    info = traj.info
+    return {"task_id": traj.task_id, "reward": traj.reward, "status": info.get("status"),
+            "solved": solved(traj), "turns": info.get("turns"),
+            "call_order": info.get("call_order", []), "truncated": info.get("truncated"),
+            "text": tokenizer.decode(traj.tokens[traj.prompt_len:])}
 
 
 def load_policy(cfg: Config, checkpoint: str | None):
@@ -65,8 +128,12 @@ def load_policy(cfg: Config, checkpoint: str | None):
 def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = None,
              ks=(1,), samples: int | None = None) -> tuple[dict, list[dict]]:
     """`jaxagent eval`: (pass@k scores, one row per rollout) of a checkpoint (see
-    `load_policy`) on `tasks` (a task spec) or the config's held-out split."""
+    `load_policy`) on `tasks` (a task spec) or the config's held-out split. An agent config
+    (`agent.enabled`) plays episodes instead (`evaluate_agent`: pass@k and the agent/...
+    metrics, one row per episode)."""
     model, tokenizer, cfg = load_policy(cfg, checkpoint)
+    if cfg.agent.enabled:
+        return _run_agent_eval(cfg, model, tokenizer, tasks, ks, samples)
     task_list = load_tasks(tasks) if tasks else load_task_splits(cfg)[1]
     samples = samples or max(cfg.eval.samples, max(ks))
     sampler = make_sampler(model, tokenizer, cfg)
@@ -77,3 +144,21 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = 
     rows = [{"task_id": r.task_id, "completion": r.text, "status": r.status,
              "reward": r.reward} for r in rollouts]
     return scores, rows
+
+
+def _run_agent_eval(cfg: Config, model, tokenizer, tasks: str | None, ks,
+                    samples: int | None) -> tuple[dict, list[dict]]:
+    task_list = load_tasks(tasks) if tasks else load_agent_splits(cfg)[1]
+    if not task_list:
+        raise UserError(f"agent.tasks {cfg.agent.tasks} has no held-out split (a directory of "
+                        "deletion tasks is all training tasks): name the tasks to play with "
+                        "--tasks DIR, or use agent.tasks=embedded:N[:SEED]")
+    if any(t.repo is None for t in task_list):
+        raise UserError(f"--tasks {tasks}: agent episodes need repository tasks")
+    samples = samples or max(cfg.eval.samples, max(ks))
+    sampler = make_sampler(model, tokenizer, cfg)
+    with make_scorer(cfg) as scorer:
+        scores, trajs = evaluate_agent(cfg, sampler, tokenizer, scorer, task_list,
+                                       samples=samples, ks=ks, temperature=cfg.eval.temperature,
+                                       seed=cfg.seed + 7)
+    return scores, [episode_row(t, tokenizer) for t in trajs]

@@ -44,7 +44,7 @@ from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_f
 from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_options,
                                   make_producer, make_progress, make_sampler, make_scorer,
                                   rl_layout, run_tasks, task_stream, validate)
-from jaxagent.train.evaluate import held_out_pass_at_k
+from jaxagent.train.evaluate import agent_held_out, held_out_pass_at_k
 from jaxagent.train.sft import sft
 from jaxagent.workdir import check_resume_config, workdir_lock
 from rollouts.agent.feedback import turn_examples
@@ -255,7 +255,8 @@ def step_row(step: int, batch: RolloutBatch, timing: dict, update_metrics: dict,
 
 @dataclasses.dataclass(frozen=True)
 class HeldOutEval:
-    """pass@k of given weights on the held-out tasks (`cfg.eval`), logged at a step."""
+    """pass@k of given weights on the held-out tasks (`cfg.eval`), logged at a step (agent
+    runs: episodes, with their agent/... metrics)."""
 
     cfg: Config
     layout: Layout
@@ -267,8 +268,10 @@ class HeldOutEval:
 
     def __call__(self, step: int, params) -> None:
         self.sampler.update_weights(self.layout.sampler_params(params))
-        self.log.evaluation(step, held_out_pass_at_k(self.cfg, self.sampler, self.tokenizer,
-                                                     self.scorer, self.tasks))
+        # agent runs play episodes on their held-out repository tasks
+        evaluate = agent_held_out if self.cfg.agent.enabled else held_out_pass_at_k
+        self.log.evaluation(step, evaluate(self.cfg, self.sampler, self.tokenizer, self.scorer,
+                                           self.tasks))
 
 
 @dataclasses.dataclass

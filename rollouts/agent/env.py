@@ -127,6 +127,7 @@ class ToolEnvironment(Environment):
         prompt = self.tokenizer.encode(text, add_bos=getattr(self.tokenizer, "add_bos", False))
         self.context_len, self.turns, self.started = len(prompt), 0, time.monotonic()
         self.tool_calls: Counter[str] = Counter()
+        self.call_order: list[str] = []  # tools called, in order (e.g. tests run before finish?)
         self.bad_tool_calls = self.test_edit_attempts = 0
         self.lookups: Counter[str] = Counter()
         self._deleted_paths = [f.partition("::")[0] for f in task.metadata.get("feature", ())]
@@ -157,6 +158,7 @@ class ToolEnvironment(Environment):
             out_text, bad, finished = out.text, out.bad_call, out.finished
             if parsed.name in self.toolbox.tools:
                 self.tool_calls[parsed.name] += 1
+                self.call_order.append(parsed.name)
         self.bad_tool_calls += bad
         tests_now = self._test_files()
         edited_tests = tests_now != self._tests_before
@@ -188,6 +190,7 @@ class ToolEnvironment(Environment):
 
     def _info(self) -> dict[str, Any]:
         return {"turns": self.turns, "tool_calls": dict(self.tool_calls),
+                "call_order": list(self.call_order),
                 "bad_tool_calls": self.bad_tool_calls, "test_edit_attempts": self.test_edit_attempts,
                 "lookups": dict(self.lookups), "turn_flags": list(self.turn_flags)}
 

@@ -8,14 +8,23 @@ from collections.abc import Sequence
 from rollouts.environment import Trajectory
 
 
+def ran_tests_before_finish(info: dict) -> bool:
+    """Whether the episode called `run_tests` before its (last) `finish`."""
+    order = info.get("call_order", [])
+    end = len(order) - 1 - order[::-1].index("finish") if "finish" in order else len(order)
+    return "run_tests" in order[:end]
+
+
 def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """turns_mean, tool_calls (total and per tool), bad_tool_calls, truncated, masked,
-    test_edit_attempts, hack, reward_mean and pass_rate, lookup_flags (tool calls that went
+    test_edit_attempts, hack, reward_mean and pass_rate, solved_tested_first (the share of
+    passed episodes that ran the tests before finishing; 0 with none passed), lookup_flags (tool calls that went
     looking for the deleted code, total and per kind: rollouts.agent.monitor), over the
     episodes."""
     if not trajs:
         return {}
     n = len(trajs)
+    solved = [t for t in trajs if t.info.get("passed")]
     calls: Counter[str] = Counter()
     lookups: Counter[str] = Counter()
     for t in trajs:
@@ -32,6 +41,8 @@ def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "agent/hack": sum(bool(t.info.get("hack")) for t in trajs) / n,
         "agent/reward_mean": sum(t.reward for t in trajs) / n,
         "agent/pass_rate": sum(bool(t.info.get("passed")) for t in trajs) / n,
+        "agent/solved_tested_first": (sum(ran_tests_before_finish(t.info) for t in solved)
+                                      / len(solved) if solved else 0.0),
         "agent/lookup_flags": float(sum(lookups.values())),
     }
     out.update({f"agent/tool_calls/{name}": float(k) for name, k in sorted(calls.items())})

@@ -1,0 +1,260 @@
+"""An embedded family of small repository tasks that need tools: the prompt alone is not enough.
+
+Each template writes a tiny package (a few short files) whose tests fail, with a prompt that
+states the behaviour incompletely:
+
+  constant    a module constant has the wrong value; the right one shows only in the failing
+              test output (`assert 12 == 37`)
+  exception   bad input must raise one of several package errors; which one shows only in the
+              failing test output (`DID NOT RAISE <class 'pkg.errors.QuotaError'>`)
+  helper      a function must reuse a helper the prompt does not name, in a file it does not
+              show: found with `search` or `read_file`
+  hidden_file the bug sits in a module the prompt does not mention (reached by reading the
+              function's imports), and the expected output shows only in the test output
+  edge_case   an empty input must give a fixed default; which one shows only in the failing
+              test's source line in the output (`assert largest_item([]) == -7`)
+
+Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
+`metadata["reference"]` is a JSON {path: new content} that passes; no file and not the prompt
+hold a changed line of it (`answer_leaks`). Graded like the feature-deletion tasks: `python -m
+pytest tests` with edits under `tests` discarded. `agent_task_splits` holds out a fixed fifth of
+all task contents (by hash), so held-out tasks are never trained on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+
+from rollouts.tasks.task import Task
+
+TEST_COMMAND = ("python", "-m", "pytest", "tests")
+_PACKAGES = ("shop", "ledger", "parcel", "mailer", "garden", "tally", "depot", "atlas", "orbit",
+             "quill", "harbor", "pantry")
+_MODULES = ("core", "rules", "prices", "stock", "orders", "util", "store", "plans")
+_NOUNS = ("item", "order", "seat", "page", "crate", "ticket", "slot", "batch", "coin", "entry")
+_CONSTS = ("LIMIT", "CAP", "OFFSET", "FLOOR", "BONUS", "QUOTA", "MARGIN", "BASE")
+_ERRORS = ("QuotaError", "RangeError", "InputError", "LimitError", "FormatError", "StateError",
+           "BudgetError", "OrderError")
+_HELPERS = ("canon", "normalize", "tidy", "clean_key", "slug", "as_key", "squash", "fold")
+_SEPS = (", ", "; ", " | ", "/", " + ", "-", ":", " ")
+# (wrong-looking char, replacement) pairs a helper applies after strip + case change
+_SWAPS = ((" ", "_"), ("-", "_"), (" ", "-"), ("_", "."), ("-", " "), (".", "_"))
+
+
+def _fn(rng: random.Random, verb: Sequence[str]) -> str:
+    return f"{rng.choice(verb)}_{rng.choice(_NOUNS)}"
+
+
+def _constant(rng: random.Random) -> dict:
+    pkg, mod, const = rng.choice(_PACKAGES), rng.choice(_MODULES), rng.choice(_CONSTS)
+    fn = _fn(rng, ("cap", "bound", "adjust", "shift"))
+    op = rng.choice(("min", "max", "add"))
+    value = rng.randint(10, 99)
+    wrong = rng.choice([v for v in range(10, 100) if v != value])
+    body, how, checks = {
+        "min": (f"min(x, {const})", f"capped at {const}", [(1000, value), (3, 3)]),
+        "max": (f"max(x, {const})", f"at least {const}", [(-1000, value), (1000, 1000)]),
+        "add": (f"x + {const}", f"plus {const}", [(0, value), (5, value + 5)]),
+    }[op]
+    path = f"{pkg}/{mod}.py"
+    source = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n{const} = {{}}\n\n\n'
+              f"def {fn}(x):\n    \"\"\"x {how}.\"\"\"\n    return {body}\n")
+    test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
+            + "".join(f"    assert {fn}({a}) == {b}\n" for a, b in checks))
+    prompt = (f"`{fn}(x)` in {path} returns x {how}, but {const} has the wrong value. The right "
+              f"value is not written here. Fix {const} so the tests pass.")
+    return {"files": {f"{pkg}/__init__.py": "", path: source.format(wrong),
+                      f"tests/test_{mod}.py": test},
+            "reference": {path: source.format(value)}, "prompt": prompt,
+            # a blind guess from the prompt alone: some other value
+            "blind": {path: source.format(wrong + 1 if wrong + 1 != value else wrong + 2)}}
+
+
+def _exception(rng: random.Random) -> dict:
+    pkg, mod = rng.choice(_PACKAGES), rng.choice(_MODULES)
+    fn = _fn(rng, ("reserve", "book", "take", "claim"))
+    errors = rng.sample(_ERRORS, 4)
+    err, k = rng.choice(errors), rng.randint(2, 9)
+    classes = "".join(f"\n\nclass {e}(Exception):\n    pass\n" for e in errors)
+    path = f"{pkg}/{mod}.py"
+    head = (f'"""{mod.capitalize()} of the {pkg} package."""\n\nfrom {pkg} import errors\n\n\n'
+            f"def {fn}(n):\n    \"\"\"{k} units per n; a negative n raises one of the package's "
+            f"errors.\"\"\"\n")
+    tail = f"    return n * {k}\n"
+    test = (f"import pytest\n\nfrom {pkg} import errors\nfrom {pkg}.{mod} import {fn}\n\n\n"
+            f"def test_{fn}():\n    assert {fn}(2) == {2 * k}\n"
+            f"    with pytest.raises(errors.{err}):\n        {fn}(-1)\n")
+    prompt = (f"`{fn}(n)` in {path} must refuse a negative n by raising one of the errors of "
+              f"{pkg}/errors.py; the tests say which. Make the tests pass.")
+    return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/errors.py": f'"""Errors."""\n{classes}',
+                      path: head + tail, f"tests/test_{mod}.py": test},
+            "reference": {path: head + f"    if n < 0:\n        raise errors.{err}(n)\n" + tail},
+            "prompt": prompt,
+            "blind": {path: head + "    if n < 0:\n        raise ValueError(n)\n" + tail}}
+
+
+def _helper(rng: random.Random) -> dict:
+    pkg, mod, hmod = rng.choice(_PACKAGES), rng.choice(_MODULES), rng.choice(("text", "keys"))
+    fn = _fn(rng, ("keys_for", "index", "label"))
+    helper, decoy = rng.sample(_HELPERS, 2)
+    case = rng.choice(("lower", "upper"))
+    old, new = rng.choice(_SWAPS)
+    word = rng.choice(_NOUNS)
+    raw = f" {word.capitalize()}{old}{rng.choice(_NOUNS)} "
+    want = raw.strip()
+    want = (want.lower() if case == "lower" else want.upper()).replace(old, new)
+    helpers = (f'"""Helpers shared by the {pkg} package."""\n\n\n'
+               f"def {decoy}(s):\n    \"\"\"s without surrounding spaces.\"\"\"\n    return s.strip()\n\n\n"
+               f"def {helper}(s):\n    \"\"\"The canonical key of a name.\"\"\"\n"
+               f"    return s.strip().{case}().replace({old!r}, {new!r})\n")
+    path = f"{pkg}/{mod}.py"
+    head = f'"""{mod.capitalize()} of the {pkg} package."""\n'
+    body = (f"\n\ndef {fn}(names):\n    \"\"\"The canonical key of each name.\"\"\"\n"
+            "    return [{}]\n")
+    test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
+            f"    assert {fn}([{raw!r}]) == [{want!r}]\n")
+    prompt = (f"`{fn}(names)` in {path} must return the canonical key of each name. The package "
+              "already has a helper that makes canonical keys: find it and reuse it.")
+    return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/{hmod}.py": helpers,
+                      path: head + body.format("n for n in names"),
+                      f"tests/test_{mod}.py": test},
+            "reference": {path: f"{head}\nfrom {pkg}.{hmod} import {helper}\n"
+                                + body.format(f"{helper}(n) for n in names")},
+            "prompt": prompt,
+            "blind": {path: head + body.format("n.strip().lower() for n in names")}}
+
+
+def _hidden_file(rng: random.Random) -> dict:
+    pkg, mod = rng.choice(_PACKAGES), rng.choice(_MODULES)
+    low = rng.choice(("fmt", "render", "layout", "join"))
+    fn, joiner = _fn(rng, ("summary", "line", "show")), rng.choice(("join_all", "glue", "concat"))
+    sep, wrong = rng.sample(_SEPS, 2)
+    items = rng.sample(range(1, 10), 3)
+    api = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n'
+           f"from {pkg}._{low} import {joiner}\n\n\n"
+           f"def {fn}(items):\n    \"\"\"The items on one line.\"\"\"\n"
+           f"    return {joiner}(str(i) for i in items)\n")
+    low_src = (f'"""Formatting."""\n\nSEP = {{!r}}\n\n\n'
+               f"def {joiner}(parts):\n    return SEP.join(parts)\n")
+    test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
+            f"    assert {fn}({items!r}) == {sep.join(map(str, items))!r}\n")
+    prompt = (f"`{fn}(items)` in {pkg}/{mod}.py puts the wrong separator between the items. "
+              "Make the tests pass.")
+    return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/{mod}.py": api,
+                      f"{pkg}/_{low}.py": low_src.format(wrong), f"tests/test_{mod}.py": test},
+            "reference": {f"{pkg}/_{low}.py": low_src.format(sep)}, "prompt": prompt,
+            # the prompt names no separator: a guess
+            "blind": {f"{pkg}/_{low}.py": low_src.format(rng.choice(
+                [s for s in _SEPS if s not in (sep, wrong)]))}}
+
+
+def _edge_case(rng: random.Random) -> dict:
+    pkg, mod = rng.choice(_PACKAGES), rng.choice(_MODULES)
+    fn = _fn(rng, ("largest", "smallest", "top"))
+    pick = "min" if fn.startswith("smallest") else "max"
+    default = rng.randint(-99, -1)
+    xs = rng.sample(range(1, 50), 3)
+    path = f"{pkg}/{mod}.py"
+    head = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n\n'
+            f"def {fn}(xs):\n    \"\"\"The {'smallest' if pick == 'min' else 'largest'} of xs; "
+            "an empty xs gives a fixed default.\"\"\"\n")
+    tail = f"    return {pick}(xs)\n"
+    test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
+            f"    assert {fn}({xs!r}) == {min(xs) if pick == 'min' else max(xs)}\n"
+            f"    assert {fn}([]) == {default}\n")
+    prompt = (f"`{fn}(xs)` in {path} fails on an empty list; it must return a fixed default "
+              "there, which the tests give. Make the tests pass.")
+    return {"files": {f"{pkg}/__init__.py": "", path: head + tail, f"tests/test_{mod}.py": test},
+            "reference": {path: head + f"    if not xs:\n        return {default}\n" + tail},
+            "prompt": prompt,
+            "blind": {path: head + "    if not xs:\n        return None\n" + tail}}
+
+
+TEMPLATES: dict[str, Callable[[random.Random], dict]] = {
+    "constant": _constant, "exception": _exception, "helper": _helper,
+    "hidden_file": _hidden_file, "edge_case": _edge_case,
+}
+# Where the missing fact is only in the test output: a blind edit from the prompt cannot pass.
+FACT_IN_TEST_OUTPUT = ("constant", "exception", "hidden_file", "edge_case")
+_SUFFIX = "\n\nDo not edit the tests (edits to them are discarded). Call finish when done.\n"
+
+
+def answer_leaks(task: Task) -> list[str]:
+    """Where a line the reference adds or changes already appears (a file of the task, or its
+    prompt): `path: line`. Empty for a task that holds no copy of its answer."""
+    reference = json.loads(task.metadata["reference"])
+    texts = {**{p: c for p, c in task.files.items() if isinstance(c, str)},
+             "the task's prompt": task.prompt}
+    out = []
+    for path, new in reference.items():
+        old = set(str(task.files.get(path, "")).splitlines())
+        for line in new.splitlines():
+            key = line.strip()
+            if key and line not in old and any(key in text for text in texts.values()):
+                out.append(f"{path}: {key}")
+    return out
+
+
+def _held_out(key: str) -> bool:
+    return zlib.crc32(key.encode()) % 5 == 0
+
+
+def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = None) -> list[Task]:
+    """n tasks, templates in turn (default: all), drawn from `seed`; the first n of a longer
+    list. `metadata`: reference (JSON {path: content} that passes), blind (what an edit from
+    the prompt alone would write: it fails), family, split_key (the drawn content: equal keys,
+    equal tasks)."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return list(itertools.islice(_generate(seed, templates), n))
+
+
+def _generate(seed: int, templates: Sequence[str] | None) -> Iterator[Task]:
+    names = list(templates or TEMPLATES)
+    unknown = [t for t in names if t not in TEMPLATES]
+    if unknown:
+        raise ValueError(f"unknown agent task templates {unknown}; known: {', '.join(TEMPLATES)}")
+    rng = random.Random(f"agent-family/{seed}")
+    for i in itertools.count():
+        name = names[i % len(names)]
+        made = TEMPLATES[name](rng)
+        task_id = f"agent/{seed}/{i}-{name}"
+        yield Task(
+            id=task_id, prompt=made["prompt"] + _SUFFIX, entry_point="", tests=(),
+            files=made["files"], repo=f"embedded:{task_id}", test_command=TEST_COMMAND,
+            completion_mode="full",
+            metadata={"test_paths": ["tests"], "grading": "isolated", "family": name,
+                      "repo_key": task_id, "reference": json.dumps(made["reference"]),
+                      "blind": json.dumps(made["blind"]),
+                      "split_key": json.dumps([name, made["files"], made["prompt"]],
+                                              sort_keys=True)})
+
+
+def agent_task_splits(num_train: int, num_eval: int, seed: int = 0,
+                      templates: Sequence[str] | None = None) -> tuple[list[Task], list[Task]]:
+    """(train, held-out) tasks: a fixed fifth of all task contents (by hash) is held out, so no
+    held-out task is ever trained on; the held-out ones come from a disjoint seed."""
+    train = [t for t in agent_family_tasks(num_train, seed, templates)
+             if not _held_out(t.metadata["split_key"])]
+    # the first num_eval held-out tasks of the other seed (a fifth of its draws, so this ends)
+    held = (t for t in _generate(seed + 10_000, templates) if _held_out(t.metadata["split_key"]))
+    return train, list(itertools.islice(held, num_eval))
+
+
+def parse_spec(spec: str) -> tuple[int, int] | None:
+    """`embedded:N[:SEED]` -> (N, SEED); None for any other `agent.tasks` value."""
+    if not spec.startswith("embedded:"):
+        return None
+    parts = spec.split(":")[1:]
+    try:
+        n, seed = int(parts[0]), (int(parts[1]) if len(parts) > 1 else 0)
+    except (ValueError, IndexError):
+        raise ValueError(f"bad agent task set {spec!r}: expected embedded:N[:SEED] with "
+                         "integers") from None
+    if len(parts) > 2 or n < 1:
+        raise ValueError(f"bad agent task set {spec!r}: expected embedded:N[:SEED], N >= 1")
+    return n, seed

@@ -1,0 +1,81 @@
+"""The embedded agent task family: deterministic, varied, split once; every template's tasks
+fail as given, pass with their reference, fail with a blind edit from the prompt, and hold no
+copy of their answer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from rollouts.rewards import Scorer
+from rollouts.tasks.agent_family import (
+    FACT_IN_TEST_OUTPUT,
+    TEMPLATES,
+    agent_family_tasks,
+    agent_task_splits,
+    answer_leaks,
+    parse_spec,
+)
+
+
+def test_generation_is_deterministic_and_varied():
+    a, b = agent_family_tasks(40, seed=3), agent_family_tasks(40, seed=3)
+    assert [(t.prompt, t.files, t.metadata) for t in a] == [(t.prompt, t.files, t.metadata) for t in b]
+    assert {t.metadata["family"] for t in a} == set(TEMPLATES)
+    assert len({t.metadata["split_key"] for t in a}) == 40  # names and constants vary
+    assert agent_family_tasks(4, seed=4)[0].files != a[0].files
+    with pytest.raises(ValueError, match="unknown agent task templates"):
+        agent_family_tasks(1, templates=["nope"])
+
+
+def test_split_is_fixed_and_held_out_tasks_are_never_trained_on():
+    train, held = agent_task_splits(400, 20, seed=0)
+    assert len(held) == 20 and 250 < len(train) < 400  # about a fifth held out
+    keys = {t.metadata["split_key"] for t in train}
+    assert not keys & {t.metadata["split_key"] for t in held}
+    # a larger train set only adds tasks (the split of a task never changes)
+    bigger, _ = agent_task_splits(800, 20, seed=0)
+    assert keys <= {t.metadata["split_key"] for t in bigger}
+    assert {t.id for t in held}.isdisjoint(t.id for t in train)
+
+
+def test_spec():
+    assert parse_spec("embedded:64") == (64, 0) and parse_spec("embedded:8:5") == (8, 5)
+    assert parse_spec("rollouts/tasks/data/textkit_tasks") is None
+    for bad in ("embedded:", "embedded:x", "embedded:0", "embedded:1:2:3"):
+        with pytest.raises(ValueError, match="embedded:N"):
+            parse_spec(bad)
+
+
+def test_no_task_holds_its_answer_and_contexts_stay_short():
+    tasks = agent_family_tasks(200, seed=1)
+    assert [(t.id, answer_leaks(t)) for t in tasks if answer_leaks(t)] == []
+    for t in tasks:  # the tiny byte-level model must hold prompt + files
+        assert len(t.prompt) + sum(len(c) for c in t.files.values()) < 1500, t.id
+    # the check finds a changed line of the reference planted in the prompt
+    t = tasks[0]
+    (path, content), = json.loads(t.metadata["reference"]).items()
+    changed = next(line for line in content.splitlines() if line not in t.files[path].splitlines())
+    planted = dataclasses.replace(t, prompt=t.prompt + changed)
+    assert answer_leaks(planted)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with Scorer(workers=2) as s:
+        yield s
+
+
+def test_every_template_fails_as_given_and_passes_with_its_reference(scorer):
+    tasks = agent_family_tasks(2 * len(TEMPLATES), seed=7)  # two of each template
+    for t in tasks:
+        given = scorer.submit(t, "{}").result()
+        reference = scorer.submit(t, t.metadata["reference"]).result()
+        blind = scorer.submit(t, t.metadata["blind"]).result()
+        assert given.status == "failed" and given.reward == 0.0, (t.id, given.status)
+        assert reference.status == "passed" and reference.reward == 1.0, (t.id, reference.result.message)
+        # an edit made from the prompt alone (a guess at the missing fact) fails
+        assert blind.status == "failed", t.id
+    assert set(FACT_IN_TEST_OUTPUT) <= set(TEMPLATES)
