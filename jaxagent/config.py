@@ -265,6 +265,7 @@ class TrainConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     log_rollouts: int = 4  # rollouts per step written to rollouts.jsonl
+    profile_steps: tuple[int, ...] = ()  # steps whose update is traced into WORKDIR/profile
     # Pack each group as one row [prompt, completion_1..G] so the prompt is computed once
     # per group (same loss and gradients); ignored if the attention backend lacks it.
     share_prompt: bool = True

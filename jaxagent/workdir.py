@@ -53,8 +53,8 @@ def workdir_lock(workdir: str | Path, process: int = 0, processes: int = 1,
 # Keys that may differ when a run resumes: how long it runs and how it logs, evaluates and
 # saves. Everything else (model, data, algorithm, optimizer) would silently make a different
 # run of the checkpoint.
-SAFE_ON_RESUME = ("train.steps", "train.log_rollouts", "eval.", "checkpoint.", "workdir",
-                  "distributed.")
+SAFE_ON_RESUME = ("train.steps", "train.log_rollouts", "train.profile_steps", "eval.",
+                  "checkpoint.", "workdir", "distributed.")
 
 
 def _flat(data: dict, prefix: str = "") -> dict:

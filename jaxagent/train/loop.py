@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from contextlib import closing
+from contextlib import closing, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -121,8 +121,9 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                 batch, timing = orchestrator.get(step)
                 # Update: advantages, then clipped policy-gradient steps; publish the weights
                 # (the sampler switches to them before its next batch).
-                rows, feedback, keep = learner.prepare(batch)
-                state, update_metrics, train_s = learner.update(state, rows, feedback)
+                with profiled(workdir / "profile", step + 1 in t.profile_steps):
+                    rows, feedback, keep = learner.prepare(batch)
+                    state, update_metrics, train_s = learner.update(state, rows, feedback)
                 done = step + 1
                 sync_s = (weights.publish(done, layout.sampler_params(state.params))
                           if done < t.steps else 0.0)
@@ -238,6 +239,12 @@ def restored(arrays: dict, extra: dict, task_iter) -> tuple[TrainState, list[Rol
     task_iter.set_state(extra["data"])
     return (TrainState(arrays["params"], arrays["opt_state"], arrays.get("ref_params")),
             [RolloutBatch.from_json(b) for b in extra.get("queued", [])])
+
+
+def profiled(folder: Path, on: bool):
+    """A `jax.profiler` trace of the block into `folder` (TensorBoard's profile plugin and
+    Perfetto read it) when `on`."""
+    return jax.profiler.trace(str(folder)) if on else nullcontext()
 
 
 def step_row(step: int, batch: RolloutBatch, timing: dict, update_metrics: dict,

@@ -53,11 +53,13 @@ def _damage(checkpoint):
 
 def test_a_damaged_checkpoint_falls_back_and_logs_stay_once_per_step(tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["train", *TINY, f"workdir={run}"]) == 0
+    # (this run also traces step 2's update: train.profile_steps)
+    assert main(["train", *TINY, "train.profile_steps=[2]", f"workdir={run}"]) == 0
+    assert len(list((run / "profile").rglob("*.xplane.pb"))) == 1
     _damage(run / "checkpoints" / "2")
     capsys.readouterr()
-    assert main(["train", *TINY, "train.steps=3", "checkpoint.allow_changes=true",
-                 f"workdir={run}"]) == 0
+    assert main(["train", *TINY, "train.profile_steps=[2]", "train.steps=3",
+                 "checkpoint.allow_changes=true", f"workdir={run}"]) == 0
     err = capsys.readouterr().err
     assert "checkpoint step 2 does not restore" in err and "Resuming from checkpoint step 1" in err
     assert (run / "checkpoints.corrupt" / "2").is_dir()  # set aside, never deleted
