@@ -70,11 +70,19 @@ def _token_content(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
+# What a model directory holds besides config and weights, that a reload needs to tokenize,
+# stop and chat as before (copied as they are by `HFTokenizer.save`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
 class HFTokenizer:
     """`tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json` when present)."""
 
     def __init__(self, path: str | Path):
         path = Path(path)
+        self.path = path
         file = path / "tokenizer.json"
         if not file.exists():
             raise FileNotFoundError(f"{file}: not found; the checkpoint has no fast tokenizer")
@@ -96,6 +104,16 @@ class HFTokenizer:
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+    def save(self, directory: str | Path) -> list[str]:
+        """Copy this tokenizer's files (TOKENIZER_FILES present in its directory) into
+        `directory`, beside an exported model; the names copied."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        copied = [name for name in TOKENIZER_FILES if (self.path / name).is_file()]
+        for name in copied:
+            (directory / name).write_bytes((self.path / name).read_bytes())
+        return copied
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids

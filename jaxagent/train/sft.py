@@ -15,6 +15,7 @@ from jaxagent.config import Config, ConfigError
 from jaxagent.models import save_pretrained
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import answer_accuracy, pack, pack_documents, sft_step
+from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (load_model_and_tokenizer, load_task_splits, logits_chunk,
                                   make_progress, make_scorer, tool_env_factory, validate)
 from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
@@ -141,5 +142,7 @@ def run_sft(cfg: Config) -> Path:
     out = Path(cfg.workdir) / "sft"
     if is_leader():
         save_pretrained(nnx.merge(graphdef, params), out)
+        if isinstance(tokenizer, HFTokenizer):  # reloads tokenize, stop and chat as before
+            tokenizer.save(out)
         (out / "sft_metrics.json").write_text(json.dumps(metrics))
     return out

@@ -60,3 +60,28 @@ def test_hf_tokenizer_matches_transformers(hf_dir):
 def test_hf_tokenizer_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json: not found"):
         HFTokenizer(tmp_path)
+
+
+def test_sft_export_keeps_the_tokenizer(hf_dir, tmp_path):
+    """train -> export -> reload: the same token ids, stop ids and chat template."""
+    from jaxagent.cli import main
+    from jaxagent.config import ModelConfig
+    from jaxagent.models import init_model, save_pretrained
+    from jaxagent.train.build import load_model_and_tokenizer
+    from jaxagent.config import load_config
+
+    source = tmp_path / "source"
+    save_pretrained(init_model(ModelConfig(vocab_size=300, num_layers=1, hidden_size=32,
+                                           intermediate_size=48, head_dim=8)), source)
+    HFTokenizer(hf_dir).save(source)
+    assert main(["sft", f"init_from={source}", "sft.steps=1", "sft.batch_size=8",
+                 "tasks.num_train=20", "tasks.num_eval=2", f"workdir={tmp_path / 'run'}"]) == 0
+    out = tmp_path / "run" / "sft"
+    assert (out / "tokenizer.json").exists() and (out / "generation_config.json").exists()
+    _, tok = load_model_and_tokenizer(load_config(None, [f"init_from={out}"]))
+    before = HFTokenizer(source)
+    text = "def add(a, b):\n    return a + b  <|im_end|>"
+    assert isinstance(tok, HFTokenizer) and tok.encode(text) == before.encode(text)
+    assert tok.stop_ids == before.stop_ids == (before.eos_id, 0)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == before.apply_chat_template(messages)
