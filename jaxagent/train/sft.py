@@ -16,8 +16,15 @@ from jaxagent.models import save_pretrained
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import answer_accuracy, pack, pack_documents, sft_step
 from jaxagent.tokenizer import HFTokenizer
-from jaxagent.train.build import (load_model_and_tokenizer, load_task_splits, logits_chunk,
-                                  make_progress, make_scorer, tool_env_factory, validate)
+from jaxagent.train.build import (
+    load_model_and_tokenizer,
+    load_task_splits,
+    logits_chunk,
+    make_progress,
+    make_scorer,
+    tool_env_factory,
+    validate,
+)
 from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
 from rollouts.tasks import Task
 from rollouts.tasks.documents import lookup_examples

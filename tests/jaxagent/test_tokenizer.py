@@ -2,7 +2,7 @@ import json
 
 import pytest
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -65,10 +65,9 @@ def test_hf_tokenizer_missing_file_is_named(tmp_path):
 def test_sft_export_keeps_the_tokenizer(hf_dir, tmp_path):
     """train -> export -> reload: the same token ids, stop ids and chat template."""
     from jaxagent.cli import main
-    from jaxagent.config import ModelConfig
+    from jaxagent.config import ModelConfig, load_config
     from jaxagent.models import init_model, save_pretrained
     from jaxagent.train.build import load_model_and_tokenizer
-    from jaxagent.config import load_config
 
     source = tmp_path / "source"
     save_pretrained(init_model(ModelConfig(vocab_size=300, num_layers=1, hidden_size=32,
