@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -310,6 +311,30 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         with safe_open(file, framework="numpy") as f:
             out.update({name: file for name in f.keys()})
     return out
+
+
+# "org/name" or "org/name@revision": a Hugging Face hub id (a path that exists wins)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+# what a model needs from a hub repository: config, weights, tokenizer and generation files
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A local checkpoint directory for `spec`: a path, or a hub id resolved through the
+    Hugging Face cache (`HF_HOME`, `HF_HUB_CACHE`; with `HF_HUB_OFFLINE=1` the cache alone)."""
+    path = Path(spec)
+    if path.exists() or not _HUB_ID.match(str(spec)):
+        return path
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = str(spec).partition("@")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None,
+                                      allow_patterns=_HUB_FILES))
+    except Exception as e:  # not on the hub, not cached while offline, no network
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        raise CheckpointError(f"{spec}: no such directory, and the Hugging Face hub gave no "
+                              f"model ({type(e).__name__}: {first[:160]})") from None
 
 
 def read_config(path: str | Path) -> ModelConfig:

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from jaxagent.config import Config, ConfigError, RLConfig, SamplerConfig
 from jaxagent.metrics import LogProgress
 from jaxagent.models import from_pretrained, init_model, sees_all_segments
-from jaxagent.models.hf import CheckpointError
+from jaxagent.models.hf import CheckpointError, resolve_checkpoint
 from jaxagent.rl import algorithms
 from jaxagent.steps import LossOptions, logits_chunk_tokens
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
@@ -146,6 +146,7 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
     checkpoint = checkpoint or cfg.init_from
     if checkpoint is None:
         return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
+    checkpoint = resolve_checkpoint(checkpoint)  # a directory, or a hub id through the HF cache
     m = cfg.model  # the architecture comes from the checkpoint; how to run it from here
     model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype,
                             attention_backend=m.attention_backend, remat=m.remat,
