@@ -202,6 +202,8 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
         return _cmd_make_deletion(args)
     if args.action == "check":
         return _cmd_check_tasks(args)
+    if args.action == "stats":
+        return _cmd_task_stats(args)
 
     try:
         tasks = load_tasks(args.tasks)
@@ -247,6 +249,34 @@ def _cmd_check_tasks(args: argparse.Namespace) -> int:
           + (f"{len(problems)} problems" if problems else "every reference passes, no leak"),
           file=sys.stderr)
     return 1 if problems else 0
+
+
+def _cmd_task_stats(args: argparse.Namespace) -> int:
+    import statistics
+
+    from rollouts.check import task_stats
+    from rollouts.sandbox import SandboxUnavailable
+    from rollouts.tasks import load_tasks
+
+    spec = args.task_id or args.tasks
+    try:
+        rows = task_stats(load_tasks(spec), backend=args.backend)
+    except (OSError, ValueError, SandboxUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"error: {spec}: no tasks", file=sys.stderr)
+        return 1
+    keys = ["task", "target_tests", "functions", "body_lines", "reference_passes"]
+    print("\t".join(keys))
+    for row in rows:
+        print("\t".join(str(row.get(k, "-")) for k in keys))
+    graded = [r["reference_passes"] for r in rows if "reference_passes" in r]
+    print(f"{len(rows)} tasks: target tests per task median "
+          f"{statistics.median(r['target_tests'] for r in rows):g}, body lines median "
+          f"{statistics.median(r['body_lines'] for r in rows):g}, references passing "
+          f"{sum(graded)}/{len(graded)}", file=sys.stderr)
+    return 0
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -336,10 +366,12 @@ def _build_parser() -> argparse.ArgumentParser:
                        description="`tasks make-deletion REPO --out DIR`: repository tasks made "
                                    "by deleting function bodies whose tests then fail. `tasks "
                                    "check SET`: every reference solution passes its tests in the "
-                                   "sandbox, and no deletion task holds a copy of its answer.")
-    p.add_argument("action", choices=("list", "show", "check", "make-deletion"))
+                                   "sandbox, and no deletion task holds a copy of its answer. "
+                                   "`tasks stats SET`: target tests, code asked for and "
+                                   "reference pass per task.")
+    p.add_argument("action", choices=("list", "show", "check", "stats", "make-deletion"))
     p.add_argument("task_id", nargs="?", help="the task to show (make-deletion: the repository; "
-                                              "check: the task set, default --tasks)")
+                                              "check, stats: the task set, default --tasks)")
     p.add_argument("--out", help="make-deletion: directory to write the tasks into")
     p.add_argument("--feature", action="append", default=[],
                    help="make-deletion: comma-separated PATH::QUALNAME deleted together "
@@ -348,7 +380,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="make-deletion: the repository's test command")
     p.add_argument("--test-paths", default="tests", help="make-deletion: comma-separated test dirs")
     p.add_argument("--backend", choices=("bwrap", "process"), default="bwrap",
-                   help="make-deletion and check: sandbox backend for the test runs")
+                   help="make-deletion, check and stats: sandbox backend for the test runs")
     p.add_argument(
         "--tasks",
         default="humaneval",

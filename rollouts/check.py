@@ -182,3 +182,27 @@ def check_tasks(tasks: Sequence[Task], backend: str = "bwrap", workers: int | No
                                     f"{r.status}: {r.message[:200]}")
                 bar.advance(job)
     return problems
+
+
+def task_stats(tasks: Sequence[Task], backend: str = "bwrap", workers: int | None = None,
+               limits: Limits | None = None) -> list[dict]:
+    """Per task: its target tests, how much code it asks for (deleted functions and their
+    body lines, for deletion tasks), and whether its reference passes in the sandbox: the
+    numbers to size a task set's difficulty by."""
+    from rollouts.tasks.deletion import Target, deleted_bodies
+
+    rows = []
+    for t in tasks:
+        targets = t.metadata.get("target_tests") or [c.name for c in t.tests]
+        row = {"task": t.id, "target_tests": len(targets), "functions": 0, "body_lines": 0}
+        if t.metadata.get("feature"):
+            feature = [Target.parse(f) for f in t.metadata["feature"]]
+            bodies = deleted_bodies(json.loads(t.metadata["reference"]), feature)
+            row.update(functions=len(feature), body_lines=sum(b.lines for b in bodies))
+        rows.append(row)
+    graded = [(row, t) for row, t in zip(rows, tasks) if isinstance(t.metadata.get("reference"), str)]
+    with Scorer(None, backend=backend, workers=workers, limits=limits) as scorer:
+        futures = [scorer.submit(t, t.metadata["reference"]) for _, t in graded]
+        for (row, _), future in zip(graded, futures):
+            row["reference_passes"] = future.result().result.passed
+    return rows

@@ -86,6 +86,7 @@ class Body:
 
     def __init__(self, name: str, source: str):
         self.name = name
+        self.lines = sum(1 for line in source.splitlines() if line.strip())  # of code, for stats
         toks, _ = _tokens(source)
         self.exact = [] if len(toks) < MIN_TOKENS else sorted({
             _joined(toks[i:i + WINDOW]) for i in range(max(1, len(toks) - WINDOW + 1))})

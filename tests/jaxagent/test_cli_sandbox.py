@@ -201,3 +201,13 @@ def test_a_test_that_cannot_compile_is_refused_at_load(tmp_path, capsys):
                                  "tests": ["assert f(1) == 1", "assert f(2) ==="]}) + "\n")
     assert main(["tasks", "list", "--tasks", str(tasks)]) == 2
     assert "tasks.jsonl:1: field 'tests[1]': syntax error: invalid syntax (line 1)" in capsys.readouterr().err
+
+
+def test_tasks_stats_sizes_a_task_set(capsys):
+    assert main(["tasks", "stats", "rollouts/tasks/data/textkit_tasks"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == "task\ttarget_tests\tfunctions\tbody_lines\treference_passes"
+    rows = {line.split("\t")[0]: line.split("\t")[1:] for line in lines[1:]}
+    assert rows["textkit-median"] == ["1", "1", "5", "True"]  # the 5-line body of median
+    assert f"{len(rows)} tasks:" in err and f"references passing {len(rows)}/{len(rows)}" in err
