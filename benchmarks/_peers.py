@@ -88,6 +88,8 @@ class IdTokenizer:
     eos is -1 (never sampled), so every row generates exactly the requested new tokens.
     """
 
+    add_bos = False
+
     def encode(self, text, **kwargs):
         return [int(t) for t in text.split()]
 

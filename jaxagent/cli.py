@@ -43,7 +43,7 @@ def _cmd_generate(args) -> int:
     text = args.prompt
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    prompt = tokenizer.encode(text, add_bos=getattr(tokenizer, "add_bos", False))
+    prompt = tokenizer.encode(text, add_bos=tokenizer.add_bos)
     s = cfg.sampler
     sampler = make_sampler(model, tokenizer, cfg)
     out = sampler.generate(

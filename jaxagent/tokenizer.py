@@ -21,6 +21,7 @@ class Tokenizer(Protocol):
     eos_id: int | None
     pad_id: int
     vocab_size: int
+    add_bos: bool  # whether a raw prompt starts with BOS (the model was trained so)
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
 
@@ -37,6 +38,7 @@ class ByteTokenizer:
 
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
+    add_bos = False  # the tiny default model is trained on raw bytes
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))

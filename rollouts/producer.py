@@ -103,7 +103,7 @@ class CodeTaskEnv(Environment):
 
     def reset(self, task: Task) -> list[int]:
         self.task = task
-        return self.tokenizer.encode(task.prompt, add_bos=getattr(self.tokenizer, "add_bos", False))
+        return self.tokenizer.encode(task.prompt, add_bos=self.tokenizer.add_bos)
 
     def step(self, action: Sequence[int]) -> StepResult:
         if self.task is None:

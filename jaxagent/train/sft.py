@@ -94,7 +94,7 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
         # Training seeds come from the step's rng; the held-out set from a seed it never draws.
         return (lambda rng: examples(s.batch_size, int(rng.integers(1, 2**31))),
                 examples(d.eval_examples, 0))
-    data = [(tokenizer.encode(t.prompt, add_bos=getattr(tokenizer, "add_bos", False)),
+    data = [(tokenizer.encode(t.prompt, add_bos=tokenizer.add_bos),
              encode(t.metadata["reference"]) + stop)
             for t in tasks if "reference" in t.metadata]
     if not data:

@@ -124,7 +124,7 @@ class ToolEnvironment(Environment):
         self.ctx = ToolContext(self.session, task, memory=self.memory, embedding=self.embedding,
                                timeout_s=self.options.tool_timeout_s)
         text = self.format.prompt(self.tokenizer, task.prompt, self.toolbox.schemas())
-        prompt = self.tokenizer.encode(text, add_bos=getattr(self.tokenizer, "add_bos", False))
+        prompt = self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos)
         self.context_len, self.turns, self.started = len(prompt), 0, time.monotonic()
         self.tool_calls: Counter[str] = Counter()
         self.call_order: list[str] = []  # tools called, in order (e.g. tests run before finish?)

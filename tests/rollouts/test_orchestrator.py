@@ -167,7 +167,7 @@ def test_trajectory_tokens_equal_sampler_output(sampler):
     with Scorer(backend="bwrap", workers=2) as scorer:
         rollouts, stats = sample_and_score(sampler, tok, scorer, tasks, num_samples=2,
                                            max_new_tokens=7, temperature=1.0, seed=11, version=4)
-    prompts = [tok.encode(t.prompt, add_bos=getattr(tok, "add_bos", False)) for t in tasks]
+    prompts = [tok.encode(t.prompt, add_bos=tok.add_bos) for t in tasks]
     out = sampler.generate(prompts, num_samples=2, max_new_tokens=7, temperature=1.0,
                            stop_token_ids=tok.stop_ids, seed=11)
     assert [r.completion for r in rollouts] == out.tokens
