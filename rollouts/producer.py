@@ -27,6 +27,12 @@ from rollouts.sampler import Sampler
 from rollouts.tasks import Task
 
 
+def batch_seed(seed: int, index: int, draw: int = 0) -> int:
+    """The sampling seed of batch `index` (`draw` > 0: its refills): the run seed and the batch
+    index alone, so a resumed run draws the same completions as an uninterrupted one."""
+    return (seed * 1_000_003 + index) * (1 + 7919 * draw) + draw
+
+
 @dataclasses.dataclass
 class Rollout:
     task_id: str
@@ -263,12 +269,10 @@ class RolloutProducer:
         """prompts_per_step tasks, sampled and scored; draw > 0: a refill of batch `index`."""
         tasks = [next(self.tasks) for _ in range(self.prompts_per_step)]
         envs = [self.make_env() for _ in range(len(tasks) * self.group_size)]
-        # The sampling seed depends only on the run seed and the batch index, so a resumed run
-        # draws the same completions as an uninterrupted one.
         episodes = sample_episodes(
             self.sampler, envs, tasks, self.pool, num_samples=self.group_size,
             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            seed=(self.seed * 1_000_003 + index) * (1 + 7919 * draw) + draw,
+            seed=batch_seed(self.seed, index, draw),
             stop_token_ids=self.tokenizer.stop_ids, version=version, top_k=self.top_k,
             top_p=self.top_p, row_offset=self.row_offset)
         batch: Future = Future()

@@ -22,7 +22,7 @@ from rollouts.agent.feedback import flagged_turns
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
 from rollouts.environment import Environment
-from rollouts.producer import Rollout, RolloutBatch, rollout_stats
+from rollouts.producer import Rollout, RolloutBatch, batch_seed, rollout_stats
 from rollouts.sampler import Sampler, continuation
 from rollouts.tasks import Task
 
@@ -45,11 +45,10 @@ class AgentRolloutProducer:
         """Play batch `index` with the sampler's current weights (policy `version`); returns a
         resolved future of the `RolloutBatch`."""
         tasks = [next(self.tasks) for _ in range(self.prompts_per_step)]
-        # Seeded by the run seed and batch index only, so a resumed run replays the same batch.
         cont = continuation(self.sampler, len(self.envs), max_new_tokens=self.max_action_tokens,
                             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                             stop_token_ids=self.tokenizer.stop_ids,
-                            seed=self.seed * 1_000_003 + index)
+                            seed=batch_seed(self.seed, index))
         t0 = time.perf_counter()
         trajs = run_episodes(cont, self.envs, [t for t in tasks for _ in range(self.group_size)],
                              version)
