@@ -28,7 +28,7 @@ from typing import Any, Self
 
 import jax
 
-from rollouts.producer import RolloutBatch, RolloutProducer
+from rollouts.producer import Producer, RolloutBatch
 
 
 class Closed(RuntimeError):
@@ -96,7 +96,7 @@ class Orchestrator:
     staleness would exceed `max_staleness` is dropped (and counted in `dropped_stale`).
     """
 
-    def __init__(self, producer: RolloutProducer, weights: WeightStore, *, max_staleness: int,
+    def __init__(self, producer: Producer, weights: WeightStore, *, max_staleness: int,
                  start: int, stop: int, queued: list[RolloutBatch] = ()):
         if max_staleness < 0:
             raise ValueError(f"rollout.max_staleness: must be >= 0, got {max_staleness}")
@@ -129,7 +129,7 @@ class Orchestrator:
                 t0 = time.perf_counter()
                 params = self.weights.take(self.version_for(index))
                 idle = time.perf_counter() - t0
-                self.producer.sampler.update_weights(params)
+                self.producer.update_weights(params)
                 self._record_state(index)
                 future = self.producer.start(index, self.version_for(index))
                 with self._cond:
@@ -148,7 +148,7 @@ class Orchestrator:
                 self._cond.notify_all()
 
     def _record_state(self, index: int) -> None:
-        state = self.producer.tasks.get_state()
+        state = self.producer.task_state()
         with self._cond:
             self._task_states[index] = state
             self._cond.notify_all()

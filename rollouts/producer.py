@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,6 +26,22 @@ from rollouts.environment import INFRA_ERROR, Environment, StepResult, Trajector
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task
+
+
+class Producer(Protocol):
+    """What the orchestrator drives (`RolloutProducer`: single completions,
+    `rollouts.agent.producer.AgentRolloutProducer`: tool episodes)."""
+
+    def update_weights(self, params) -> None:
+        """Sample the next batches with `params`."""
+
+    def start(self, index: int, version: int) -> Future:
+        """Batch `index`, sampled with weights `version`: a future of the scored batch."""
+
+    def task_state(self) -> Any:
+        """The task iterator's state (a checkpoint's, before the next batch's draw)."""
+
+    def close(self) -> None: ...
 
 
 def batch_seed(seed: int, index: int, draw: int = 0) -> int:
@@ -289,6 +306,12 @@ class RolloutProducer:
 
     def produce(self, index: int, version: int) -> RolloutBatch:
         return self.start(index, version).result()
+
+    def update_weights(self, params) -> None:
+        self.sampler.update_weights(params)
+
+    def task_state(self) -> Any:
+        return self.tasks.get_state()
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)

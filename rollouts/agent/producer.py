@@ -66,6 +66,12 @@ class AgentRolloutProducer:
     def produce(self, index: int, version: int) -> RolloutBatch:
         return self.start(index, version).result()
 
+    def update_weights(self, params) -> None:
+        self.sampler.update_weights(params)
+
+    def task_state(self):
+        return self.tasks.get_state()
+
     def close(self) -> None:
         for env in self.envs:
             env.close()

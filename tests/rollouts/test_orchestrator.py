@@ -68,6 +68,12 @@ class TimedProducer:
         threading.Timer(self.rng.uniform(0, self.delay), future.set_result, [batch]).start()
         return future
 
+    def update_weights(self, params):
+        self.sampler.update_weights(params)
+
+    def task_state(self):
+        return self.tasks.get_state()
+
     def close(self):
         pass
 
