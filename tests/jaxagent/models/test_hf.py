@@ -85,6 +85,16 @@ def test_logits_match_transformers(case):
     np.testing.assert_array_less(np.abs(log_softmax(ours) - log_softmax(ref)).max(), 1e-4)
 
 
+# Greedy decoding through the sampler's KV cache, one case per decode path: RoPE scaling,
+# attention biases, QK-norm, MoE layers (sparse and dense) with tied embeddings. The other cases
+# differ only in what test_logits_match_transformers checks (layouts, GQA, ties): under -m slow.
+GREEDY_DEFAULT = {"llama3-rope-scaling", "qwen2-bias-tied", "qwen3-qknorm-bias-tied",
+                  "qwen3moe-sparse-step-unnormalised-tied"}
+
+
+@pytest.mark.parametrize("case", [
+    name if name in GREEDY_DEFAULT else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(CASES)], indirect=True)
 def test_greedy_generation_matches_transformers(case):
     name, hf, path = case
     prompt = np.random.default_rng(2).integers(0, VOCAB, (1, 7))
