@@ -235,8 +235,13 @@ def test_moe_missing_expert_count_is_named(tmp_path):
 
 
 def test_experts_cannot_be_exported_as_a_dense_family(tmp_path):
-    model = init_model(ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
-                                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                                   num_experts=3, moe_intermediate_size=8))
+    from flax import nnx
+
+    from jaxagent.models import Decoder
+
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, num_experts=3,
+                      moe_intermediate_size=8)
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # the config is what fails
     with pytest.raises(CheckpointError, match=r"model.num_experts=3 cannot be exported as family 'qwen3'"):
         save_pretrained(model, tmp_path)
