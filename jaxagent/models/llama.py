@@ -484,8 +484,15 @@ def sees_all_segments(cfg: ModelConfig) -> bool:
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
-    """A randomly initialised decoder (one compiled program, not one dispatch per parameter)."""
-    init = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(params=seed)))
+    """A randomly initialised decoder (one compiled program, not one dispatch per parameter).
+
+    The seed is the program's argument, not a constant in it: every seed of one config runs the
+    same program (one compile, then the persistent compilation cache where one is set)."""
+    jitted = nnx.jit(lambda key: Decoder(cfg, rngs=nnx.Rngs(params=key)))
+
+    def init():
+        return jitted(jax.random.key(seed))
+
     if jax.default_backend() != "gpu":
         return init()
     try:

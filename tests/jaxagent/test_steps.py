@@ -424,13 +424,17 @@ def test_feedback_term_equals_float64_kl_and_the_step_reduces_it():
     the two contexts, in float64 (whole and with the LM head in chunks); then rl_step with zero
     advantages (only the feedback term pulls) moves the student towards the teacher."""
     graphdef, params, tx, opt_state = setup(lr=3e-2)
-    forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))  # eager is slow
+    jitted = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))  # eager is slow
+
+    def forward(params, seq):  # right-padded to one length (causal: unseen), so one compile
+        return jitted(params, jnp.asarray([seq + [0] * (24 - len(seq))]))[0, :len(seq)]
+
     examples = feedback_examples(1)
     beta = 0.3
     kl, count = 0.0, 0
     for student, teacher, s_index, t_index in examples:
-        s = np.float64(forward(params, jnp.asarray([student]))[0])[s_index]
-        t = np.float64(forward(params, jnp.asarray([teacher]))[0])[t_index]
+        s = np.float64(forward(params, student))[s_index]
+        t = np.float64(forward(params, teacher))[t_index]
         log_s = s - np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True)) - s.max(-1, keepdims=True)
         log_t = t - np.log(np.exp(t - t.max(-1, keepdims=True)).sum(-1, keepdims=True)) - t.max(-1, keepdims=True)
         kl += (np.exp(log_t) * (log_t - log_s)).sum()

@@ -9,7 +9,7 @@ from nbclient import NotebookClient
 NOTEBOOK = Path(__file__).parents[2] / "notebooks" / "quickstart.ipynb"
 
 
-SHORT = {"range(40)": "range(3)", "range(8)": "range(2)"}  # SFT steps, RL steps
+SHORT = {"range(40)": "range(1)", "range(8)": "range(1)"}  # SFT steps, RL steps: each call runs once
 
 
 def test_quickstart_notebook_runs(tmp_path):

@@ -63,10 +63,11 @@ def test_scorer_scores_a_batch_in_order_sync_and_async(bwrap_sandbox):
     assert bwrap_sandbox.submit(tasks[0].request(completions[0])).result().passed
 
 
-def test_identical_runs_share_one_verdict_but_timeouts_rerun(bwrap_sandbox):
+def test_identical_runs_share_one_verdict_but_timeouts_rerun(hostile_sandbox):
+    # The hostile limits' 2 s wall: the timeouts below wait out 2 s each, not the default 10 s.
     task, other = synthetic_tasks(2, seed=5)
     reference = task.metadata["reference"]
-    with Scorer(sandbox=bwrap_sandbox) as scorer:
+    with Scorer(sandbox=hostile_sandbox) as scorer:
         first = scorer.submit(task, reference)
         assert scorer.submit(task, reference) is first and scorer.cache_hits == 1
         assert first.result().status == "passed"

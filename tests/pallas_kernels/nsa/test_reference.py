@@ -111,15 +111,20 @@ def test_nsa_reference_float64_and_gradients():
         params = R.init_nsa_params(jax.random.key(1), shape, n, h, vd, dtype=jnp.float64)
         out = jax.jit(R.nsa_reference, static_argnums=4)(q, k, v, params, shape)  # eager float64 is slow
         assert out.dtype == jnp.float64 and out.shape == (b, t, n, vd)
-        # The gated sum of the three branches, each recomputed from its own mask.
-        g = jax.nn.sigmoid(jnp.einsum("btnh,nhc->btnc", q, params["gate"]))
-        win = R.attend(q, k, v, R.sliding_window_mask(t, t, 6), 1 / math.sqrt(h))
-        k_cmp = R.compress_blocks(k, params["compress_k"], shape)
-        v_cmp = R.compress_blocks(v, params["compress_v"], shape)
-        cmp = R.attend(q, k_cmp, v_cmp, R.compressed_mask(t, k_cmp.shape[1], shape), 1 / math.sqrt(h))
-        idx = R.nsa_block_idx(q, k_cmp, shape, t, 1 / math.sqrt(h))
-        slc = R.select_attention_reference(q, k, v, idx, block_size=8)
-        np.testing.assert_allclose(out, g[..., :1] * cmp + g[..., 1:2] * slc + g[..., 2:] * win, atol=1e-12)
+        # The gated sum of the three branches, each recomputed from its own mask (one jitted
+        # program: op by op, every eager float64 op compiles on its own).
+        @jax.jit
+        def gated_sum(q, k, v, params):
+            g = jax.nn.sigmoid(jnp.einsum("btnh,nhc->btnc", q, params["gate"]))
+            win = R.attend(q, k, v, R.sliding_window_mask(t, t, 6), 1 / math.sqrt(h))
+            k_cmp = R.compress_blocks(k, params["compress_k"], shape)
+            v_cmp = R.compress_blocks(v, params["compress_v"], shape)
+            cmp = R.attend(q, k_cmp, v_cmp, R.compressed_mask(t, k_cmp.shape[1], shape), 1 / math.sqrt(h))
+            idx = R.nsa_block_idx(q, k_cmp, shape, t, 1 / math.sqrt(h))
+            slc = R.select_attention_reference(q, k, v, idx, block_size=8)
+            return g[..., :1] * cmp + g[..., 1:2] * slc + g[..., 2:] * win
+
+        np.testing.assert_allclose(out, gated_sum(q, k, v, params), atol=1e-12)
         grads = jax.jit(jax.grad(lambda p, q: jnp.sum(R.nsa_reference(q, k, v, p, shape) ** 2), (0, 1)))(params, q)
         assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(grads))
         assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(grads))

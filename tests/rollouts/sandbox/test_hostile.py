@@ -168,8 +168,16 @@ TRICKS: dict[str, tuple[str, set[str]]] = {
 TASKS = ("HumanEval/0", "HumanEval/2")
 
 
-@pytest.mark.parametrize("task_id", TASKS)
-@pytest.mark.parametrize("trick", sorted(TRICKS))
+# A trick that can only end in a timeout waits out the wall limit (2 s) whatever the task: the
+# second task's run of it is under -m slow.
+TRICK_CASES = [
+    (trick, task_id) if task_id == TASKS[0] or TRICKS[trick][1] != {"timeout"}
+    else pytest.param(trick, task_id, marks=pytest.mark.slow)
+    for trick in sorted(TRICKS) for task_id in TASKS
+]
+
+
+@pytest.mark.parametrize(("trick", "task_id"), TRICK_CASES)
 def test_trick_never_passes(hostile_sandbox, humaneval, leftovers, trick, task_id):
     body, expected = TRICKS[trick]
     result = hostile_sandbox.submit(humaneval[task_id].request(body)).result()

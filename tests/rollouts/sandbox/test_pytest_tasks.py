@@ -167,9 +167,13 @@ PYTEST_ATTACKS = {
 
 
 @pytest.mark.parametrize("name", sorted(PYTEST_ATTACKS))
-def test_pytest_is_out_of_the_solutions_reach(bwrap_sandbox, repo_task, name, leftovers):
-    result = _grade(bwrap_sandbox, repo_task, {"lib.py": PYTEST_ATTACKS[name]})
+def test_pytest_is_out_of_the_solutions_reach(request, repo_task, name, leftovers):
+    # sleep_forever can only end at the wall limit: the 2 s of the hostile limits, not 10 s.
+    sandbox = request.getfixturevalue("hostile_sandbox" if name == "sleep_forever" else "bwrap_sandbox")
+    result = _grade(sandbox, repo_task, {"lib.py": PYTEST_ATTACKS[name]})
     assert result.status != "passed" and result.tests_passed < 4, (name, result)
+    if name == "sleep_forever":
+        assert result.status == "timeout", result
     assert leftovers() == []
 
 
