@@ -21,8 +21,8 @@ import time
 import jax
 import numpy as np
 
-from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from rollouts.sampler import Continuation, Sampler, continuation
 
 SIZES = {

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxagent.config import ModelConfig
+from jaxagent.models.config import ModelConfig
 from jaxagent.models.moe import MoE
 
 MODES = ("dropless", "capacity", "dense")

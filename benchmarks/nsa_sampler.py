@@ -20,8 +20,9 @@ import jax
 import numpy as np
 import yaml
 
-from jaxagent.config import ModelConfig, NSAConfig, from_dict
+from jaxagent.config import from_dict
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig, NSAConfig
 from rollouts.sampler import Sampler
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "model" / "tiny.yaml"

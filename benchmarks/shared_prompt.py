@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxagent.config import ModelConfig, OptimizerConfig
+from jaxagent.config import OptimizerConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import LossOptions, pack, pack_shared, rl_step
 

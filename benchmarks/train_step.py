@@ -39,7 +39,7 @@ def model_flops_per_token(cfg, seq_len: int) -> float:
 
 
 def parse_layout(text: str):
-    from jaxagent.config import MeshConfig
+    from sharding.config import MeshConfig
 
     if text == "single":
         return None
@@ -72,10 +72,11 @@ def run_layout(model_cfg, layout, batch: int, seq: int, steps: int, micro_batch:
     import numpy as np
     from flax import nnx
 
-    from jaxagent.config import DEFAULT_AXIS_RULES, OptimizerConfig
+    from jaxagent.config import OptimizerConfig
     from jaxagent.models import init_model
     from jaxagent.optim import make_optimizer
     from jaxagent.steps import TrainBatch, sft_step
+    from sharding.config import DEFAULT_AXIS_RULES
     from sharding.mesh import build_mesh
     from sharding.rules import ActivationSharding, place, shard_batch
 
@@ -156,8 +157,8 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxagent.config import ModelConfig
     from jaxagent.models import Decoder
+    from jaxagent.models.config import ModelConfig
     from jaxagent.steps import logits_chunk_tokens
 
     if args.gpu:

@@ -4,6 +4,11 @@ A config is a tree of dataclasses whose defaults form the embedded tiny default 
 in `configs/` override any subset of it; a nested section may also be given as the path of a
 YAML file (`model: model/tiny.yaml`, relative to the including file). Every value is checked
 against the field's type, and every error names the key path and the file it came from.
+
+Each part owns the section it reads (`model`: jaxagent.models.config, `mesh`/`distributed`:
+sharding.config, `sampler`: rollouts.sampler.config, `rewards`: rollouts.rewards, `agent`:
+rollouts.agent.config, `rl`: jaxagent.rl.config); this module composes them into `Config`, and
+its names stay the public way to reach them (`from jaxagent.config import ModelConfig`).
 """
 
 from __future__ import annotations
@@ -18,168 +23,13 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxagent.errors import UserError
-
-
-class ConfigError(UserError):
-    """A config value or file is invalid; the message names the key path and its source."""
-
-
-@dataclass(frozen=True)
-class RopeScalingConfig:
-    # "default" (none), "linear" or "llama3" (Llama 3.1 frequency-dependent scaling).
-    rope_type: Literal["default", "linear", "llama3"] = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
-
-
-@dataclass(frozen=True)
-class NSAConfig:
-    """Native Sparse Attention (arXiv 2502.11089) hyper-parameters; defaults are the paper's."""
-
-    compress_block: int = 32  # l: keys summarised by one compressed key
-    compress_stride: int = 16  # d: stride between compressed blocks
-    select_block: int = 64  # l': keys per selection block
-    num_selected: int = 16  # n: selected blocks per query (incl. block 0 and the local ones)
-    num_local_blocks: int = 2  # selection blocks ending at the query, always selected
-    window: int = 512  # w: sliding-window length
-    # Branches run as Pallas kernels (training and prefill; decoding stays XLA): "auto" is the
-    # selected branch on GPU/TPU and none on CPU; "select"; "all" adds the window and the
-    # compressed branch with block scoring; "xla" none. On CPU kernels run interpreted (slow:
-    # for checks).
-    kernels: Literal["auto", "xla", "select", "all"] = "auto"
-    # GPU kernels of the three branches: Triton, or Mosaic GPU for Hopper (TMA + wgmma; bf16,
-    # head dims of 64/128, selection blocks of 64, l'/d <= 4; else, and before Hopper, Triton).
-    # Not yet compiled on hardware.
-    gpu_kernels: Literal["triton", "mosaic"] = "triton"
-
-
-@dataclass(frozen=True)
-class DocumentConfig:
-    """Document-level attention (`model.attention: doc`): a prompt is documents, each attending
-    only within itself, then a final section attending to all of them and to itself."""
-
-    # Each document's RoPE positions start at 0, so its KV is the same wherever it lands in a
-    # prompt (cacheable, `rollouts/kv_store.py`). False: positions run on across documents.
-    restart_positions: bool = True
-    # Where the final section's positions start when documents restart: "sum" (after all the
-    # documents' tokens: query-to-document distances grow with the number of documents, as in
-    # a plain concatenation) or "longest" (after the longest document: positions stay within
-    # one document's range however many are attached, but all documents look equally near).
-    final_positions: Literal["sum", "longest"] = "sum"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder. Defaults: the tiny byte-level
-    model for CPU runs."""
-
-    # HF architecture written on export.
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen3"
-    vocab_size: int = 264  # 256 bytes + specials, padded to a multiple of 8
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
-    qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3)
-    tie_embeddings: bool = True
-    max_position_embeddings: int = 4096
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of activations
-    # What a training pass keeps of each layer for the backward pass: everything (none),
-    # only the matmuls with the weights (dots: recompute norms, RoPE, attention, SwiGLU) or
-    # only the layer's input (full: recompute the whole layer).
-    remat: Literal["none", "dots", "full"] = "none"
-    attention_backend: str = "xla"  # key of jaxagent.models.attention.BACKENDS (dense attention)
-    # dense: `attention_backend`; nsa: Native Sparse Attention, see `nsa`; doc: the Pallas
-    # document-attention kernel (pallas_kernels/doc_attention), prompts laid out by `documents`.
-    attention: Literal["dense", "nsa", "doc"] = "dense"
-    documents: DocumentConfig = field(default_factory=DocumentConfig)  # when attention is "doc"
-    nsa: NSAConfig = field(default_factory=NSAConfig)  # used when attention is "nsa"
-    bos_token_id: int | None = 256
-    eos_token_id: int | None = 257
-    pad_token_id: int | None = 258
-    # Sparse mixture-of-experts MLP (Qwen3-MoE semantics); num_experts = 0 is a dense model.
-    num_experts: int = 0
-    num_experts_per_tok: int = 2  # top-k experts per token
-    moe_intermediate_size: int = 128  # F of each expert
-    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
-    decoder_sparse_step: int = 1  # layer i is sparse if (i + 1) % step == 0 ...
-    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense MLP)
-    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in SFT / RL losses
-    # dropless: every token reaches its k experts (ragged_dot grouped matmul; exact, HF parity;
-    # native on TPU, expanded densely by XLA on CPU/GPU: see docs/benchmarks.md).
-    # capacity: each expert takes at most ceil(capacity_factor * tokens * k / E) assignments,
-    # first choices before second ones; the rest are dropped (static shapes, expert-parallel).
-    # dense: every expert on every token, zero-weighted off the top-k (E/K x FLOPs; reference).
-    moe_dispatch: Literal["dropless", "capacity", "dense"] = "dropless"
-    capacity_factor: float = 1.25
-
-
-# Logical axis -> mesh axes. Parameters and activations name their dimensions with logical
-# axes; a dimension takes the listed mesh axes that divide it and that no earlier dimension of
-# the same array uses. Names not listed are replicated.
-DEFAULT_AXIS_RULES: tuple[tuple[str, ...], ...] = (
-    ("batch", "data", "fsdp"),  # activations: the batch over all data-parallel devices
-    ("embed", "fsdp"),  # FSDP: weights' model dimension split, gathered per use
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("expert", "expert"),
-)
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    """A device mesh (data, fsdp, expert, tensor); -1 takes the devices the others leave."""
-
-    data: int = -1  # pure data parallel (replicated weights)
-    fsdp: int = 1  # data parallel with weights and optimizer state sharded on `embed`
-    tensor: int = 1  # tensor parallel (heads, mlp, vocab): keep within fast links
-    expert: int = 1  # expert parallel (MoE experts)
-    dcn_data: int = 1  # of `data`, replicas over slow links (TPU slices, GPU nodes)
-    rules: tuple[tuple[str, ...], ...] = DEFAULT_AXIS_RULES  # [logical, mesh axes...] rows
-
-
-@dataclass(frozen=True)
-class DistributedConfig:
-    """Multi-process start-up (`jax.distributed`); explicit fields beat the environment."""
-
-    # auto: explicit fields, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID,
-    # else a detected TPU pod, SLURM job or Kubernetes JobSet, else one process. off: one.
-    mode: Literal["auto", "off"] = "auto"
-    coordinator_address: str | None = None  # host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
-    initialization_timeout_s: int = 300  # waiting for every process to join
-    heartbeat_timeout_s: int = 60  # a peer silent this long stops all the others
-
-
-@dataclass(frozen=True)
-class SamplerConfig:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    # Prompt and cache lengths are rounded up to these multiples so jitted shapes repeat.
-    prompt_bucket: int = 64
-    cache_bucket: int = 64
-    batch_bucket: int = 8
-    # CPU only: threads a call's batch is split over (each decodes its rows; 1.4x at batch 32
-    # on 2 cores); None = the cores this process may use. Ignored on accelerators and meshes.
-    host_threads: int | None = None
-    # The sampler's own mesh (e.g. pure tensor parallel); None: the trainer's mesh. Weights
-    # are resharded onto it after each update.
-    mesh: MeshConfig | None = None
+from jaxagent.errors import ConfigError
+from jaxagent.models.config import ModelConfig
+from jaxagent.rl.config import RLConfig
+from rollouts.agent.config import AgentConfig
+from rollouts.rewards import RewardConfig
+from rollouts.sampler.config import SamplerConfig
+from sharding.config import DistributedConfig, MeshConfig
 
 
 @dataclass(frozen=True)
@@ -195,62 +45,12 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class RLConfig:
-    # grpo: (r - mean) / std; dr_grpo: r - mean with a constant length normaliser;
-    # rloo: leave-one-out baseline; dapo: grpo + clip-higher + dynamic sampling.
-    # Validation fills each None below from the algorithm's preset (jaxagent/rl/algorithms.py);
-    # a value set here wins, and the run's config.yaml holds the values used.
-    algorithm: Literal["grpo", "rloo", "dr_grpo", "dapo"] = "grpo"
-    group_size: int = 8  # G completions per prompt
-    # Advantage baseline: the group's mean, or each member's mean of the others (rloo).
-    baseline: Literal["mean", "leave_one_out"] | None = None
-    normalize_std: bool | None = None  # divide advantages by the group's std (grpo, dapo)
-    clip_low: float | None = None  # 0.2
-    clip_high: float | None = None  # 0.2; dapo 0.28 (clip-higher)
-    # token-mean; dr_grpo: seq-mean-token-sum-norm (over train.max_new_tokens)
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
-    kl_coef: float = 0.0  # > 0 keeps a frozen reference copy
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_clamp: float = 0.0  # > 0 bounds each token's KL estimate to [-kl_clamp, kl_clamp]; 0 = off
-    # > 1 enables dual-clip: a negative-advantage token's loss is at most clip_ratio_c * |A|
-    # (stale rollouts with off_policy: behaviour); 0 = off
-    clip_ratio_c: float = 0.0
-    entropy_coef: float = 0.0
-    importance_cap: float = 2.0  # truncation of sampler -> trainer importance weights
-    # decoupled: PPO ratio against the weights at the start of the update, times truncated
-    # IS weights proximal/behaviour (AReaL); behaviour: PPO ratio against the sampler's logprobs.
-    off_policy: Literal["decoupled", "behaviour"] = "decoupled"
-    # Updates per batch: ppo_epochs passes over the batch cut into mini_batches (whole groups),
-    # each a clipped step against the proximal log-probs taken once before the first. 1, 1:
-    # one update per batch (the PPO clip then never acts: the ratio starts at 1).
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    drop_zero_variance_groups: bool | None = None  # DAPO dynamic sampling (on for dapo)
-    # With dynamic sampling: up to this many more draws of train.prompts_per_step tasks per
-    # batch while it holds fewer groups with signal (rollout/groups_drawn, groups_kept); 0: off
-    refill_draws: int = 0
-    # DAPO soft overlong penalty over the last N of train.max_new_tokens (any algorithm; single
-    # completions only); 0 = off
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-
-
-@dataclass(frozen=True)
 class TasksConfig:
     source: Literal["synthetic", "humaneval", "jsonl"] = "synthetic"
     path: str | None = None  # jsonl file
     num_train: int = 4000  # synthetic only
     num_eval: int = 200  # held-out tasks (synthetic: a disjoint seed)
     families: tuple[str, ...] = ()  # synthetic families; empty = all
-
-
-@dataclass(frozen=True)
-class RewardsConfig:
-    kind: Literal["all_pass", "fraction"] = "all_pass"
-    hack_penalty: float = 0.0
-    lint_penalty: float = 0.0
-    backend: Literal["bwrap", "docker", "process"] = "bwrap"
-    workers: int = 2
 
 
 @dataclass(frozen=True)
@@ -315,38 +115,6 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
-class AgentConfig:
-    """Multi-turn tool episodes over repository tasks (rollouts.agent); mirrors AgentOptions."""
-
-    enabled: bool = False  # train on agent episodes over agent.tasks instead of single completions
-    # A directory of deletion tasks (DIR/ID/task.json; no held-out split), or `embedded:N[:SEED]`:
-    # N tasks of the embedded agent family (rollouts.tasks.agent_family) minus its held-out fifth
-    tasks: str = "rollouts/tasks/data/textkit_tasks"
-    eval_tasks: int = 8  # held-out tasks of an embedded family that agent evaluation plays
-    # The tools episodes offer (rollouts.tools.TOOLS names; empty: all). Fewer tools, a shorter
-    # prompt: run_tests, read_file, edit, search, finish cut ~500 of the byte model's tokens.
-    tools: tuple[str, ...] = ()
-    call_format: Literal["hermes", "compact"] = "compact"  # hermes: Qwen <tool_call>; compact: @name {json}
-    episodes: int = 8  # episodes in flight (sampler slots); a finished one's slot is refilled
-    max_turns: int = 8
-    max_context_tokens: int = 4096  # prompt + actions + observations
-    max_action_tokens: int = 128  # tokens sampled per turn
-    tool_timeout_s: float = 10.0  # one tool call's wall and CPU limit
-    episode_timeout_s: float = 300.0
-    max_output_chars: int = 2000  # a tool's output beyond this is cut (head + tail, with a note)
-    truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: out of the advantage, or penalised
-    truncation_penalty: float = 1.0
-    zero_lookup_reward: bool = False  # episodes flagged by rollouts.agent.monitor earn at most 0
-    memory: bool = True  # the memory tool's notes persist under WORKDIR/agent_memory
-    embedding: Literal["ngram", "minilm"] = "ngram"  # semantic search; minilm: extra `semantic`
-    feedback_detectors: tuple[str, ...] = ()  # bad_tool_call, test_edit, repeat
-    feedback_beta: float = 0.0  # weight of KL(policy with hint || policy) at flagged turns
-    # Flagged turns per step that get the KL (the batch's first ones): each costs a forward
-    # pass over its context with and without the hint.
-    feedback_max_examples: int = 4
-
-
-@dataclass(frozen=True)
 class Config:
     """The root of every experiment config."""
 
@@ -355,7 +123,7 @@ class Config:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     tasks: TasksConfig = field(default_factory=TasksConfig)
-    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

@@ -3,3 +3,7 @@
 
 class UserError(ValueError):
     """Bad input; the message names the field, key path or file at fault."""
+
+
+class ConfigError(UserError):
+    """A config value or file is invalid; the message names the key path and its source."""

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 from jaxagent import rl
-from jaxagent.config import DocumentConfig
+from jaxagent.models.config import DocumentConfig
 from jaxagent.models.documents import document_layout
 from rollouts.sampler import sampling_logits
 

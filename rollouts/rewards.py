@@ -29,16 +29,22 @@ from rollouts.tasks.task import Task
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """`all_pass`: 1 if every test passed else 0; `fraction`: share of tests passed.
+    """The `rewards` config section. `all_pass`: 1 if every test passed else 0; `fraction`:
+    share of tests passed.
 
-    `hack_penalty` >= 0 is subtracted on `hack`; `lint_penalty` > 0 runs ruff
-    (`lint_rules`) in the sandbox and subtracts the penalty when it finds issues.
+    `hack_penalty` >= 0 is subtracted on `hack` (and is what an agent episode that edited the
+    tests earns, negated); `lint_penalty` > 0 runs ruff (`lint_rules`) in the sandbox and
+    subtracts the penalty when it finds issues.
     """
 
     kind: Literal["all_pass", "fraction"] = "all_pass"
     hack_penalty: float = 0.0
     lint_penalty: float = 0.0
     lint_rules: tuple[str, ...] = DEFAULT_RULES
+    # The sandbox a run's Scorer uses (jaxagent.train.build.make_scorer passes them on; a
+    # Scorer made directly takes them as arguments).
+    backend: Literal["bwrap", "docker", "process"] = "bwrap"
+    workers: int = 2
 
     def __post_init__(self) -> None:
         if self.kind not in ("all_pass", "fraction"):

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 
 import jax
 
-from jaxagent.config import ConfigError, DistributedConfig
+from jaxagent.errors import ConfigError
+from sharding.config import DistributedConfig
 
 _EXPLICIT = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxagent.config import Config, MeshConfig
+from sharding.config import MeshConfig
 from sharding.mesh import build_mesh
 from sharding.rules import (
     ActivationSharding,
@@ -27,15 +27,16 @@ from sharding.rules import (
 
 
 class Layout:
-    def __init__(self, cfg: Config):
-        self.rules = cfg.mesh.rules
-        self.mesh = build_mesh(cfg.mesh)
+    def __init__(self, mesh: MeshConfig, sampler_mesh: MeshConfig | None = None):
+        """`mesh`: the trainer's (config `mesh`); `sampler_mesh`: config `sampler.mesh`."""
+        self.rules = mesh.rules
+        self.mesh = build_mesh(mesh)
         multi = jax.process_count() > 1
-        if cfg.sampler.mesh is None and not multi:
+        if sampler_mesh is None and not multi:
             self.sampler_mesh = self.mesh
         else:
             # Default across processes: this process's devices, tensor parallel as in training.
-            sampler = cfg.sampler.mesh or MeshConfig(data=-1, tensor=cfg.mesh.tensor)
+            sampler = sampler_mesh or MeshConfig(data=-1, tensor=mesh.tensor)
             self.sampler_mesh = build_mesh(sampler, jax.local_devices(), key="sampler.mesh")
 
     def check_batch(self, rows: int, key: str) -> None:

@@ -15,7 +15,8 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from jaxagent.config import ConfigError, MeshConfig
+from jaxagent.errors import ConfigError
+from sharding.config import MeshConfig
 
 AXES = ("data", "fsdp", "expert", "tensor")
 

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxagent.config import ConfigError
+from jaxagent.errors import ConfigError
 
 Rules = tuple[tuple[str, ...], ...]
 

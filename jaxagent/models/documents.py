@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxagent.config import DocumentConfig
+from jaxagent.models.config import DocumentConfig
 
 FINAL_SEGMENT = -1
 

@@ -23,8 +23,8 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxagent.config import ModelConfig, RopeScalingConfig
 from jaxagent.errors import UserError
+from jaxagent.models.config import ModelConfig, RopeScalingConfig
 from jaxagent.models.llama import Decoder
 from jaxagent.models.moe import is_moe_layer
 

@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxagent.config import ModelConfig
 from jaxagent.models.attention import (
     attention_mask,
     decode_attention_keys_transposed,
     get_backend,
     supports_sees_all,
 )
+from jaxagent.models.config import ModelConfig
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import param as _param
 from pallas_kernels.nsa import (

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxagent.config import ModelConfig
+from jaxagent.models.config import ModelConfig
 from jaxagent.models.params import param
 
 

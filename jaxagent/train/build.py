@@ -12,18 +12,20 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jaxagent.config import Config, ConfigError, RLConfig, SamplerConfig
+from jaxagent.config import Config
+from jaxagent.errors import ConfigError
 from jaxagent.metrics import LogProgress
 from jaxagent.models import from_pretrained, init_model, sees_all_segments
 from jaxagent.models.hf import CheckpointError, resolve_checkpoint
 from jaxagent.rl import algorithms
+from jaxagent.rl.config import RLConfig
 from jaxagent.steps import LossOptions, logits_chunk_tokens
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
-from rollouts.agent import AgentOptions, ToolEnvironment
+from rollouts.agent import ToolEnvironment
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.producer import RolloutProducer
-from rollouts.rewards import RewardConfig, Scorer
-from rollouts.sampler import Sampler
+from rollouts.rewards import Scorer
+from rollouts.sampler import Sampler, SamplerConfig
 from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.agent_family import agent_task_splits
 from rollouts.tasks.agent_family import parse_spec as parse_agent_spec
@@ -123,7 +125,7 @@ def rl_layout(cfg: Config) -> Layout:
     """An RL run's layout (after `jax.distributed` starts, as `distributed` says), every batch
     of the run checked to split evenly over its data-parallel devices."""
     initialize(cfg.distributed)
-    layout = Layout(cfg)
+    layout = Layout(cfg.mesh, cfg.sampler.mesh)
     rows = cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count()
     layout.check_batch(rows, "train.prompts_per_step * rl.group_size")
     if cfg.rl.mini_batches > 1:
@@ -173,9 +175,7 @@ def make_sampler(model, tokenizer, cfg: Config) -> Sampler:
 
 def make_scorer(cfg: Config) -> Scorer:
     r = cfg.rewards
-    return Scorer(RewardConfig(kind=r.kind, hack_penalty=r.hack_penalty,
-                               lint_penalty=r.lint_penalty),
-                  backend=r.backend, workers=r.workers)
+    return Scorer(r, backend=r.backend, workers=r.workers)
 
 
 def make_progress(console: Console | None = None) -> Progress:
@@ -287,11 +287,10 @@ def agent_tools(cfg: Config) -> list:
 
 
 def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):
-    """make_env() -> a `ToolEnvironment` as `cfg.agent` configures it (with `AgentOptions`
+    """make_env() -> a `ToolEnvironment` as `cfg.agent` configures it (with `AgentConfig`
     `overrides`), grading with `scorer`."""
     a, r = cfg.agent, cfg.rewards
-    options = dataclasses.replace(AgentOptions.from_config(a, hack_penalty=r.hack_penalty),
-                                  **overrides)
+    options = dataclasses.replace(a, **overrides)
     memory = MemoryStore(Path(cfg.workdir) / "agent_memory") if a.memory else None
     embedding = NgramEmbedding()
     if a.embedding == "minilm":

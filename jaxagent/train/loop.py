@@ -35,10 +35,11 @@ from rich.progress import Progress
 
 from jaxagent import rl
 from jaxagent.checkpoint import Checkpointer
-from jaxagent.config import Config, RLConfig, save_config
+from jaxagent.config import Config, save_config
 from jaxagent.metrics import MetricsWriter, plot_curves, trim_jsonl
 from jaxagent.models import sees_all_segments
 from jaxagent.optim import make_optimizer
+from jaxagent.rl.config import RLConfig
 from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_feedback,
                             pack_shared, ppo_update, split_rows)
 from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_options,

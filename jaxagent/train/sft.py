@@ -137,7 +137,7 @@ def run_sft(cfg: Config) -> Path:
         raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
     cfg = validate(cfg)
     initialize(cfg.distributed)
-    layout = Layout(cfg)
+    layout = Layout(cfg.mesh, cfg.sampler.mesh)
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     model, tokenizer = load_model_and_tokenizer(cfg)
     graphdef, params = layout.split(model)

@@ -1,10 +1,11 @@
 """Multi-turn tool-using episodes over repository tasks (see `env.ToolEnvironment`)."""
 
-from rollouts.agent.env import AgentOptions, ToolEnvironment, edited_test_files
+from rollouts.agent.config import AgentConfig
+from rollouts.agent.env import ToolEnvironment, edited_test_files
 from rollouts.agent.formats import BadCall, ToolCall, make_format, observation_text
 
 __all__ = [
-    "AgentOptions",
+    "AgentConfig",
     "BadCall",
     "ToolCall",
     "ToolEnvironment",

@@ -7,18 +7,18 @@ message, tokenized once and returned to be appended. Malformed or unknown calls 
 error observation and are counted. The episode ends on `finish` or a budget (turns, context
 tokens, episode wall time); then the repository is graded in a fresh sandbox from the pristine
 task with the agent's edits applied, except edits to the tests, which are discarded and flagged
-(reward `-hack_penalty`, `hack` set).
+(reward `-hack_penalty` of the scorer's `RewardConfig`, `hack` set).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
+from rollouts.agent.config import AgentConfig
 from rollouts.agent.formats import BadCall, make_format, observation_text
 from rollouts.agent.monitor import lookup_flags
 from rollouts.environment import Environment, StepResult
@@ -36,39 +36,6 @@ from rollouts.tools import (
     Toolbox,
     ToolContext,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentOptions:
-    """Episode budgets and behaviour (mirrored by `jaxagent.config.AgentConfig`)."""
-
-    call_format: Literal["hermes", "compact"] = "compact"
-    max_turns: int = 8
-    max_context_tokens: int = 4096
-    tool_timeout_s: float = 10.0
-    episode_timeout_s: float = 300.0
-    max_output_chars: int = 2000  # a tool's output beyond this is cut (head + tail, with a note)
-    truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: no advantage, or penalised
-    truncation_penalty: float = 1.0
-    hack_penalty: float = 0.0  # subtracted when the tests were edited (the reward is then -penalty)
-    # an episode whose tool calls went looking for the deleted code (rollouts.agent.monitor)
-    # earns at most 0
-    zero_lookup_reward: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_context_tokens", "tool_timeout_s", "episode_timeout_s",
-                     "max_output_chars"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"AgentOptions.{name} must be positive, got {getattr(self, name)!r}")
-        if self.truncation not in ("mask", "penalty"):
-            raise ValueError(f"AgentOptions.truncation must be 'mask' or 'penalty', got {self.truncation!r}")
-        make_format(self.call_format)
-
-    @classmethod
-    def from_config(cls, agent, hack_penalty: float = 0.0) -> AgentOptions:
-        """From `jaxagent.config.AgentConfig` (the fields of the same names)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "hack_penalty"]
-        return cls(**{n: getattr(agent, n) for n in names}, hack_penalty=hack_penalty)
 
 
 def _under(path: str, roots: Sequence[str]) -> bool:
@@ -90,7 +57,7 @@ class ToolEnvironment(Environment):
     def __init__(
         self,
         tokenizer,
-        options: AgentOptions | None = None,
+        options: AgentConfig | None = None,
         scorer: Scorer | None = None,
         memory: MemoryStore | None = None,
         embedding: Embedding | None = None,
@@ -99,7 +66,7 @@ class ToolEnvironment(Environment):
         limits: Limits | None = None,
     ):
         self.tokenizer = tokenizer
-        self.options = options or AgentOptions()
+        self.options = options or AgentConfig()
         self.format = make_format(self.options.call_format)
         self.toolbox = Toolbox(tools)
         self.scorer = scorer
@@ -206,7 +173,7 @@ class ToolEnvironment(Environment):
         reward = graded.reward
         hack = graded.status == "hack" or bool(edited_tests)
         if edited_tests:  # discarded for grading, and the episode earns nothing
-            reward = -self.options.hack_penalty
+            reward = -self.scorer.config.hack_penalty  # as a `hack` verdict scores
         masked = truncated and self.options.truncation == "mask"
         if truncated and self.options.truncation == "penalty":
             reward -= self.options.truncation_penalty

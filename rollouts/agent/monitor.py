@@ -4,7 +4,7 @@ A feature-deletion task removes code that may survive elsewhere: in the reposito
 in caches and compiled artefacts, in bytecode, or outside the task (an installed copy of the
 package). Tasks are built to hold no such copy (`rollouts.tasks.leaks`), so a look-up finds
 nothing; but an episode that tries is worth knowing about and, with
-`AgentOptions.zero_lookup_reward`, earns nothing. Kinds:
+`AgentConfig.zero_lookup_reward` (`agent.zero_lookup_reward`), earns nothing. Kinds:
 
   history      `history` of a file the task deleted code from, or git digging through `shell`
   artefact     a cached or compiled artefact (`rollouts.tasks.leaks.generated`) read or listed

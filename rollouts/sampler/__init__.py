@@ -21,12 +21,14 @@ How a call runs:
 All shapes are bucketed (batch, prompt length, cache size, output buffer), so repeated calls
 reuse compiled programs.
 
-Modules: `sampling` (the math of one token), `programs` (the jitted programs), `decode` (checked
-inputs and settings, the decode state and its segment loop, shared by `Sampler` and
-`Continuation`), `sampler` (`Sampler`), `documents` (document prompts from stored KVs),
-`continuation` (`Continuation`), `threads` (host threads: split calls, `ThreadedContinuation`).
+Modules: `config` (`SamplerConfig`, the `sampler` config section), `sampling` (the math of one
+token), `programs` (the jitted programs), `decode` (checked inputs and settings, the decode
+state and its segment loop, shared by `Sampler` and `Continuation`), `sampler` (`Sampler`),
+`documents` (document prompts from stored KVs), `continuation` (`Continuation`), `threads`
+(host threads: split calls, `ThreadedContinuation`).
 """
 
+from rollouts.sampler.config import SamplerConfig
 from rollouts.sampler.continuation import Continuation
 from rollouts.sampler.decode import SampleOutput
 
@@ -46,6 +48,7 @@ __all__ = [
     "Continuation",
     "SampleOutput",
     "Sampler",
+    "SamplerConfig",
     "ThreadedContinuation",
     "continuation",
     "sample_tokens",

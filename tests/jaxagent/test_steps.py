@@ -7,8 +7,9 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxagent.config import DocumentConfig, ModelConfig, OptimizerConfig
+from jaxagent.config import OptimizerConfig
 from jaxagent.models import Decoder, init_model
+from jaxagent.models.config import DocumentConfig, ModelConfig
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import (
     LossOptions,

@@ -242,7 +242,7 @@ def test_max_staleness_1_trains_on_one_step_old_batches(tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
-    from jaxagent.config import RLConfig
+    from jaxagent.rl.config import RLConfig
     from jaxagent.train.build import expand_algorithm
     from jaxagent.train.loop import compute_advantages
     from rollouts.producer import INFRA_ERROR, Rollout, RolloutBatch
@@ -311,7 +311,7 @@ def test_the_saved_config_holds_the_resolved_settings(tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "dapo"])
 def test_overlong_buffer_is_honoured_with_every_algorithm(algorithm):
-    from jaxagent.config import RLConfig
+    from jaxagent.rl.config import RLConfig
     from jaxagent.train.build import expand_algorithm
     from jaxagent.train.loop import compute_advantages
     from rollouts.producer import Rollout, RolloutBatch

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxagent.config import DistributedConfig, MeshConfig
+from sharding.config import DistributedConfig, MeshConfig
 from sharding.distributed import initialize
 from sharding.mesh import build_mesh
 from sharding.rules import shard_batch

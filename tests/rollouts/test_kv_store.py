@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxagent.config import DocumentConfig, ModelConfig
 from jaxagent.models import document_layout, init_model
+from jaxagent.models.config import DocumentConfig, ModelConfig
 from rollouts.kv_store import KVStore
 from rollouts.sampler import Sampler
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from jaxagent.tokenizer import ByteTokenizer
 from rollouts.environment import StepResult
 from rollouts.orchestrator import Orchestrator, WeightStore

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxagent.config import ModelConfig, NSAConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig, NSAConfig
 from rollouts import sampler as sampler_lib
 from rollouts.sampler import Continuation, Sampler, ThreadedContinuation, continuation
 

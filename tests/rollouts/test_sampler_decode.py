@@ -4,8 +4,8 @@ one check of the sampling settings, so both name a bad argument the same way."""
 import numpy as np
 import pytest
 
-from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from rollouts.sampler import Continuation, Sampler
 from rollouts.sampler.decode import Sampling, left_pad
 

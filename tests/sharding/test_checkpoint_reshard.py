@@ -5,9 +5,11 @@ import numpy as np
 from flax import nnx
 
 from jaxagent.checkpoint import Checkpointer
-from jaxagent.config import DEFAULT_AXIS_RULES, MeshConfig, ModelConfig, OptimizerConfig
+from jaxagent.config import OptimizerConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from jaxagent.optim import make_optimizer
+from sharding.config import DEFAULT_AXIS_RULES, MeshConfig
 from sharding.mesh import build_mesh
 from sharding.rules import place, shardings
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jaxagent.config import ConfigError, DistributedConfig
+from jaxagent.errors import ConfigError
+from sharding.config import DistributedConfig
 from sharding.distributed import detect, initialize
 
 EXPLICIT = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",

@@ -1,15 +1,14 @@
 """The sampler on its own mesh: weights resharded from the trainer's mesh, same samples."""
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxagent.config import Config, MeshConfig, ModelConfig, SamplerConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from rollouts.sampler import Sampler
+from sharding.config import MeshConfig
 from sharding.layout import Layout
 from sharding.rules import shardings
 
@@ -20,10 +19,7 @@ MODEL = ModelConfig(vocab_size=72, hidden_size=24, intermediate_size=40, num_lay
 
 @pytest.mark.slow  # two samplers compile: ~20 s quiet, ~2 min on the shared cores
 def test_sampler_mesh_gets_resharded_weights_and_samples_the_same():
-    cfg = dataclasses.replace(
-        Config(), model=MODEL, mesh=MeshConfig(data=1, fsdp=8),
-        sampler=dataclasses.replace(SamplerConfig(), mesh=MeshConfig(data=4, tensor=2)))
-    layout = Layout(cfg)
+    layout = Layout(MeshConfig(data=1, fsdp=8), MeshConfig(data=4, tensor=2))
     assert dict(layout.sampler_mesh.shape) == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
     reference = init_model(MODEL, seed=2)
     graphdef, params = layout.split(init_model(MODEL, seed=2))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jaxagent.config import ConfigError, MeshConfig
+from jaxagent.errors import ConfigError
+from sharding.config import MeshConfig
 from sharding.mesh import AXES, build_mesh, mesh_shape
 
 

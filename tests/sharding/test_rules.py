@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxagent.config import DEFAULT_AXIS_RULES, MeshConfig, ModelConfig
 from jaxagent.models import init_model, logical_axes
+from jaxagent.models.config import ModelConfig
 from jaxagent.steps import LossOptions, TrainBatch, rl_step
+from sharding.config import DEFAULT_AXIS_RULES, MeshConfig
 from sharding.mesh import build_mesh
 from sharding.rules import (
     ActivationSharding,

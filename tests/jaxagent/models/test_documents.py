@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from jaxagent.config import DocumentConfig
+from jaxagent.models.config import DocumentConfig
 from jaxagent.models.documents import document_layout, final_start
 
 

@@ -13,8 +13,13 @@ import pytest
 import torch
 import transformers
 
-from jaxagent.config import ModelConfig, RopeScalingConfig
-from jaxagent.models import CheckpointError, from_pretrained, init_model, save_pretrained
+from jaxagent.models import (
+    CheckpointError,
+    from_pretrained,
+    init_model,
+    save_pretrained,
+)
+from jaxagent.models.config import ModelConfig, RopeScalingConfig
 from rollouts.sampler import Sampler
 
 VOCAB, B, T = 101, 3, 19

@@ -8,9 +8,9 @@ from flax import nnx
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from jaxagent.config import ModelConfig, RopeScalingConfig
 from jaxagent.models import Decoder, KVCache, init_model, logical_axes
 from jaxagent.models.attention import attention_mask, xla_attention
+from jaxagent.models.config import ModelConfig, RopeScalingConfig
 from jaxagent.models.llama import rope_frequencies
 
 CFG = ModelConfig(vocab_size=83, hidden_size=45, intermediate_size=71, num_layers=2, num_heads=6,

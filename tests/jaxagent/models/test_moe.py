@@ -11,8 +11,8 @@ import torch
 from flax import nnx
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from jaxagent.config import ModelConfig
 from jaxagent.models import moe as moe_lib
+from jaxagent.models.config import ModelConfig
 
 D, F, E, K, N = 13, 11, 5, 2, 23
 CFG = ModelConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K)

@@ -12,8 +12,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from jaxagent.steps import pack, sft_step
 
 E = 8

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxagent.config import ModelConfig, NSAConfig, OptimizerConfig
+from jaxagent.config import OptimizerConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig, NSAConfig
 from jaxagent.models.llama import logical_axes
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import pack, sft_step

@@ -5,8 +5,8 @@ import typing
 
 import pytest
 
-from jaxagent.config import RLConfig
 from jaxagent.rl.algorithms import PRESETS, SETTINGS, expand
+from jaxagent.rl.config import RLConfig
 
 # Written out by hand (not derived from the table): what each algorithm means.
 EXPECTED = {

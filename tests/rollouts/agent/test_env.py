@@ -9,14 +9,14 @@ import pytest
 
 from jaxagent.tokenizer import ByteTokenizer
 from rollouts.agent import (
-    AgentOptions,
+    AgentConfig,
     ToolCall,
     ToolEnvironment,
     make_format,
     observation_text,
 )
 from rollouts.environment import Trajectory
-from rollouts.rewards import Scorer
+from rollouts.rewards import RewardConfig, Scorer
 from rollouts.tasks.deletion import load_deletion_task
 
 TASKS = Path(__file__).resolve().parents[3] / "rollouts" / "tasks" / "data" / "textkit_tasks"
@@ -75,7 +75,7 @@ SOLVE = [
 
 
 def test_scripted_policy_solves_an_embedded_task(task, scorer):
-    env = ToolEnvironment(TOK, AgentOptions(max_turns=10, max_context_tokens=20000), scorer=scorer)
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=10, max_context_tokens=20000), scorer=scorer)
     traj, results = play(env, task, SOLVE)
     assert "1 failed" in TOK.decode(results[1].observation)
     assert "textkit/stats.py:11:def median(xs):" in TOK.decode(results[2].observation)
@@ -104,15 +104,17 @@ def test_scripted_policy_solves_an_embedded_task(task, scorer):
     assert results[0].observation == TOK.encode(observation_text(TOK, "ok", action_ended=True))
 
 
-def test_editing_the_tests_to_pass_earns_zero_and_a_hack_flag(task, scorer):
-    env = ToolEnvironment(TOK, AgentOptions(hack_penalty=0.0), scorer=scorer)
+def test_editing_the_tests_to_pass_earns_minus_the_hack_penalty_and_a_hack_flag(task, scorer):
+    # the penalty is the scorer's (rewards.hack_penalty), as for a `hack` verdict
+    penalised = Scorer(RewardConfig(hack_penalty=0.5), sandbox=scorer.sandbox)
+    env = ToolEnvironment(TOK, AgentConfig(), scorer=penalised)
     fake = "def test_median_odd_and_even():\n    assert True\n"
     _, results = play(env, task, [
         ToolCall("shell", {"command": "sed -i 's/assert median/assert 1 or median/' tests/test_stats.py"}),
         ToolCall("write_file", {"path": "tests/test_extra.py", "content": fake}),
         ToolCall("finish", {})])
     info = results[-1].info
-    assert results[-1].reward == 0.0 and info["hack"]
+    assert results[-1].reward == -0.5 and info["hack"]
     assert info["edited_tests"] == ["tests/test_extra.py", "tests/test_stats.py"]
     assert info["test_edit_attempts"] == 2
     assert [f["test_edit"] for f in info["turn_flags"]] == [True, True, False]
@@ -121,7 +123,7 @@ def test_editing_the_tests_to_pass_earns_zero_and_a_hack_flag(task, scorer):
 
 
 def test_malformed_and_unknown_calls_are_error_observations_and_counted(task, scorer):
-    env = ToolEnvironment(TOK, AgentOptions(max_turns=3, truncation="penalty",
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=3, truncation="penalty",
                                             truncation_penalty=0.5), scorer=scorer)
     _, results = play(env, task, ["@@@ what", ToolCall("rm_rf", {}), '@edit {"path": 1}'])
     texts = [TOK.decode(r.observation) for r in results[:2]]
@@ -134,7 +136,7 @@ def test_malformed_and_unknown_calls_are_error_observations_and_counted(task, sc
 
 
 def test_budgets_mask_truncated_episodes_and_flag_repeats(task, scorer):
-    env = ToolEnvironment(TOK, AgentOptions(max_context_tokens=3000), scorer=scorer)
+    env = ToolEnvironment(TOK, AgentConfig(max_context_tokens=3000), scorer=scorer)
     call = ToolCall("read_file", {"path": "textkit/stats.py"})
     _, results = play(env, task, [call] * 8)
     info = results[-1].info
@@ -151,15 +153,15 @@ def test_reset_refuses_function_tasks_and_options_are_checked():
     with pytest.raises(ValueError, match="needs a repository task"):
         env.reset(synthetic_tasks(1)[0])
     with pytest.raises(ValueError, match="max_turns must be positive"):
-        AgentOptions(max_turns=0)
+        AgentConfig(max_turns=0)
     with pytest.raises(ValueError, match="truncation must be"):
-        AgentOptions(truncation="drop")
+        AgentConfig(truncation="drop")
     with pytest.raises(RuntimeError, match="before reset"):
         env.step([1])
 
 
 def test_hermes_episode_with_a_chat_template_tokenizer(task, scorer, qwen_tok):
-    env = ToolEnvironment(qwen_tok, AgentOptions(call_format="hermes", max_context_tokens=20000),
+    env = ToolEnvironment(qwen_tok, AgentConfig(call_format="hermes", max_context_tokens=20000),
                           scorer=scorer)
     prompt = env.reset(task)
     text = qwen_tok.decode(prompt, skip_special=False)
@@ -197,7 +199,7 @@ EPISODE_ATTACKS = {
 @pytest.mark.parametrize("name", sorted(EPISODE_ATTACKS))
 def test_an_agent_cannot_forge_its_reward_with_its_tools(task, scorer, name):
     path, content = EPISODE_ATTACKS[name]
-    env = ToolEnvironment(TOK, AgentOptions(max_turns=4, hack_penalty=0.0), scorer=scorer)
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=4), scorer=scorer)
     _, results = play(env, task, [ToolCall("write_file", {"path": path, "content": content}),
                                   ToolCall("finish", {"summary": "done"})])
     last = results[-1]

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from jaxagent.tokenizer import ByteTokenizer
-from rollouts.agent import AgentOptions, ToolCall, ToolEnvironment, make_format
+from rollouts.agent import AgentConfig, ToolCall, ToolEnvironment, make_format
 from rollouts.agent.metrics import agent_metrics, ran_tests_before_finish
 from rollouts.environment import Trajectory
 from rollouts.rewards import Scorer
@@ -51,7 +51,7 @@ def test_the_fact_in_the_failing_test_output_solves_a_constant_task(scorer):
                 and task.files[p])
     const = re.search(r"but (\w+) has the wrong value", task.prompt).group(1)
     assert re.search(rf"{const} = \d+", task.prompt) is None  # the prompt lacks the value
-    env = ToolEnvironment(TOK, AgentOptions(max_turns=6, max_context_tokens=4000), scorer=scorer)
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=6, max_context_tokens=4000), scorer=scorer)
     play = Episode(env, task)
     failing = play("run_tests")
     got, want = re.search(r"E       assert (\d+) == (\d+)", failing).groups()  # the fact
@@ -71,7 +71,7 @@ def test_the_fact_in_the_failing_test_output_solves_a_constant_task(scorer):
 
 def test_a_helper_found_by_search_solves_a_helper_task(scorer):
     task = first("helper")
-    env = ToolEnvironment(TOK, AgentOptions(max_turns=6, max_context_tokens=4000), scorer=scorer)
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=6, max_context_tokens=4000), scorer=scorer)
     play = Episode(env, task)
     hits = play("search", query="canonical key of a name")
     where = re.search(r"\./(\S+\.py):\d+:", hits).group(1)
@@ -93,7 +93,7 @@ def test_a_blind_edit_from_the_prompt_alone_fails(scorer, template):
     """The prompt does not say which error (or separator): the guess an agent makes without
     running the tests is wrong, and the episode earns nothing."""
     task = first(template)
-    env = ToolEnvironment(TOK, AgentOptions(max_turns=4), scorer=scorer)
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=4), scorer=scorer)
     play = Episode(env, task)
     for path, content in json.loads(task.metadata["blind"]).items():
         play("write_file", path=path, content=content)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from jaxagent.rl.feedback import feedback_loss, token_kl
 from jaxagent.tokenizer import ByteTokenizer
 from rollouts.agent.feedback import (

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxagent.tokenizer import ByteTokenizer
-from rollouts.agent import AgentOptions, ToolCall, ToolEnvironment, make_format
+from rollouts.agent import AgentConfig, ToolCall, ToolEnvironment, make_format
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.monitor import lookup_flags
 from rollouts.environment import Trajectory
@@ -66,7 +66,7 @@ def scorer():
 
 
 def _episode(scorer, calls, **options):
-    env = ToolEnvironment(TOK, AgentOptions(max_turns=10, max_context_tokens=20000, **options),
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=10, max_context_tokens=20000, **options),
                           scorer=scorer)
     task = load_deletion_task(TASK)
     traj = Trajectory.start(task.id, env.reset(task), version=0)

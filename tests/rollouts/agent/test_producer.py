@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxagent.config import ModelConfig, RLConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
+from jaxagent.rl.config import RLConfig
 from jaxagent.tokenizer import ByteTokenizer
 from jaxagent.train.build import expand_algorithm
 from jaxagent.train.loop import compute_advantages, to_train_batch
-from rollouts.agent import AgentOptions, ToolEnvironment
+from rollouts.agent import AgentConfig, ToolEnvironment
 from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.producer import AgentRolloutProducer
@@ -40,7 +41,7 @@ def test_producer_batches_groups_and_train_rows_mask_only_policy_tokens():
     tasks = [dataclasses.replace(load_deletion_task(TASKS / name), prompt=f"Implement {name}.")
              for name in ("textkit-median", "textkit-wrap")]
     tools = [t for t in TOOLS if t.name in ("think", "run_tests", "finish")]
-    options = AgentOptions(max_turns=2, max_context_tokens=8000, max_output_chars=200)
+    options = AgentConfig(max_turns=2, max_context_tokens=8000, max_output_chars=200)
     with Scorer(workers=1) as scorer:
         envs = [ToolEnvironment(TOK, options, scorer=scorer, tools=tools) for _ in range(2)]
         producer = AgentRolloutProducer(sampler, TOK, itertools.cycle(tasks), envs,
@@ -95,7 +96,7 @@ def test_scripted_demonstration_solves_each_task_through_the_environment(name):
     assert [c.name for c in calls] == ["run_tests", "read_file", *["edit"] * edits, "run_tests",
                                        "finish"]
     with Scorer(workers=1) as scorer:
-        env = ToolEnvironment(TOK, AgentOptions(max_turns=6, max_context_tokens=20000),
+        env = ToolEnvironment(TOK, AgentConfig(max_turns=6, max_context_tokens=20000),
                               scorer=scorer)
         traj = demonstrate(env, task, calls)
         env.close()

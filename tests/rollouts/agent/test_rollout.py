@@ -10,10 +10,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxagent.config import ModelConfig
 from jaxagent.models import init_model
+from jaxagent.models.config import ModelConfig
 from jaxagent.tokenizer import ByteTokenizer
-from rollouts.agent import AgentOptions, ToolEnvironment
+from rollouts.agent import AgentConfig, ToolEnvironment
 from rollouts.agent.rollout import run_episodes
 from rollouts.rewards import Scorer
 from rollouts.sampler import Continuation, Sampler
@@ -49,7 +49,7 @@ def test_concurrent_episodes_are_token_exact_and_slots_refill():
     tasks = [dataclasses.replace(load_deletion_task(TASKS / name), prompt=f"Implement {name}.")
              for name in ("textkit-median", "textkit-wrap", "textkit-slugify")]
     tools = [t for t in TOOLS if t.name in ("think", "run_tests", "finish")]
-    options = AgentOptions(max_turns=3, max_context_tokens=8000, max_output_chars=200)
+    options = AgentConfig(max_turns=3, max_context_tokens=8000, max_output_chars=200)
     with Scorer(workers=1) as scorer:
         envs = [ToolEnvironment(TOK, options, scorer=scorer, tools=tools) for _ in range(2)]
         trajs = run_episodes(cont, envs, tasks)

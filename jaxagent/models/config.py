@@ -1,0 +1,106 @@
+"""The `model` config section: the decoder's architecture and how to run it (attention kind,
+dtypes, remat, MoE dispatch). The models read it; jaxagent.config composes it into `Config`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    # "default" (none), "linear" or "llama3" (Llama 3.1 frequency-dependent scaling).
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class NSAConfig:
+    """Native Sparse Attention (arXiv 2502.11089) hyper-parameters; defaults are the paper's."""
+
+    compress_block: int = 32  # l: keys summarised by one compressed key
+    compress_stride: int = 16  # d: stride between compressed blocks
+    select_block: int = 64  # l': keys per selection block
+    num_selected: int = 16  # n: selected blocks per query (incl. block 0 and the local ones)
+    num_local_blocks: int = 2  # selection blocks ending at the query, always selected
+    window: int = 512  # w: sliding-window length
+    # Branches run as Pallas kernels (training and prefill; decoding stays XLA): "auto" is the
+    # selected branch on GPU/TPU and none on CPU; "select"; "all" adds the window and the
+    # compressed branch with block scoring; "xla" none. On CPU kernels run interpreted (slow:
+    # for checks).
+    kernels: Literal["auto", "xla", "select", "all"] = "auto"
+    # GPU kernels of the three branches: Triton, or Mosaic GPU for Hopper (TMA + wgmma; bf16,
+    # head dims of 64/128, selection blocks of 64, l'/d <= 4; else, and before Hopper, Triton).
+    # Not yet compiled on hardware.
+    gpu_kernels: Literal["triton", "mosaic"] = "triton"
+
+
+@dataclass(frozen=True)
+class DocumentConfig:
+    """Document-level attention (`model.attention: doc`): a prompt is documents, each attending
+    only within itself, then a final section attending to all of them and to itself."""
+
+    # Each document's RoPE positions start at 0, so its KV is the same wherever it lands in a
+    # prompt (cacheable, `rollouts/kv_store.py`). False: positions run on across documents.
+    restart_positions: bool = True
+    # Where the final section's positions start when documents restart: "sum" (after all the
+    # documents' tokens: query-to-document distances grow with the number of documents, as in
+    # a plain concatenation) or "longest" (after the longest document: positions stay within
+    # one document's range however many are attached, but all documents look equally near).
+    final_positions: Literal["sum", "longest"] = "sum"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder. Defaults: the tiny byte-level
+    model for CPU runs."""
+
+    # HF architecture written on export.
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen3"
+    vocab_size: int = 264  # 256 bytes + specials, padded to a multiple of 8
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3)
+    tie_embeddings: bool = True
+    max_position_embeddings: int = 4096
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of activations
+    # What a training pass keeps of each layer for the backward pass: everything (none),
+    # only the matmuls with the weights (dots: recompute norms, RoPE, attention, SwiGLU) or
+    # only the layer's input (full: recompute the whole layer).
+    remat: Literal["none", "dots", "full"] = "none"
+    attention_backend: str = "xla"  # key of jaxagent.models.attention.BACKENDS (dense attention)
+    # dense: `attention_backend`; nsa: Native Sparse Attention, see `nsa`; doc: the Pallas
+    # document-attention kernel (pallas_kernels/doc_attention), prompts laid out by `documents`.
+    attention: Literal["dense", "nsa", "doc"] = "dense"
+    documents: DocumentConfig = field(default_factory=DocumentConfig)  # when attention is "doc"
+    nsa: NSAConfig = field(default_factory=NSAConfig)  # used when attention is "nsa"
+    bos_token_id: int | None = 256
+    eos_token_id: int | None = 257
+    pad_token_id: int | None = 258
+    # Sparse mixture-of-experts MLP (Qwen3-MoE semantics); num_experts = 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2  # top-k experts per token
+    moe_intermediate_size: int = 128  # F of each expert
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse if (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense MLP)
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in SFT / RL losses
+    # dropless: every token reaches its k experts (ragged_dot grouped matmul; exact, HF parity;
+    # native on TPU, expanded densely by XLA on CPU/GPU: see docs/benchmarks.md).
+    # capacity: each expert takes at most ceil(capacity_factor * tokens * k / E) assignments,
+    # first choices before second ones; the rest are dropped (static shapes, expert-parallel).
+    # dense: every expert on every token, zero-weighted off the top-k (E/K x FLOPs; reference).
+    moe_dispatch: Literal["dropless", "capacity", "dense"] = "dropless"
+    capacity_factor: float = 1.25

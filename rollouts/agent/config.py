@@ -1,0 +1,54 @@
+"""The `agent` config section: multi-turn tool episodes over repository tasks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from rollouts.agent.formats import make_format
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Episode budgets and behaviour, which `ToolEnvironment` reads, and how a run uses
+    episodes, which the trainer and the `agent` command read (`enabled`, `tasks`, `eval_tasks`,
+    `tools`, `episodes`, `max_action_tokens`, `memory`, `embedding`, `feedback_*`). An episode that edits the tests
+    earns `-rewards.hack_penalty` (its scorer's `RewardConfig`)."""
+
+    enabled: bool = False  # train on agent episodes over agent.tasks instead of single completions
+    # A directory of deletion tasks (DIR/ID/task.json; no held-out split), or `embedded:N[:SEED]`:
+    # N tasks of the embedded agent family (rollouts.tasks.agent_family) minus its held-out fifth
+    tasks: str = "rollouts/tasks/data/textkit_tasks"
+    eval_tasks: int = 8  # held-out tasks of an embedded family that agent evaluation plays
+    # The tools episodes offer (rollouts.tools.TOOLS names; empty: all). Fewer tools, a shorter
+    # prompt: run_tests, read_file, edit, search, finish cut ~500 of the byte model's tokens.
+    tools: tuple[str, ...] = ()
+    call_format: Literal["hermes", "compact"] = "compact"  # hermes: Qwen <tool_call>; compact: @name {json}
+    episodes: int = 8  # episodes in flight (sampler slots); a finished one's slot is refilled
+    max_turns: int = 8
+    max_context_tokens: int = 4096  # prompt + actions + observations
+    max_action_tokens: int = 128  # tokens sampled per turn
+    tool_timeout_s: float = 10.0  # one tool call's wall and CPU limit
+    episode_timeout_s: float = 300.0
+    max_output_chars: int = 2000  # a tool's output beyond this is cut (head + tail, with a note)
+    truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: out of the advantage, or penalised
+    truncation_penalty: float = 1.0
+    # an episode whose tool calls went looking for the deleted code (rollouts.agent.monitor)
+    # earns at most 0
+    zero_lookup_reward: bool = False
+    memory: bool = True  # the memory tool's notes persist under WORKDIR/agent_memory
+    embedding: Literal["ngram", "minilm"] = "ngram"  # semantic search; minilm: extra `semantic`
+    feedback_detectors: tuple[str, ...] = ()  # bad_tool_call, test_edit, repeat
+    feedback_beta: float = 0.0  # weight of KL(policy with hint || policy) at flagged turns
+    # Flagged turns per step that get the KL (the batch's first ones): each costs a forward
+    # pass over its context with and without the hint.
+    feedback_max_examples: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_context_tokens", "tool_timeout_s", "episode_timeout_s",
+                     "max_output_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"AgentConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.truncation not in ("mask", "penalty"):
+            raise ValueError(f"AgentConfig.truncation must be 'mask' or 'penalty', got {self.truncation!r}")
+        make_format(self.call_format)
