@@ -1,4 +1,6 @@
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +19,16 @@ def test_defaults_are_the_tiny_model():
     cfg = load_config()
     assert cfg.model == ModelConfig()
     assert cfg.model.num_layers == 2 and cfg.model.vocab_size == 264
+
+
+def test_parts_own_their_config_sections():
+    # jaxagent.config composes the parts' sections; no part reaches back for the root config.
+    parts = ["sharding.layout", "sharding.distributed", "jaxagent.models", "jaxagent.rl",
+             "rollouts.sampler", "rollouts.rewards", "rollouts.agent"]
+    code = (f"import sys; import {', '.join(parts)}; "
+            "assert 'jaxagent.config' not in sys.modules, 'a part imported jaxagent.config'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_repo_configs_load():
