@@ -8,7 +8,9 @@ against the field's type, and every error names the key path and the file it cam
 Each part owns the section it reads (`model`: jaxagent.models.config, `mesh`/`distributed`:
 sharding.config, `sampler`: rollouts.sampler.config, `rewards`: rollouts.rewards, `agent`:
 rollouts.agent.config, `rl`: jaxagent.rl.config); this module composes them into `Config`, and
-its names stay the public way to reach them (`from jaxagent.config import ModelConfig`).
+its names stay the public way to reach them (`from jaxagent.config import ModelConfig`). The
+sections only the trainer reads (optim, tasks, train, rollout, sft, checkpoint, eval) are
+defined here for now.
 """
 
 from __future__ import annotations
@@ -236,9 +238,14 @@ def _build(cls: type, data: dict, path: str, source: str, base_dir: Path | None,
             values[key] = _build(hints[key], value, sub, source, base_dir, base=current)
         else:
             values[key] = _convert(hints[key], value, sub, source, base_dir)
-    if base is not None:
-        return dataclasses.replace(base, **values)
-    return cls(**values)
+    try:
+        if base is not None:
+            return dataclasses.replace(base, **values)
+        return cls(**values)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a section's own checks (__post_init__): one line with its source
+        raise ConfigError(f"{_where(path, source)}: {e}") from None
 
 
 def _resolve(name: str, base_dir: Path | None, path: str, source: str) -> Path:

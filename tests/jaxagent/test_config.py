@@ -104,6 +104,15 @@ def test_wrong_type_in_override():
         load_config(None, ["seed"])
 
 
+def test_a_sections_own_checks_name_the_source(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'agent.max_turns=0'.*: agent: .*max_turns "
+                                          "must be positive"):
+        load_config(None, ["agent.max_turns=0"])
+    path = write(tmp_path, "r.yaml", "rewards:\n  hack_penalty: -1\n")
+    with pytest.raises(ConfigError, match=r"r.yaml: rewards: .*penalties must be >= 0"):
+        load_config(path)
+
+
 def test_bad_yaml_names_file(tmp_path):
     path = write(tmp_path, "broken.yaml", "model: [unclosed\n")
     with pytest.raises(ConfigError, match=rf"{path}: invalid YAML"):
