@@ -1,4 +1,5 @@
-"""Flax NNX decoders (Llama / Qwen2 / Qwen3) and HF checkpoint import/export."""
+"""Flax NNX decoders (Llama / Qwen2 / Qwen3) and HF checkpoint import/export; config.py: the
+`model` config section."""
 
 from jaxagent.models.attention import BACKENDS, register_backend
 from jaxagent.models.documents import document_layout

@@ -2,7 +2,7 @@
 
 Imports only jax and numpy; every function is pure and jit-compatible (string and size
 options static). See advantages.py, losses.py and feedback.py for the formulas, and
-algorithms.py for what each `rl.algorithm` sets.
+algorithms.py for what each `rl.algorithm` sets; config.py holds the `rl` config section.
 """
 
 from jaxagent.rl.advantages import (
