@@ -12,8 +12,8 @@ from rollouts.agent.formats import make_format
 class AgentConfig:
     """Episode budgets and behaviour, which `ToolEnvironment` reads, and how a run uses
     episodes, which the trainer and the `agent` command read (`enabled`, `tasks`, `eval_tasks`,
-    `tools`, `episodes`, `max_action_tokens`, `memory`, `embedding`, `feedback_*`). An episode that edits the tests
-    earns `-rewards.hack_penalty` (its scorer's `RewardConfig`)."""
+    `tools`, `episodes`, `max_action_tokens`, `memory`, `embedding`, `feedback_*`). An episode
+    that edits the tests earns `-rewards.hack_penalty` (its scorer's `RewardConfig`)."""
 
     enabled: bool = False  # train on agent episodes over agent.tasks instead of single completions
     # A directory of deletion tasks (DIR/ID/task.json; no held-out split), or `embedded:N[:SEED]`:
