@@ -70,8 +70,11 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
             return run_rl(cfg, layout, console, task_iter)
         except KeyboardInterrupt:
             step = Checkpointer(Path(cfg.workdir) / "checkpoints").latest_step()
-            console.print(f"interrupted: the run resumes from checkpoint step {step}" if step
-                          is not None else "interrupted before the first checkpoint")
+            # No checkpoint here: the queued batches are consistent only at a checkpoint's
+            # step boundary, and the interrupted step may have taken its batch already.
+            console.print(f"interrupted: a rerun resumes from checkpoint step {step} and trains "
+                          "the steps after it again" if step is not None
+                          else "interrupted before the first checkpoint: a rerun starts afresh")
             raise
 
 
