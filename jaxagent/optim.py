@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from jaxagent.config import OptimizerConfig
+from jaxagent.train.config import OptimizerConfig
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:

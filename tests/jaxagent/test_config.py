@@ -24,7 +24,8 @@ def test_defaults_are_the_tiny_model():
 def test_parts_own_their_config_sections():
     # jaxagent.config composes the parts' sections; no part reaches back for the root config.
     parts = ["sharding.layout", "sharding.distributed", "jaxagent.models", "jaxagent.rl",
-             "rollouts.sampler", "rollouts.rewards", "rollouts.agent"]
+             "rollouts.sampler", "rollouts.rewards", "rollouts.agent", "rollouts.tasks.config",
+             "jaxagent.train.config", "jaxagent.optim"]
     code = (f"import sys; import {', '.join(parts)}; "
             "assert 'jaxagent.config' not in sys.modules, 'a part imported jaxagent.config'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

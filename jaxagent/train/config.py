@@ -1,0 +1,81 @@
+"""The sections only the trainer reads: `optim`, `train`, `rollout`, `sft`, `checkpoint`,
+`eval` (composed into the root `Config` by jaxagent/config.py). Light on purpose: loading a
+config imports this module, not the training code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 5e-4  # right for the tiny default; pretrained models want ~1e-6
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"  # after warmup
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    prompts_per_step: int = 16  # groups per step; the batch is prompts_per_step * group_size
+    micro_batch: int = 0  # sequences per gradient-accumulation micro-batch; 0 = whole batch
+    # The loss runs the LM head on chunks of tokens whose float32 logits take at most this
+    # many MiB (each chunk rematerialised in the backward pass, so the [tokens, vocab] logits
+    # never exist whole: 10 GiB for 16k tokens of a 152k vocabulary); 0 = no chunks.
+    logits_chunk_mib: int = 1024
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    log_rollouts: int = 4  # rollouts per step written to rollouts.jsonl
+    profile_steps: tuple[int, ...] = ()  # steps whose update is traced into WORKDIR/profile
+    # Pack each group as one row [prompt, completion_1..G] so the prompt is computed once
+    # per group (same loss and gradients); ignored if the attention backend lacks it.
+    share_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    max_staleness: int = 1  # policy versions the sampler may run ahead; 0 = synchronous
+
+
+@dataclass(frozen=True)
+class DocumentDataConfig:
+    """The synthetic retrieval family (rollouts/tasks/documents.py) for `sft.data: documents`."""
+
+    num_documents: int = 4
+    entries: int = 3  # key=value lines per document
+    eval_examples: int = 256  # held out: answer accuracy before and after SFT
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 40  # supervised warm-up steps before RL (on the tasks' reference solutions)
+    batch_size: int = 64
+    learning_rate: float = 2e-3
+    # tasks: imitate the training tasks' references. documents: the synthetic retrieval family
+    # laid out for document attention, loss on the final section's answer. agent: scripted tool
+    # episodes over agent.tasks (rollouts.agent.demos), loss on the actions only.
+    data: Literal["tasks", "documents", "agent"] = "tasks"
+    documents: DocumentDataConfig = field(default_factory=DocumentDataConfig)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 25  # steps; 0 = only at the end
+    keep: int = 3
+    # resume with changed train.steps / logging / eval / checkpoint settings (any other change
+    # to a run's config is refused: jaxagent.workdir.check_resume_config)
+    allow_changes: bool = False
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 25  # steps; 0 = before RL and at the end only
+    samples: int = 4  # completions per task
+    k: tuple[int, ...] = (1,)
+    temperature: float = 1.0
