@@ -10,7 +10,13 @@ from pathlib import Path
 import jax
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from jaxagent.config import Config
 from jaxagent.errors import ConfigError
@@ -26,13 +32,12 @@ from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.producer import RolloutProducer
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler, SamplerConfig
-from rollouts.tasks import Task, load_jsonl_tasks, synthetic_tasks, task_dataset
+from rollouts.tasks import Task, load_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.agent_family import agent_task_splits
 from rollouts.tasks.agent_family import parse_spec as parse_agent_spec
 from rollouts.tasks.deletion import load_deletion_tasks
-from rollouts.tasks.task import TaskFormatError
-from rollouts.tasks.humaneval import humaneval_tasks
 from rollouts.tasks.source import ProcessShare
+from rollouts.tasks.task import TaskFormatError
 from rollouts.tools import TOOLS, MemoryStore, NgramEmbedding
 from rollouts.tools.embedding import TransformerEmbedding, minilm_path
 from sharding.distributed import initialize
@@ -221,8 +226,8 @@ def load_task_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
         held = [x for x in synthetic_tasks(t.num_eval * 10, seed=cfg.seed + 10_000,
                                            families=families) if held_out(x)]
         return train, held[:t.num_eval]
-    tasks = humaneval_tasks() if t.source == "humaneval" else load_jsonl_tasks(t.path)
     where = "humaneval" if t.source == "humaneval" else t.path
+    tasks = load_tasks(where)  # the one dispatch of task-set names (rollouts.tasks.registry)
     if not tasks:
         raise ConfigError(f"tasks.path: {where} holds no tasks")
     if t.num_eval >= len(tasks):
