@@ -89,3 +89,13 @@ class Trajectory:
         """(tokens int32, policy_mask bool, logprobs float32), each [len(tokens)]."""
         return (np.asarray(self.tokens, np.int32), np.asarray(self.policy_mask, bool),
                 np.asarray(self.logprobs, np.float32))
+
+
+def safe_step(env: Environment, action) -> StepResult:
+    """`env.step(action)`, or, when the environment's infrastructure raises (a sandbox crash,
+    not the policy's doing), the episode's end with status `infra_error`: no reward to learn
+    from, and the other episodes go on."""
+    try:
+        return env.step(action)
+    except Exception as e:  # noqa: BLE001 - the environment failed, not the policy
+        return StepResult([], 0.0, True, {"status": INFRA_ERROR, "error": repr(e)})

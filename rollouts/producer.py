@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rollouts.environment import INFRA_ERROR, Environment, StepResult, Trajectory
+from rollouts.environment import INFRA_ERROR, Environment, StepResult, Trajectory, safe_step
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task
@@ -138,11 +138,7 @@ class CodeTaskEnv(Environment):
 
 
 def _run_step(env: Environment, traj: Trajectory, action: Sequence[int]) -> Trajectory:
-    try:
-        traj.record(env.step(action))
-    except Exception as e:  # noqa: BLE001 - the environment's infrastructure failed, not the policy
-        traj.done = True
-        traj.info.update(status=INFRA_ERROR, error=repr(e))
+    traj.record(safe_step(env, action))
     return traj
 
 

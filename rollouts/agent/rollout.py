@@ -7,15 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from rollouts.environment import INFRA_ERROR, Environment, StepResult, Trajectory
+from rollouts.environment import Environment, Trajectory, safe_step
 from rollouts.sampler import Continuation, ThreadedContinuation
-
-
-def _step(env: Environment, action: Sequence[int]) -> StepResult:
-    try:
-        return env.step(action)
-    except Exception as e:  # noqa: BLE001 - the environment's infrastructure failed, not the policy
-        return StepResult([], 0.0, True, {"status": INFRA_ERROR, "error": repr(e)})
 
 
 def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Environment],
@@ -43,7 +36,7 @@ def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Envir
             actions = cont.turn()
             for slot, (tokens, logprobs, _) in actions.items():
                 live[slot][1].add_action(tokens, logprobs)
-            futures = {slot: pool.submit(_step, envs[slot], actions[slot][0]) for slot in actions}
+            futures = {slot: pool.submit(safe_step, envs[slot], actions[slot][0]) for slot in actions}
             for slot, future in futures.items():
                 result = future.result()
                 index, traj = live[slot]
