@@ -152,35 +152,53 @@ def check_solutions(
     return summary
 
 
+def _deleted_bodies(task: Task) -> list:
+    """The leak patterns of a deletion task's deleted bodies; [] for other tasks."""
+    from rollouts.tasks.deletion import Target, deleted_bodies
+
+    if not task.metadata.get("feature"):
+        return []
+    feature = [Target.parse(f) for f in task.metadata["feature"]]
+    return deleted_bodies(json.loads(task.metadata["reference"]), feature)
+
+
+def _grade_references(tasks: Sequence[Task], backend: str, workers: int | None,
+                      limits: Limits | None, progress: bool = False) -> list:
+    """Each task's reference solution graded in the sandbox (`RunResult`s, in order)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    results = []
+    with (Scorer(None, backend=backend, workers=workers, limits=limits) as scorer,
+          Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar):
+        futures = [scorer.submit(t, t.metadata["reference"]) for t in tasks]
+        job = bar.add_task("grading references", total=len(futures))
+        for future in futures:
+            results.append(future.result().result)
+            bar.advance(job)
+    return results
+
+
+def _has_reference(task: Task) -> bool:
+    return isinstance(task.metadata.get("reference"), str)
+
+
 def check_tasks(tasks: Sequence[Task], backend: str = "bwrap", workers: int | None = None,
                 limits: Limits | None = None, progress: bool = True) -> list[str]:
     """One line per problem of a task set: a task with no reference solution, one whose tests
     do not pass its reference in the sandbox, and a deletion task whose repository or
     prompt still hold a copy of a deleted body (`rollouts.tasks.leaks`)."""
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from rollouts.tasks.deletion import Target, deleted_bodies
     from rollouts.tasks.leaks import find_leaks
 
-    problems = []
-    graded = [t for t in tasks if isinstance(t.metadata.get("reference"), str)]
-    problems += [f"{t.id}: no reference solution to check" for t in tasks if t not in graded]
+    graded = [t for t in tasks if _has_reference(t)]
+    problems = [f"{t.id}: no reference solution to check" for t in tasks if not _has_reference(t)]
     for t in graded:
-        if t.metadata.get("feature"):
-            feature = [Target.parse(f) for f in t.metadata["feature"]]
-            bodies = deleted_bodies(json.loads(t.metadata["reference"]), feature)
-            problems += [f"{t.id}: {leak}" for leak in find_leaks(bodies, {**t.files, "prompt": t.prompt})]
-    with Scorer(None, backend=backend, workers=workers, limits=limits) as scorer:
-        futures = [scorer.submit(t, t.metadata["reference"]) for t in graded]
-        with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
-            job = bar.add_task("checking references", total=len(futures))
-            for t, future in zip(graded, futures):
-                r = future.result().result
-                if not r.passed:
-                    problems.append(f"{t.id}: the reference solution does not pass its tests: "
-                                    f"{r.status}: {r.message[:200]}")
-                bar.advance(job)
+        problems += [f"{t.id}: {leak}"
+                     for leak in find_leaks(_deleted_bodies(t), {**t.files, "prompt": t.prompt})]
+    for t, r in zip(graded, _grade_references(graded, backend, workers, limits, progress)):
+        if not r.passed:
+            problems.append(f"{t.id}: the reference solution does not pass its tests: "
+                            f"{r.status}: {r.message[:200]}")
     return problems
 
 
@@ -189,20 +207,15 @@ def task_stats(tasks: Sequence[Task], backend: str = "bwrap", workers: int | Non
     """Per task: its target tests, how much code it asks for (deleted functions and their
     body lines, for deletion tasks), and whether its reference passes in the sandbox: the
     numbers to size a task set's difficulty by."""
-    from rollouts.tasks.deletion import Target, deleted_bodies
-
     rows = []
     for t in tasks:
         targets = t.metadata.get("target_tests") or [c.name for c in t.tests]
-        row = {"task": t.id, "target_tests": len(targets), "functions": 0, "body_lines": 0}
-        if t.metadata.get("feature"):
-            feature = [Target.parse(f) for f in t.metadata["feature"]]
-            bodies = deleted_bodies(json.loads(t.metadata["reference"]), feature)
-            row.update(functions=len(feature), body_lines=sum(b.lines for b in bodies))
-        rows.append(row)
-    graded = [(row, t) for row, t in zip(rows, tasks) if isinstance(t.metadata.get("reference"), str)]
-    with Scorer(None, backend=backend, workers=workers, limits=limits) as scorer:
-        futures = [scorer.submit(t, t.metadata["reference"]) for _, t in graded]
-        for (row, _), future in zip(graded, futures):
-            row["reference_passes"] = future.result().result.passed
+        bodies = _deleted_bodies(t)
+        rows.append({"task": t.id, "target_tests": len(targets),
+                     "functions": len(t.metadata.get("feature", ())),
+                     "body_lines": sum(b.lines for b in bodies)})
+    graded = [(row, t) for row, t in zip(rows, tasks) if _has_reference(t)]
+    results = _grade_references([t for _, t in graded], backend, workers, limits)
+    for (row, _), r in zip(graded, results):
+        row["reference_passes"] = r.passed
     return rows
