@@ -92,19 +92,35 @@ class Body:
             _joined(toks[i:i + WINDOW]) for i in range(max(1, len(toks) - WINDOW + 1))})
         self.renamed = _joined(_renamed(toks)) if len(toks) >= MIN_RENAMED else None
 
-    def find(self, text: str) -> int | None:
+    def find(self, text: str | Scanned) -> int | None:
         """The line where the first copy starts in `text`, or None."""
-        for variant in (text, html.unescape(_TAG.sub(" ", text))) if "<" in text else (text,):
-            toks, lines = _tokens(variant)
-            joined = _joined(toks)
+        scanned = text if isinstance(text, Scanned) else Scanned(text)
+        for k, (joined, lines) in enumerate(scanned.views):
             found = [i for pattern in self.exact if (i := joined.find(pattern)) >= 0]
             if found:
                 return lines[joined.count("\0", 0, min(found))]
             if self.renamed:
-                joined = _joined(_renamed(toks))
-                if (i := joined.find(self.renamed)) >= 0:
-                    return lines[joined.count("\0", 0, i)]
+                renamed = scanned.renamed_views()[k]
+                if (i := renamed.find(self.renamed)) >= 0:
+                    return lines[renamed.count("\0", 0, i)]
         return None
+
+
+class Scanned:
+    """A text's token views, made once for all the bodies searched in it: as written, and
+    (when it has tags) with HTML tags stripped and entities unescaped."""
+
+    def __init__(self, text: str):
+        variants = (text, html.unescape(_TAG.sub(" ", text))) if "<" in text else (text,)
+        self._tokens = [_tokens(v) for v in variants]
+        self.views = [(_joined(toks), lines) for toks, lines in self._tokens]
+        self._renamed: list[str] | None = None
+
+    def renamed_views(self) -> list[str]:
+        """The views with identifiers renamed (made on first use)."""
+        if self._renamed is None:
+            self._renamed = [_joined(_renamed(toks)) for toks, _ in self._tokens]
+        return self._renamed
 
 
 def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes]) -> list[Leak]:
@@ -113,9 +129,9 @@ def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes]) -> list
     bodies = list(bodies)
     leaks = []
     for path, content in sorted(files.items()):
-        if isinstance(content, bytes):
+        if isinstance(content, bytes) or not bodies:
             continue
-        for body in bodies:
-            if (line := body.find(content)) is not None:
-                leaks.append(Leak(path, line, body.name))
+        scanned = Scanned(content)
+        leaks += [Leak(path, line, body.name) for body in bodies
+                  if (line := body.find(scanned)) is not None]
     return leaks
