@@ -65,20 +65,20 @@ class Checkpointer:
         fails, CheckpointError says so in one line.
         """
         failed = []
-        for step in sorted(self._manager.all_steps(), reverse=True):
-            try:
-                state, extra = self.restore(step, like)
-            except Exception as e:  # orbax and tensorstore raise many types for damaged files
-                kept = f"moved to {self._set_aside(step)}" if set_aside else "skipped"
-                report(f"checkpoint step {step} does not restore ({_one_line(e)}); "
-                       f"{kept}, trying the previous one")
-                failed.append(step)
-                continue
-            if failed and set_aside:
+        try:
+            for step in sorted(self._manager.all_steps(), reverse=True):
+                try:
+                    state, extra = self.restore(step, like)
+                except Exception as e:  # orbax and tensorstore raise many types for damaged files
+                    kept = f"moved to {self._set_aside(step)}" if set_aside else "skipped"
+                    report(f"checkpoint step {step} does not restore ({_one_line(e)}); "
+                           f"{kept}, trying the previous one")
+                    failed.append(step)
+                    continue
+                return step, state, extra
+        finally:
+            if failed and set_aside:  # the manager's list of steps no longer holds them
                 self._manager.reload()
-            return step, state, extra
-        if failed and set_aside:
-            self._manager.reload()
         if failed:
             where = f" and were moved to {self.directory}.corrupt" if set_aside else ""
             raise CheckpointError(f"{self.directory}: no checkpoint restores (steps "

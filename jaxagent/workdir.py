@@ -16,6 +16,9 @@ import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import yaml
+
+from jaxagent.config import ConfigError, load_config, to_yaml
 from jaxagent.errors import UserError
 
 
@@ -71,10 +74,6 @@ def check_resume_config(cfg, workdir: str | Path) -> None:
     """Before a run writes anything to a workdir that holds a checkpoint: its config must be
     the one the checkpoint was trained with, except SAFE_ON_RESUME keys, and those only with
     `checkpoint.allow_changes`. A ConfigError lists the differing keys in one line."""
-    import yaml
-
-    from jaxagent.config import ConfigError, load_config, to_yaml
-
     workdir = Path(workdir)
     saved = workdir / "config.yaml"
     if not saved.is_file() or not any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*")):
