@@ -35,6 +35,14 @@ class Closed(RuntimeError):
     """The pipeline was shut down while a thread waited on it."""
 
 
+def _copy(x: jax.Array, sharding, dtype) -> jax.Array:
+    """`x` in `dtype` on `sharding`, in a buffer of its own: cast where the masters are (the
+    smaller copy moves); a cast already made a fresh buffer, otherwise copy (never alias: the
+    train step donates its own buffers)."""
+    y = x.astype(dtype)
+    return jax.device_put(y, sharding, may_alias=y is not x)
+
+
 class WeightStore:
     """Versioned copies of the policy's parameters on the sampler's devices."""
 
@@ -57,10 +65,8 @@ class WeightStore:
         """Copy `params` to the sampler's shardings (and dtypes) as `version`; returns the
         seconds taken."""
         t0 = time.perf_counter()
-        if self.dtypes is not None:  # cast where the masters are, then move the smaller copy
-            params = jax.tree.map(lambda x, d: x.astype(d), params, self.dtypes)
-        copy = jax.tree.map(lambda x, s: jax.device_put(x, s, may_alias=False),
-                            params, self.shardings)
+        dtypes = self.dtypes or jax.tree.map(lambda x: x.dtype, params)
+        copy = jax.tree.map(_copy, params, self.shardings, dtypes)
         jax.block_until_ready(copy)
         with self._cond:
             self._versions[version] = copy
