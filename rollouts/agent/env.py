@@ -93,7 +93,6 @@ class ToolEnvironment(Environment):
         text = self.format.prompt(self.tokenizer, task.prompt, self.toolbox.schemas())
         prompt = self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos)
         self.context_len, self.turns, self.started = len(prompt), 0, time.monotonic()
-        self.tool_calls: Counter[str] = Counter()
         self.call_order: list[str] = []  # tools called, in order (e.g. tests run before finish?)
         self.bad_tool_calls = self.test_edit_attempts = 0
         self.lookups: Counter[str] = Counter()
@@ -124,7 +123,6 @@ class ToolEnvironment(Environment):
             out = self.toolbox.call(self.ctx, parsed.name, parsed.args, self.options.max_output_chars)
             out_text, bad, finished = out.text, out.bad_call, out.finished
             if parsed.name in self.toolbox.tools:
-                self.tool_calls[parsed.name] += 1
                 self.call_order.append(parsed.name)
         self.bad_tool_calls += bad
         tests_now = self._test_files()
@@ -156,7 +154,7 @@ class ToolEnvironment(Environment):
         return ""
 
     def _info(self) -> dict[str, Any]:
-        return {"turns": self.turns, "tool_calls": dict(self.tool_calls),
+        return {"turns": self.turns, "tool_calls": dict(Counter(self.call_order)),
                 "call_order": list(self.call_order),
                 "bad_tool_calls": self.bad_tool_calls, "test_edit_attempts": self.test_edit_attempts,
                 "lookups": dict(self.lookups), "turn_flags": list(self.turn_flags)}
