@@ -20,6 +20,7 @@ class AgentConfig:
     # N tasks of the embedded agent family (rollouts.tasks.agent_family) minus its held-out fifth
     tasks: str = "rollouts/tasks/data/textkit_tasks"
     eval_tasks: int = 8  # held-out tasks of an embedded family that agent evaluation plays
+    templates: tuple[str, ...] = ()  # the embedded family's templates drawn in turn (empty: all)
     # The tools episodes offer (rollouts.tools.TOOLS names; empty: all). Fewer tools, a shorter
     # prompt: run_tests, read_file, edit, search, finish cut ~500 of the byte model's tokens.
     tools: tuple[str, ...] = ()

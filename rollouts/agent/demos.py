@@ -13,28 +13,46 @@ from rollouts.environment import Environment, Trajectory
 from rollouts.tasks.task import Task
 
 
+def _unique_at(text: str, part: str, at: int) -> bool:
+    """`part` occurs in `text` once (overlaps counted), at offset `at`."""
+    return text.find(part) == at and text.find(part, at + 1) == -1
+
+
 def reference_edits(path: str, before: str, after: str) -> list[ToolCall]:
     """`edit` calls turning `before` into `after`, top to bottom, one per changed hunk; each
-    search text is the hunk grown upwards until it occurs once (short actions, unlike
-    rewriting the whole file)."""
+    search text is the hunk grown until it occurs once (short actions, unlike rewriting the
+    whole file). A pure insertion anchors on the line above or the line below, whichever
+    gives the shorter search text."""
     old, new = before.splitlines(keepends=True), after.splitlines(keepends=True)
+    starts = [0]
+    for line in old:
+        starts.append(starts[-1] + len(line))
     calls = []
     matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             continue
         k = i1 if i2 > i1 else max(i1 - 1, 0)  # an insertion anchors on the line above
-        while k > 0 and before.count("".join(old[k:i2])) != 1:
+        while k > 0 and not _unique_at(before, "".join(old[k:i2]), starts[k]):
             k -= 1
-        calls.append(ToolCall("edit", {"path": path, "search": "".join(old[k:i2]),
-                                       "replace": "".join(old[k:i1] + new[j1:j2])}))
+        search, replace = "".join(old[k:i2]), "".join(old[k:i1] + new[j1:j2])
+        if i1 == i2 < len(old):  # or on the line below, grown downwards
+            e = i1 + 1
+            while e < len(old) and not _unique_at(before, "".join(old[i1:e]), starts[i1]):
+                e += 1
+            below = "".join(old[i1:e])
+            if _unique_at(before, below, starts[i1]) and (
+                    len(below) < len(search) or not _unique_at(before, search, starts[k])):
+                search, replace = below, "".join(new[j1:j2]) + below
+        calls.append(ToolCall("edit", {"path": path, "search": search, "replace": replace}))
     return calls
 
 
 def scripted_calls(task: Task) -> list[ToolCall]:
-    """run_tests (see what fails), read_file, the edits to each changed file's reference,
-    run_tests, finish. The first action is the same for every task, so even the tiny model
-    learns to open an episode with a valid call."""
+    """run_tests (see what fails), read_file (`metadata["reads"]`, a JSON list of paths in the
+    order a solver would open them; default: the first file the reference changes), the edits
+    to each changed file's reference, run_tests, finish. The first action is the same for every
+    task, so even the tiny model learns to open an episode with a valid call."""
     # A repository task's reference is its passing edits as JSON {path: content}.
     try:
         reference = json.loads(task.metadata.get("reference") or "")
@@ -43,7 +61,8 @@ def scripted_calls(task: Task) -> list[ToolCall]:
     if not isinstance(reference, dict) or not reference:
         raise ValueError(f"task {task.id}: metadata['reference'] holds no files to demonstrate")
     paths = sorted(reference)
-    return [ToolCall("run_tests", {}), ToolCall("read_file", {"path": paths[0]}),
+    reads = json.loads(task.metadata["reads"]) if "reads" in task.metadata else paths[:1]
+    return [ToolCall("run_tests", {}), *(ToolCall("read_file", {"path": p}) for p in reads),
             *(c for p in paths for c in reference_edits(p, task.files.get(p, ""), reference[p])),
             ToolCall("run_tests", {}), ToolCall("finish", {})]
 

@@ -3,7 +3,7 @@ tool's output is rendered back into the chat.
 
 `hermes`: Qwen2.5 / Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, with the
 tool schemas rendered by the checkpoint's own chat template (`tools=`). `compact`: one line
-`@name {json args}` and one-line signatures in the system message, for the tiny byte-level model.
+`@name {json args}` and the tools' signatures on one line, for the tiny byte-level model.
 
 Tool output is rendered through the chat template too: the text that follows an assistant
 turn when a `tool` message is appended (and the next assistant turn opened), tokenized once.
@@ -22,6 +22,8 @@ _COMPACT = re.compile(r"(?m)^\s*@([A-Za-z_][A-Za-z0-9_]*)")
 
 SYSTEM = ("You are a coding agent working in a Python repository. Use the tools to read, edit "
           "and test the code, one tool call per turn; call `finish` when the task is done.")
+
+COMPACT_SYSTEM = "You are a coding agent in a Python repository. Call finish when the task is done."
 
 
 @dataclass(frozen=True)
@@ -82,16 +84,17 @@ class CompactFormat:
     name = "compact"
 
     def prompt(self, tokenizer, task_prompt: str, schemas: list[dict]) -> str:
-        lines = [SYSTEM, "Tools:"]
+        # Names and arguments only: a byte-level model pays one token per character, and the
+        # descriptions would be most of its context (it learns the tools from demonstrations).
+        signatures = []
         for s in schemas:
             f = s["function"]
-            params = f["parameters"]
-            args = ", ".join(f"{k}{'' if k in params['required'] else '?'}: {v['type']}"
-                             for k, v in params["properties"].items())
-            lines.append(f"  {f['name']}({args}) - {f['description']}")
-        lines.append('Call a tool on its own line: @name {"arg": value}')
-        messages = [{"role": "system", "content": "\n".join(lines)},
-                    {"role": "user", "content": task_prompt}]
+            required = f["parameters"]["required"]
+            args = ", ".join(k if k in required else f"{k}?" for k in f["parameters"]["properties"])
+            signatures.append(f"{f['name']}({args})")
+        system = (f"{COMPACT_SYSTEM}\nTools: {'; '.join(signatures)}\n"
+                  'Call one tool per line: @name {"arg": value}')
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": task_prompt}]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def render_call(self, call: ToolCall) -> str:

@@ -15,7 +15,8 @@ states the behaviour incompletely:
               test's source line in the output (`assert largest_item([]) == -7`)
 
 Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
-`metadata["reference"]` is a JSON {path: new content} that passes; no file and not the prompt
+`metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the files a
+solver reads, in order (JSON list); no file and not the prompt
 hold a changed line of it (`answer_leaks`). Graded like the feature-deletion tasks: `python -m
 pytest tests` with edits under `tests` discarded. `agent_task_splits` holds out a fixed fifth of
 all task contents (by hash), so held-out tasks are never trained on.
@@ -147,6 +148,8 @@ def _hidden_file(rng: random.Random) -> dict:
     return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/{mod}.py": api,
                       f"{pkg}/_{low}.py": low_src.format(wrong), f"tests/test_{mod}.py": test},
             "reference": {f"{pkg}/_{low}.py": low_src.format(sep)}, "prompt": prompt,
+            # the module to edit is found through the imports of the one the prompt names
+            "reads": [f"{pkg}/{mod}.py", f"{pkg}/_{low}.py"],
             # the prompt names no separator: a guess
             "blind": {f"{pkg}/_{low}.py": low_src.format(rng.choice(
                 [s for s in _SEPS if s not in (sep, wrong)]))}}
@@ -206,7 +209,8 @@ def _held_out(key: str) -> bool:
 def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = None) -> list[Task]:
     """n tasks, templates in turn (default: all), drawn from `seed`; the first n of a longer
     list. `metadata`: reference (JSON {path: content} that passes), blind (what an edit from
-    the prompt alone would write: it fails), family, split_key (the drawn content: equal keys,
+    the prompt alone would write: it fails), reads (JSON list: the files a solver reads, in
+    order, from the one the prompt names to the ones it edits), family, split_key (the drawn content: equal keys,
     equal tasks)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -230,6 +234,7 @@ def _generate(seed: int, templates: Sequence[str] | None) -> Iterator[Task]:
             metadata={"test_paths": ["tests"], "grading": "isolated", "family": name,
                       "repo_key": task_id, "reference": json.dumps(made["reference"]),
                       "blind": json.dumps(made["blind"]),
+                      "reads": json.dumps(made.get("reads", sorted(made["reference"]))),
                       "split_key": json.dumps([name, made["files"], made["prompt"]],
                                               sort_keys=True)})
 

@@ -110,7 +110,26 @@ def run_tests(ctx: ToolContext, test: str = "") -> str:
         return f"{head}\n{result.output[-2000:]}"
     lines = [head] + [f"FAILED {t} - {why}" for t, why in failed]
     if n_fail:  # the failure details (tracebacks) precede the short summary
-        lines.append(result.output.split("short test summary info")[0][-2000:])
+        lines.append(failure_details(result.output)[-2000:])
+    return "\n".join(lines)
+
+
+_BANNER = re.compile(r"^[=_]{3,} (.*?) [=_]{3,}$")
+
+
+def failure_details(output: str) -> str:
+    """pytest's tracebacks without its decoration: the section after `FAILURES`, each test's
+    `____ name ____` banner shortened to `--- name`, blank and progress lines dropped (a
+    context-bound policy reads the same facts in a third of the tokens)."""
+    body = output.split("short test summary info")[0]
+    body = body.split(" FAILURES ", 1)[-1].split("\n", 1)[-1] if " FAILURES " in body else body
+    lines = []
+    for line in body.splitlines():
+        banner = _BANNER.match(line.strip())
+        if banner:
+            lines.append(f"--- {banner.group(1)}")
+        elif line.strip() and not set(line.strip()) <= set("=_"):
+            lines.append(line)
     return "\n".join(lines)
 
 

@@ -52,8 +52,10 @@ def test_compact_parse_round_trip_and_errors():
 
 def test_compact_prompt_lists_every_tool():
     text = make_format("compact").prompt(ByteTokenizer(), "task", SCHEMAS)
-    assert "  edit(path: string, search: string, replace: string) - Replace one" in text
-    assert "  read_file(path: string, start_line?: integer, end_line?: integer)" in text
+    line = next(x for x in text.splitlines() if x.startswith("Tools: "))
+    assert "edit(path, search, replace)" in line
+    assert "read_file(path, start_line?, end_line?)" in line
+    assert line.count("(") == len(SCHEMAS)
     assert text.endswith("<|user|>\ntask\n<|assistant|>\n")
 
 
