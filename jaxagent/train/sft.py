@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -18,14 +19,15 @@ from jaxagent.steps import answer_accuracy, pack, pack_documents, sft_step
 from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (
     load_model_and_tokenizer,
-    load_task_splits,
     logits_chunk,
     make_progress,
     make_scorer,
+    run_tasks,
     tool_env_factory,
     validate,
 )
 from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
+from rollouts.environment import Trajectory
 from rollouts.tasks import Task
 from rollouts.tasks.documents import lookup_examples
 from sharding.distributed import initialize, is_leader
@@ -109,13 +111,14 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
 
 def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task]):
     """One scripted, graded episode per task through the configured environment (turn budget
-    raised to fit the script); a demonstration that fails or is cut is a config error."""
-    demos = []
+    raised to fit the script), `rewards.workers` at a time; a demonstration that fails or is
+    cut is a config error."""
     scripts = [scripted_calls(task) for task in tasks]
     with make_scorer(cfg) as scorer:
         make_env = tool_env_factory(cfg, tokenizer, scorer, max_turns=max(
             cfg.agent.max_turns, *(len(c) for c in scripts)))
-        for task, calls in zip(tasks, scripts, strict=True):
+
+        def play(task: Task, calls) -> Trajectory:
             env = make_env()
             try:
                 traj = demonstrate(env, task, calls)
@@ -127,12 +130,15 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task]):
             if not traj.info.get("passed"):
                 raise ConfigError(f"sft.data: the agent demonstration of {task.id} did not pass "
                                   f"(status {traj.info.get('status')!r})")
-            demos.append(traj)
-    return demos
+            return traj
+
+        with ThreadPoolExecutor(max(1, cfg.rewards.workers)) as pool:
+            return list(pool.map(play, tasks, scripts))
 
 
 def run_sft(cfg: Config) -> Path:
-    """SFT on the training tasks' references; writes an HF checkpoint to `workdir/sft`."""
+    """SFT on the training tasks' references (an agent config: scripted episodes over its
+    repository tasks); writes an HF checkpoint to `workdir/sft`."""
     if cfg.sft.steps <= 0:
         raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
     cfg = validate(cfg)
@@ -141,7 +147,7 @@ def run_sft(cfg: Config) -> Path:
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     model, tokenizer = load_model_and_tokenizer(cfg)
     graphdef, params = layout.split(model)
-    train_tasks, _ = load_task_splits(cfg)
+    train_tasks, _ = run_tasks(cfg)  # an agent config's repository tasks, or single ones
     with make_progress() as progress:
         params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress,
                               chunk=logits_chunk(cfg, model))

@@ -49,16 +49,18 @@ class AgentRolloutProducer:
                             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                             stop_token_ids=self.tokenizer.stop_ids,
                             seed=batch_seed(self.seed, index))
-        t0 = time.perf_counter()
+        t0, timing = time.perf_counter(), {}
         trajs = run_episodes(cont, self.envs, [t for t in tasks for _ in range(self.group_size)],
-                             version)
+                             version, timing)
         rollouts = [Rollout.from_trajectory(t, t.info.get("truncated_by") or "stop")
                     for t in trajs]
         if self.feedback_detectors:  # the turns the trainer's feedback KL applies to
             for r, t in zip(rollouts, trajs, strict=True):
                 r.flagged = flagged_turns(t, self.feedback_detectors)
-        # Tools and grading run inside the episodes: all of it counts as generation time.
-        stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0), **agent_metrics(trajs)}
+        # Tools and grading run inside the episodes: all of it counts as generation time, of
+        # which time/tools_s was spent in the environments.
+        stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0), **agent_metrics(trajs),
+                 "time/tools_s": timing["tools_s"]}
         batch: Future = Future()
         batch.set_result(RolloutBatch(version, self.group_size, rollouts, stats))
         return batch

@@ -4,6 +4,7 @@ slot is refilled from the task queue at once so the batch stays full."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,10 +13,14 @@ from rollouts.sampler import Continuation, ThreadedContinuation
 
 
 def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Environment],
-                 tasks: Iterable, version: int = 0) -> list[Trajectory]:
+                 tasks: Iterable, version: int = 0,
+                 timing: dict[str, float] | None = None) -> list[Trajectory]:
     """Play every task to the end with `len(envs)` episodes in flight; trajectories in the
     order of `tasks`. An episode whose environment step raises ends there with status
-    `infra_error` (no reward to learn from) instead of failing the others."""
+    `infra_error` (no reward to learn from) instead of failing the others. `timing`, if
+    given, gets `tools_s` added: the wall time spent in environments (resets, tool calls,
+    grading) rather than sampling."""
+    tools_s = 0.0
     if len(envs) > cont.slots:
         raise ValueError(f"{len(envs)} environments but the continuation has {cont.slots} slots")
     queue = enumerate(tasks)
@@ -23,9 +28,12 @@ def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Envir
     finished: dict[int, Trajectory] = {}
 
     def fill(slot: int) -> None:
+        nonlocal tools_s
         index, task = next(queue, (None, None))
         if task is not None:
+            t0 = time.perf_counter()
             prompt = envs[slot].reset(task)
+            tools_s += time.perf_counter() - t0
             cont.start(slot, prompt)
             live[slot] = index, Trajectory.start(task.id, prompt, version)
 
@@ -36,9 +44,11 @@ def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Envir
             actions = cont.turn()
             for slot, (tokens, logprobs, _) in actions.items():
                 live[slot][1].add_action(tokens, logprobs)
+            t0 = time.perf_counter()
             futures = {slot: pool.submit(safe_step, envs[slot], actions[slot][0]) for slot in actions}
-            for slot, future in futures.items():
-                result = future.result()
+            results = {slot: future.result() for slot, future in futures.items()}
+            tools_s += time.perf_counter() - t0
+            for slot, result in results.items():
                 index, traj = live[slot]
                 traj.record(result)
                 if result.done:
@@ -48,4 +58,6 @@ def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Envir
                     fill(slot)
                 else:
                     cont.append(slot, result.observation)
+    if timing is not None:
+        timing["tools_s"] = timing.get("tools_s", 0.0) + tools_s
     return [finished[i] for i in sorted(finished)]

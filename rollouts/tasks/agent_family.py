@@ -14,7 +14,8 @@ states the behaviour incompletely:
   edge_case   an empty input must give a fixed default; which one shows only in the failing
               test's source line in the output (`assert largest_item([]) == -7`)
 
-Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
+Names and constants are drawn per task (package and module names made up, so paths must be
+copied, not recalled), so tasks vary; generation is deterministic per seed.
 `metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the files a
 solver reads, in order (JSON list); no file and not the prompt
 hold a changed line of it (`answer_leaks`). Graded like the feature-deletion tasks: `python -m
@@ -26,16 +27,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import keyword
 import random
+import sys
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 from rollouts.tasks.task import Task
 
 TEST_COMMAND = ("python", "-m", "pytest", "tests")
-_PACKAGES = ("shop", "ledger", "parcel", "mailer", "garden", "tally", "depot", "atlas", "orbit",
-             "quill", "harbor", "pantry")
-_MODULES = ("core", "rules", "prices", "stock", "orders", "util", "store", "plans")
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
 _NOUNS = ("item", "order", "seat", "page", "crate", "ticket", "slot", "batch", "coin", "entry")
 _CONSTS = ("LIMIT", "CAP", "OFFSET", "FLOOR", "BONUS", "QUOTA", "MARGIN", "BASE")
 _ERRORS = ("QuotaError", "RangeError", "InputError", "LimitError", "FormatError", "StateError",
@@ -46,12 +47,28 @@ _SEPS = (", ", "; ", " | ", "/", " + ", "-", ":", " ")
 _SWAPS = ((" ", "_"), ("-", "_"), (" ", "-"), ("_", "."), ("-", " "), (".", "_"))
 
 
+def _word(rng: random.Random, syllables: int) -> str:
+    """A made-up lower-case name (`kavo`, `midune`): drawn per task from ~10^5 (two
+    syllables) or ~10^7 (three), so a policy must copy paths from what it read rather than
+    recall the few a fixed list would give; never a keyword or a standard-library module,
+    which a package of that name would shadow."""
+    while True:
+        word = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables))
+        if not keyword.iskeyword(word) and word not in sys.stdlib_module_names:
+            return word
+
+
+def _place(rng: random.Random) -> tuple[str, str]:
+    """(package, module) names of a task."""
+    return _word(rng, 3), _word(rng, 2)
+
+
 def _fn(rng: random.Random, verb: Sequence[str]) -> str:
     return f"{rng.choice(verb)}_{rng.choice(_NOUNS)}"
 
 
 def _constant(rng: random.Random) -> dict:
-    pkg, mod, const = rng.choice(_PACKAGES), rng.choice(_MODULES), rng.choice(_CONSTS)
+    (pkg, mod), const = _place(rng), rng.choice(_CONSTS)
     fn = _fn(rng, ("cap", "bound", "adjust", "shift"))
     op = rng.choice(("min", "max", "add"))
     value = rng.randint(10, 99)
@@ -76,7 +93,7 @@ def _constant(rng: random.Random) -> dict:
 
 
 def _exception(rng: random.Random) -> dict:
-    pkg, mod = rng.choice(_PACKAGES), rng.choice(_MODULES)
+    pkg, mod = _place(rng)
     fn = _fn(rng, ("reserve", "book", "take", "claim"))
     errors = rng.sample(_ERRORS, 4)
     err, k = rng.choice(errors), rng.randint(2, 9)
@@ -99,7 +116,7 @@ def _exception(rng: random.Random) -> dict:
 
 
 def _helper(rng: random.Random) -> dict:
-    pkg, mod, hmod = rng.choice(_PACKAGES), rng.choice(_MODULES), rng.choice(("text", "keys"))
+    (pkg, mod), hmod = _place(rng), rng.choice(("text", "keys"))
     fn = _fn(rng, ("keys_for", "index", "label"))
     helper, decoy = rng.sample(_HELPERS, 2)
     case = rng.choice(("lower", "upper"))
@@ -130,7 +147,7 @@ def _helper(rng: random.Random) -> dict:
 
 
 def _hidden_file(rng: random.Random) -> dict:
-    pkg, mod = rng.choice(_PACKAGES), rng.choice(_MODULES)
+    pkg, mod = _place(rng)
     low = rng.choice(("fmt", "render", "layout", "join"))
     fn, joiner = _fn(rng, ("summary", "line", "show")), rng.choice(("join_all", "glue", "concat"))
     sep, wrong = rng.sample(_SEPS, 2)
@@ -156,7 +173,7 @@ def _hidden_file(rng: random.Random) -> dict:
 
 
 def _edge_case(rng: random.Random) -> dict:
-    pkg, mod = rng.choice(_PACKAGES), rng.choice(_MODULES)
+    pkg, mod = _place(rng)
     fn = _fn(rng, ("largest", "smallest", "top"))
     pick = "min" if fn.startswith("smallest") else "max"
     default = rng.randint(-99, -1)

@@ -4,6 +4,7 @@ the mask covers exactly them, and slots are refilled until every task has run.""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import jax
@@ -52,10 +53,13 @@ def test_concurrent_episodes_are_token_exact_and_slots_refill():
     options = AgentConfig(max_turns=3, max_context_tokens=8000, max_output_chars=200)
     with Scorer(workers=1) as scorer:
         envs = [ToolEnvironment(TOK, options, scorer=scorer, tools=tools) for _ in range(2)]
-        trajs = run_episodes(cont, envs, tasks)
+        timing, t0 = {}, time.perf_counter()
+        trajs = run_episodes(cont, envs, tasks, timing=timing)
+        wall = time.perf_counter() - t0
         for env in envs:
             env.close()
     assert sorted(t.task_id for t in trajs) == sorted(t.id for t in tasks)  # the third refilled a slot
+    assert 0 < timing["tools_s"] < wall  # sessions, tools and grading: part of the wall time
     for traj in trajs:
         tokens, mask, logprobs = traj.arrays()
         runs = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))

@@ -108,12 +108,31 @@ def test_run_tests_summary(ctx):
     out = call(ctx, "run_tests")
     assert out.text.startswith("tests: 11 passed, 2 failed (exit code 1)")
     assert "FAILED tests/test_stats.py::test_mean" in out.text
+    # the tracebacks follow without pytest's banners, separators and progress line
+    assert "--- test_mean" in out.text and "assert 0 == " in out.text
+    assert "=====" not in out.text and "[100%]" not in out.text
     one = call(ctx, "run_tests", test="tests/test_roman.py")
     assert one.text.startswith("tests: 3 passed, 0 failed")
     assert "not an option" in call(ctx, "run_tests", test="--co").text
     call(ctx, "write_file", path="tests/test_broken.py", content="def test_x(:\n")
     broken = call(ctx, "run_tests", test="tests/test_broken.py")
     assert broken.text.startswith("tests: 0 passed, 1 failed") and "SyntaxError" in broken.text
+
+
+def test_failure_details_keep_the_facts_and_drop_the_decoration():
+    from rollouts.tools.builtin import failure_details
+
+    output = ("F.                                                            [100%]\n"
+              "=================================== FAILURES ===================================\n"
+              "_________________________________ test_cap _________________________________\n"
+              "\n    def test_cap():\n>       assert cap(1000) == 58\n"
+              "               ^^^^^^^^^^^^^^^\n_ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _\n"
+              "E       assert 50 == 58\n\ntests/test_a.py:5: AssertionError\n"
+              "=========================== short test summary info ============================\n"
+              "FAILED tests/test_a.py::test_cap - assert 50 == 58\n")
+    assert failure_details(output) == (
+        "--- test_cap\n    def test_cap():\n>       assert cap(1000) == 58\n"
+        "E       assert 50 == 58\ntests/test_a.py:5: AssertionError")
 
 
 def test_lint(ctx):
