@@ -18,6 +18,9 @@ def test_agent_configs_load():
     tiny = load_config("configs/agent_tiny.yaml")
     assert tiny.agent.enabled and tiny.agent.call_format == "compact"
     assert tiny.agent.max_turns == 4
+    default = load_config("configs/agent_default.yaml")
+    assert default.agent.tasks.startswith("embedded:") and default.sft.data == "agent"
+    assert default.agent.max_turns >= 6 and default.agent.truncation == "penalty"
     big = load_config("configs/agent_qwen2.5-coder-7b.yaml")
     assert big.agent.call_format == "hermes" and big.init_from.startswith("/checkpoints/")
 
@@ -68,3 +71,25 @@ def test_train_agent_tiny_runs_multi_turn_episodes(tmp_path):
     for r in logged:  # token-exact rows: the mask covers the sampled actions, which come first
         assert len(r["policy_mask"]) == len(r["completion"]) == len(r["logprobs"])
         assert r["policy_mask"][0]
+
+
+@pytest.mark.slow  # ~4 min on a quiet 2-core VM: demonstrations, 40 warm-up steps, 2 RL steps
+def test_agent_default_shortened_end_to_end(tmp_path):
+    """configs/agent_default.yaml, shortened: the warm-up gets the model making tool calls,
+    RL steps play episodes (with their time split), held-out episodes are evaluated."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device, as the CLI
+    subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "--config",
+                    "configs/agent_default.yaml", "agent.tasks=embedded:10", "agent.eval_tasks=2",
+                    "sft.steps=40", "train.steps=2", "train.prompts_per_step=2",
+                    "agent.episodes=4", "train.micro_batch=4", "rl.group_size=2",
+                    "eval.samples=1", f"workdir={tmp_path}"],
+                   check=True, env=env, capture_output=True)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["agent/tool_calls"] > 0 and r["agent/turns_mean"] > 1
+        assert 0 < r["time/tools_s"] < r["time/generate_s"]
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 2] and all(r["eval/agent/episodes"] == 2
+                                                        for r in evals)

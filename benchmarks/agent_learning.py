@@ -1,0 +1,143 @@
+"""Does RL make the multi-turn agent better, and does the multi-turn part matter?
+
+Runs `configs/agent_default.yaml` (SFT warm-up on scripted demonstrations, then GRPO on tool
+episodes over the embedded agent family) per seed and variant, each in its own workdir, then
+reads the runs' `metrics.jsonl` and evaluates their first (post-warm-up) and last checkpoints
+again with the episode cut to one turn (`agent.max_turns=1`: the same model answering without
+tools; the family's tasks hide the needed fact from the prompt, so it can only guess). Prints
+one table row per run and the medians:
+
+    held-out pass@1 after the warm-up -> after RL (the gain), the one-turn pass@1 before and
+    after, solved episodes that ran the tests before finishing, bad calls per episode over
+    the first and last steps, wall-clock minutes.
+
+    PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2
+    PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 --variant feedback_off \
+        --out runs/agent_learning        # targeted feedback off (agent.feedback_beta=0)
+
+A run that already finished in `--out` is read, not rerun (delete its folder to rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {"feedback_on": [], "feedback_off": ["agent.feedback_beta=0"]}
+
+
+def train(config: str, workdir: Path, seed: int, overrides: list[str]) -> float:
+    """Minutes of wall clock for one `jaxagent train` (0 when it had finished before)."""
+    done = workdir / "done"
+    if done.exists():
+        return float(done.read_text())
+    t0 = time.perf_counter()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with open(workdir.parent / f"{workdir.name}.log", "w") as log:
+        subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "--config", config,
+                        f"seed={seed}", f"workdir={workdir}", *overrides],
+                       check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    minutes = (time.perf_counter() - t0) / 60
+    done.write_text(f"{minutes:.2f}")
+    return minutes
+
+
+def one_turn_pass(workdir: Path, step: int) -> float:
+    """Held-out pass@1 of the run's checkpoint at `step` with episodes cut to one turn."""
+    from contextlib import closing
+
+    from flax import nnx
+
+    from jaxagent.checkpoint import Checkpointer
+    from jaxagent.config import load_config
+    from jaxagent.optim import make_optimizer
+    from jaxagent.train.build import (load_agent_splits, load_model_and_tokenizer, make_sampler,
+                                      make_scorer)
+    from jaxagent.train.evaluate import evaluate_agent
+
+    cfg = load_config(workdir / "config.yaml")
+    cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, max_turns=1))
+    model, tokenizer = load_model_and_tokenizer(cfg)
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    like = {"params": params, "opt_state": tx.init(params),
+            **({"ref_params": params} if cfg.rl.kl_coef else {})}
+    with closing(Checkpointer(workdir / "checkpoints")) as ckpt:
+        state, _ = ckpt.restore(step, like)
+    sampler = make_sampler(nnx.merge(graphdef, state["params"]), tokenizer, cfg)
+    with make_scorer(cfg) as scorer:
+        scores, _ = evaluate_agent(cfg, sampler, tokenizer, scorer,
+                                   load_agent_splits(cfg)[1], samples=cfg.eval.samples,
+                                   ks=(1,), temperature=cfg.eval.temperature, seed=cfg.seed)
+    return scores["eval/pass@1"]
+
+
+def summarize(workdir: Path, minutes: float) -> dict:
+    from jaxagent.metrics import read_metrics
+
+    rows = read_metrics(workdir / "metrics.jsonl")
+    evals = [r for r in rows if "eval/pass@1" in r]
+    steps = [r for r in rows if "train/loss" in r]
+    first, last = evals[0], evals[-1]
+    k = max(1, len(steps) // 5)  # bad calls: the first and last fifth of the steps
+
+    def bad(rs):
+        return statistics.mean(r["agent/bad_tool_calls"] / max(r["agent/episodes"], 1)
+                               for r in rs)
+
+    return {
+        "pass@1_warm": first["eval/pass@1"], "pass@1_rl": last["eval/pass@1"],
+        "gain": last["eval/pass@1"] - first["eval/pass@1"],
+        "one_turn_warm": one_turn_pass(workdir, first["step"]),
+        "one_turn_rl": one_turn_pass(workdir, last["step"]),
+        "tested_first_warm": first.get("eval/agent/solved_tested_first", float("nan")),
+        "tested_first_rl": last.get("eval/agent/solved_tested_first", float("nan")),
+        "bad_calls_first": bad(steps[:k]), "bad_calls_last": bad(steps[-k:]),
+        "steps": len(steps), "minutes": minutes,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/agent_default.yaml")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--variant", choices=VARIANTS, nargs="+", default=["feedback_on"])
+    p.add_argument("--out", type=Path, default=Path("runs/agent_learning"))
+    p.add_argument("--jsonl", type=Path, help="append one JSON row per run here")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    print(f"# {platform.node()} {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, "
+          f"{a.config} {' '.join(a.overrides)}")
+    cols = ("pass@1_warm", "pass@1_rl", "gain", "one_turn_warm", "one_turn_rl",
+            "tested_first_warm", "tested_first_rl", "bad_calls_first", "bad_calls_last",
+            "steps", "minutes")
+    print("variant       seed " + " ".join(f"{c:>17}" for c in cols))
+    for variant in a.variant:
+        results = []
+        for seed in a.seeds:
+            workdir = a.out / f"{variant}-{seed}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            minutes = train(a.config, workdir, seed, [*VARIANTS[variant], *a.overrides])
+            row = summarize(workdir, minutes)
+            results.append(row)
+            print(f"{variant:<13} {seed:>4} " + " ".join(f"{row[c]:>17.3f}" for c in cols),
+                  flush=True)
+            if a.jsonl:
+                with a.jsonl.open("a") as f:
+                    f.write(json.dumps({"variant": variant, "seed": seed, "config": a.config,
+                                        "overrides": a.overrides, **row}) + "\n")
+        print(f"{variant:<13} {'med':>4} " + " ".join(
+            f"{statistics.median(r[c] for r in results):>17.3f}" for c in cols))
+
+
+if __name__ == "__main__":
+    main()
