@@ -45,6 +45,10 @@ _PYTEST_PACKAGES = (
 )
 SANDBOX_PYLIB = "/pylib"  # where repository tasks find pytest inside bwrap/docker
 SESSION_WORKDIR = "/work"  # a session's persistent repository inside bwrap
+DOCKER_IMAGE = "python:3.11-slim"  # the docker backend's default; a task's metadata["docker_image"] overrides it
+# The docker zygote is the container's root with only what it needs to hand each solution a
+# uid of its own (guest/confine.py) and to kill and wipe what that uid left; solutions keep none.
+_ZYGOTE_CAPS = ("SETUID", "SETGID", "SETPCAP", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -402,13 +406,12 @@ class DockerChannel:
 
 
 class DockerLauncher:
-    """Docker: per-task image, same limits, one long-lived zygote container per worker."""
+    """Docker: per-task image, same limits, one long-lived zygote container per worker; each
+    solution runs as a fresh uid without capabilities, as under bwrap on a root host."""
 
     name = "docker"
 
-    def __init__(
-        self, limits: Limits, image: str = "python:3.11-slim", python: str = "python3"
-    ):
+    def __init__(self, limits: Limits, image: str = DOCKER_IMAGE, python: str = "python3"):
         try:
             import docker
 
@@ -449,14 +452,16 @@ class DockerLauncher:
                 },
             },
             cap_drop=["ALL"],
+            cap_add=list(_ZYGOTE_CAPS),
             security_opt=["no-new-privileges"],
-            user="65534:65534",
+            user="0:0",
             working_dir="/tmp",
             environment={"HOME": "/tmp", "LANG": "C.UTF-8"},
         )
         raw = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
         channel = DockerChannel(container, getattr(raw, "_sock", raw))
-        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True, timeout=60.0, uid=65534)
+        uid = next(_SOLUTION_UIDS)  # not the host's: RLIMIT_NPROC counts per uid, host-wide
+        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True, timeout=60.0, uid=uid)
         return channel
 
 

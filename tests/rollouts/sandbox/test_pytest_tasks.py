@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -38,10 +39,15 @@ def _grade(sandbox, task, edits):
     return sandbox.submit(task.request(json.dumps(edits))).result()
 
 
-def test_fixed_repository_passes_and_broken_one_fails(bwrap_sandbox, repo_task):
-    good = _grade(bwrap_sandbox, repo_task, FIXED)
+@pytest.mark.parametrize("grading", ["isolated", "in-process"])
+def test_fixed_repository_passes_and_broken_one_fails(sandboxes, repo_task, grading):
+    def grade(edits):
+        request = dataclasses.replace(repo_task.request(json.dumps(edits)), grading=grading)
+        return sandboxes.submit(request).result()
+
+    good = grade(FIXED)
     assert (good.status, good.tests_passed, good.tests_total) == ("passed", 4, 4)
-    bad = _grade(bwrap_sandbox, repo_task, {})
+    bad = grade({})
     assert (bad.status, bad.tests_passed) == ("failed", 2)
     assert bad.message.startswith("tests/test_lib.py::test_add (call) failed")
 
