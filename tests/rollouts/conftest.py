@@ -103,7 +103,8 @@ def leftovers() -> Callable[[], list[str]]:
 def docker_image() -> Iterator[str]:
     """A private docker engine for the session (DOCKER_HOST points at it) holding the
     host-made sandbox image (cached across runs, see rollouts/sandbox/image.py); its tag.
-    Skips, saying why, where the engine cannot start. At the end no container may remain."""
+    Skips, saying why, where the engine cannot start or run a container. At the end no
+    container may remain."""
     saved = os.environ.get("DOCKER_HOST")
     with contextlib.ExitStack() as stack:
         try:
@@ -113,6 +114,11 @@ def docker_image() -> Iterator[str]:
         stack.callback(_restore, "DOCKER_HOST", saved)
         stack.callback(_ENGINE.clear)
         _ENGINE["image"] = host_image()
+        smoke = subprocess.run(["docker", "run", "--rm", "--network", "none", _ENGINE["image"],
+                                "python3", "-S", "-c", "pass"], capture_output=True, text=True,
+                               check=False)  # fmt: skip
+        if smoke.returncode:  # e.g. a CI machine whose kernel refuses the container's set-up
+            pytest.skip(f"the docker engine runs no container: {smoke.stderr.strip()[-300:]}")
         yield _ENGINE["image"]
         assert leftover_containers() == []
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+import zipfile
 
 import pytest
 
+from jaxagent.cli import main
 from rollouts.sandbox import Limits, Sandbox, SandboxUnavailable, engine, image
 
 
@@ -67,3 +69,31 @@ def test_the_image_is_rebuilt_only_when_its_files_change(docker_image, tmp_path)
     assert image.content_key([str(one), str(two)]) == key
     one.write_text("xx")
     assert image.content_key([str(one), str(two)]) != key
+
+
+def _wheel(folder, name: str, source: str) -> None:
+    """A pure-Python wheel of one module, made by hand (no build backend, no network)."""
+    dist = f"{name}-0.1.dist-info"
+    files = {f"{name}.py": source, f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}  # fmt: skip
+    record = "".join(f"{path},,\n" for path in [*files, f"{dist}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-0.1-py3-none-any.whl", "w") as whl:
+        for path, text in {**files, f"{dist}/RECORD": record}.items():
+            whl.writestr(path, text)
+
+
+def test_build_image_installs_requirements_offline(docker_image, tmp_path, capsys):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "jxtiny", "ANSWER = 42\n")
+    (tmp_path / "requirements.txt").write_text("jxtiny==0.1\n")
+    argv = ["sandbox", "build-image", "--requirements", str(tmp_path / "requirements.txt"),
+            "--find-links", str(wheels), "--tag", "jaxagent-test:requirements"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == "jaxagent-test:requirements"
+    probe = "import sys; sys.path.append('/pylib'); import jxtiny; print(jxtiny.ANSWER)"
+    run = subprocess.run(["docker", "run", "--rm", "--network", "none", "jaxagent-test:requirements",
+                          "python3", "-S", "-c", probe], capture_output=True, text=True, check=False)  # fmt: skip
+    assert run.stdout.strip() == "42", run.stderr
+    assert main(["sandbox", "build-image", "--requirements", "r.txt"]) == 2
+    assert "needs --tag" in capsys.readouterr().err
