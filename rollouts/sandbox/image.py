@@ -13,7 +13,6 @@ local base image (where repository tasks and session commands import from).
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import re
 import shutil
@@ -32,9 +31,7 @@ _STDLIB_SKIP = re.compile(r"/(site-packages|test|idlelib|tkinter|turtledemo|ensu
 _LDD_PATH = re.compile(r"(/\S+) \(0x")
 # glibc's other libraries, which code loads by name (ctypes.CDLL("librt.so.1")), beside libc.
 _GLIBC_EXTRAS = ("librt.so.1", "libpthread.so.0", "libdl.so.2", "libutil.so.1", "libresolv.so.2")
-_ETC = {"etc/passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/sh\n",
-        "etc/group": "root:x:0:\nnogroup:x:65534:\n"}  # fmt: skip
-_BUILDER_VERSION = "3"  # bump when the choice of files changes
+_BUILDER_VERSION = "4"  # bump when the choice of files changes
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxagent" / "sandbox-image"  # fmt: skip
 
 
@@ -110,17 +107,14 @@ def _add(tar: tarfile.TarFile, path: str, added: set[str]) -> None:
 
 def write_rootfs(files: list[str], out: Path) -> None:
     """The root file system tar: `files` at their host paths, `python3`/`python` in
-    /usr/local/bin, a minimal /etc, an empty /tmp and /pylib."""
+    /usr/local/bin, an empty /tmp and /pylib; no /etc (no account needs a name, and a
+    solution finds nothing there, as under bwrap)."""
     python = base_python()
     with tarfile.open(out, "w") as tar:
         added: set[str] = set()
         merged_usr = [d for d in ("/bin", "/sbin", "/lib", "/lib64") if os.path.islink(d)]
         for path in [*merged_usr, *files]:  # /bin/sh must resolve as it does here
             _add(tar, path, added)
-        for name, text in _ETC.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(text)
-            tar.addfile(info, fileobj=io.BytesIO(text.encode()))
         for name in ("tmp", SANDBOX_PYLIB.lstrip("/")):
             info = tarfile.TarInfo(name)
             info.type, info.mode = tarfile.DIRTYPE, 0o1777 if name == "tmp" else 0o755

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Protocol
 
-from rollouts.sandbox.cgroups import Cgroup
+from rollouts.sandbox.cgroups import Cgroup, oom_counter, oom_kill_count
 from rollouts.sandbox.guest import wire
 from rollouts.sandbox.types import Limits
 
@@ -368,6 +368,7 @@ class DockerChannel(FdChannel):
         self.from_zygote = os.open(os.path.join(self.fifos, "out"), os.O_RDONLY | os.O_NONBLOCK)
         self.to_zygote = -1
         self.container = None
+        self.oom_file: Path | None = None
         self.last_oom = 0
 
     def connect(self, container, timeout: float = 60.0) -> None:
@@ -390,14 +391,16 @@ class DockerChannel(FdChannel):
             time.sleep(0.01)
         os.set_blocking(self.to_zygote, True)
         os.set_blocking(self.from_zygote, True)
-
-    def recv(self, timeout: float) -> object | None:
-        reply = super().recv(timeout)
-        if isinstance(reply, dict) and isinstance(reply.get("oom_kills"), int):
-            self.last_oom = reply["oom_kills"]
-        return reply
+        container.reload()
+        self.oom_file = oom_counter(container.attrs["State"]["Pid"])
 
     def oom_kills(self) -> int:
+        """From the container's memory cgroup, read on the host (/sys is hidden inside)."""
+        try:
+            if self.oom_file is not None:
+                self.last_oom = oom_kill_count(self.oom_file) or 0
+        except OSError:  # the container is gone: its last count stands
+            pass
         return self.last_oom
 
     def leftover(self) -> bool:
@@ -468,11 +471,13 @@ class DockerLauncher:
             ["/bin/sh", "-c", 'exec "$@" >/channel/out </channel/in', "sh", *zygote],
             detach=True,
             network_mode="none",
+            sysctls={"net.ipv4.ip_unprivileged_port_start": "1024"},  # docker's default: 0
             mem_limit=mem,
             memswap_limit=mem,
             pids_limit=self.limits.max_procs + 8,
             read_only=True,
-            tmpfs={"/tmp": f"size={self.limits.tmpfs_mb}m,mode=1777"},
+            # an empty /sys, as under bwrap (the host reads the OOM kills, DockerChannel)
+            tmpfs={"/tmp": f"size={self.limits.tmpfs_mb}m,mode=1777", "/sys": "ro,size=4k"},
             volumes={
                 fifos: {"bind": "/channel", "mode": "ro"},
                 str(GUEST_DIR): {"bind": "/harness", "mode": "ro"},

@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,20 @@ def leftover_containers() -> list[str]:
 def leftovers() -> Callable[[], list[str]]:
     """Processes of ours, containers, or processes in them that outlived a run."""
     return lambda: leftover_processes() + leftover_containers()
+
+
+@pytest.fixture(scope="session")
+def host_mounts() -> Callable[[], list[str]]:
+    """Our mount table, less the mounts our docker engine makes for its containers."""
+
+    def mounts() -> list[str]:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        if not _ENGINE:
+            return lines
+        engine = os.path.dirname(os.environ["DOCKER_HOST"].removeprefix("unix://"))
+        return [line for line in lines if engine not in line]
+
+    return mounts
 
 
 @pytest.fixture(scope="session")

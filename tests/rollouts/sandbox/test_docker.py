@@ -41,6 +41,28 @@ def test_solutions_run_as_a_fresh_uid_without_capabilities(docker_sandbox, human
     assert got.startswith("(1") and "'CapEff:\\t0000000000000000'" in got, result
 
 
+OOM_IN_CHILDREN = """    import os, time
+    for _ in range(4):  # 4 x 150 MB, each under RLIMIT_AS, together over the container's cap
+        if os.fork() == 0:
+            x = b"x" * (150 << 20)
+            time.sleep(1)
+            os._exit(0)
+    for _ in range(4):
+        os.wait()
+"""
+
+
+def test_an_oom_kill_in_the_container_is_counted_on_the_host(docker_hostile_sandbox, humaneval):
+    """/sys is empty inside, as under bwrap: the host reads the container's memory cgroup."""
+    def kills() -> int:
+        return sum(w.channel.oom_kills() for w in docker_hostile_sandbox._workers if w.channel)
+
+    docker_hostile_sandbox.map([humaneval["HumanEval/0"].request("    return True\n")] * 2)
+    before = kills()
+    result = docker_hostile_sandbox.submit(humaneval["HumanEval/0"].request(OOM_IN_CHILDREN)).result()
+    assert not result.passed and kills() > before, result
+
+
 def test_unreachable_engine_is_reported_clearly(monkeypatch):
     pytest.importorskip("docker")
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
