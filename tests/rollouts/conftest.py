@@ -189,3 +189,9 @@ def hostile_sandboxes(request) -> Sandbox:
 def sandboxes(request) -> Sandbox:
     """Default limits, on each backend."""
     return request.getfixturevalue(f"{request.param}_sandbox")
+
+
+@pytest.fixture(params=["bwrap", pytest.param("docker", marks=pytest.mark.slow)])
+def sandboxes_docker_slow(request) -> Sandbox:
+    """`sandboxes`, the docker half under -m slow: for suites too long to run twice by default."""
+    return request.getfixturevalue(f"{request.param}_sandbox")

@@ -85,11 +85,9 @@ def _syscall(name: str) -> str:
 
 
 # The same filter on both backends (docker's own profile sits beneath it): docker's 49 runs are slow.
-@pytest.mark.parametrize("backend", ["bwrap", pytest.param("docker", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(confine.DENIED))
-def test_every_denied_syscall_is_refused_in_the_sandbox(request, backend, name):
-    sandbox = request.getfixturevalue(f"{backend}_sandbox")
-    result = sandbox.submit(_attack(_syscall(name))).result()
+def test_every_denied_syscall_is_refused_in_the_sandbox(sandboxes_docker_slow, name):
+    result = sandboxes_docker_slow.submit(_attack(_syscall(name))).result()
     assert result.status == "failed", result
 
 
