@@ -35,9 +35,9 @@ _BUILDER_VERSION = "4"  # bump when the choice of files changes
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxagent" / "sandbox-image"  # fmt: skip
 
 
-def _docker(*args: str, stdin: bytes | None = None) -> str:
+def _docker(*args: str) -> str:
     """Run the docker CLI (DOCKER_HOST picks the engine); its stdout, or SandboxUnavailable."""
-    proc = subprocess.run(["docker", *args], input=stdin, capture_output=True, check=False)
+    proc = subprocess.run(["docker", *args], capture_output=True, check=False)
     if proc.returncode:
         why = proc.stderr.decode(errors="replace").strip()[-500:]
         raise SandboxUnavailable(f"`docker {args[0]}` failed: {why}")
@@ -145,6 +145,8 @@ def host_image(cache: Path = DEFAULT_CACHE, repository: str = "jaxagent-sandbox"
         cache.mkdir(parents=True, exist_ok=True)
         partial = tar.with_suffix(f".{os.getpid()}.part")
         write_rootfs(files, partial)
+        for stale in cache.glob("rootfs-*.tar"):  # one cached tar: the host's files changed
+            stale.unlink(missing_ok=True)
         partial.rename(tar)
     env = "ENV PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8"
     _docker("import", "--change", env, "--change", "WORKDIR /tmp", str(tar), tag)
