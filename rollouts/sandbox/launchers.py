@@ -6,23 +6,23 @@ is one sandbox holding one zygote, running one solution at a time.
 
 from __future__ import annotations
 
+import errno
 import glob
 import importlib.util
 import itertools
 import os
 import select
 import shutil
-import socket
-import struct
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Protocol
 
-from rollouts.sandbox.cgroups import Cgroup
+from rollouts.sandbox.cgroups import Cgroup, oom_counter, oom_kill_count
 from rollouts.sandbox.guest import wire
 from rollouts.sandbox.types import Limits
 
@@ -45,6 +45,10 @@ _PYTEST_PACKAGES = (
 )
 SANDBOX_PYLIB = "/pylib"  # where repository tasks find pytest inside bwrap/docker
 SESSION_WORKDIR = "/work"  # a session's persistent repository inside bwrap
+DOCKER_IMAGE = "python:3.11-slim"  # the docker backend's default; a task's metadata["docker_image"] overrides it
+# The docker zygote is the container's root with only what it needs to hand each solution a
+# uid of its own (guest/confine.py) and to kill and wipe what that uid left; solutions keep none.
+_ZYGOTE_CAPS = ("SETUID", "SETGID", "SETPCAP", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -120,7 +124,22 @@ def hello(
     return reply
 
 
-class PipeChannel:
+class FdChannel:
+    """Frames to a zygote on one fd, its replies on another."""
+
+    to_zygote: int
+    from_zygote: int
+
+    def send(self, obj: object) -> None:
+        wire.send(self.to_zygote, obj)
+
+    def recv(self, timeout: float) -> object | None:
+        if not select.select([self.from_zygote], [], [], timeout)[0]:
+            raise TimeoutError(f"no reply from the sandbox within {timeout:.1f}s")
+        return wire.recv(self.from_zygote)
+
+
+class PipeChannel(FdChannel):
     """A zygote subprocess on stdin/stdout pipes, optionally inside a cgroup."""
 
     def __init__(
@@ -134,16 +153,8 @@ class PipeChannel:
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **popen
         )
+        self.to_zygote, self.from_zygote = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         self.baseline = 0
-
-    def send(self, obj: object) -> None:
-        wire.send(self.proc.stdin.fileno(), obj)
-
-    def recv(self, timeout: float) -> object | None:
-        fd = self.proc.stdout.fileno()
-        if not select.select([fd], [], [], timeout)[0]:
-            raise TimeoutError(f"no reply from the sandbox within {timeout:.1f}s")
-        return wire.recv(fd)
 
     def oom_kills(self) -> int:
         return self.cgroup.oom_kills() if self.cgroup else 0
@@ -345,42 +356,51 @@ class ProcessLauncher:
         return channel
 
 
-class DockerChannel:
-    """A zygote in a container, over the attach socket (stdout is multiplexed)."""
+class DockerChannel(FdChannel):
+    """A zygote in a container, over two FIFOs of a host folder bound into it at /channel:
+    direct, where the engine's attach stream would pass every frame through dockerd."""
 
-    _MUX = struct.Struct(">BxxxI")
-
-    def __init__(self, container, sock: socket.socket):
-        self.container, self.sock = container, sock
-        self.pending = bytearray()
+    def __init__(self):
+        self.fifos = tempfile.mkdtemp(prefix="jaxagent-docker-")  # 0700: the solution's uid
+        for name in ("in", "out"):  # cannot reach them
+            os.mkfifo(os.path.join(self.fifos, name), 0o600)
+        # A reader first: the container's shell then opens "out" at once, before "in".
+        self.from_zygote = os.open(os.path.join(self.fifos, "out"), os.O_RDONLY | os.O_NONBLOCK)
+        self.to_zygote = -1
+        self.container = None
+        self.oom_file: Path | None = None
         self.last_oom = 0
 
-    def send(self, obj: object) -> None:
-        wire.send_sock(self.sock, obj)
-
-    def _stdout(self, n: int) -> bytes:
-        """Up to n bytes of the container's stdout, skipping the mux headers."""
-        while not self.pending:
-            header = wire.read_exact(self.sock.recv, self._MUX.size)
-            if header is None:
-                return b""
-            stream, size = self._MUX.unpack(header)
-            payload = wire.read_exact(self.sock.recv, size) or b""
-            if stream == 1:
-                self.pending += payload
-        chunk = bytes(self.pending[:n])
-        del self.pending[:n]
-        return chunk
-
-    def recv(self, timeout: float) -> object | None:
-        if not self.pending and not select.select([self.sock], [], [], timeout)[0]:
-            raise TimeoutError(f"no reply from the container within {timeout:.1f}s")
-        reply = wire.recv_with(self._stdout)
-        if isinstance(reply, dict) and isinstance(reply.get("oom_kills"), int):
-            self.last_oom = reply["oom_kills"]
-        return reply
+    def connect(self, container, timeout: float = 60.0) -> None:
+        """Open the zygote's input once the container's shell has it open for reading (its
+        output is connected by then); SandboxUnavailable if the container exits first."""
+        self.container = container
+        path, deadline = os.path.join(self.fifos, "in"), time.monotonic() + timeout
+        for attempt in itertools.count():
+            try:
+                self.to_zygote = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:  # ENXIO: no reader yet
+                if e.errno != errno.ENXIO:
+                    raise
+            if attempt % 50 == 49:
+                container.reload()
+                if container.status == "exited" or time.monotonic() > deadline:
+                    logs = container.logs().decode(errors="replace")[-500:]
+                    raise SandboxUnavailable(f"the zygote's container did not start ({container.status}): {logs}")  # fmt: skip
+            time.sleep(0.01)
+        os.set_blocking(self.to_zygote, True)
+        os.set_blocking(self.from_zygote, True)
+        container.reload()
+        self.oom_file = oom_counter(container.attrs["State"]["Pid"])
 
     def oom_kills(self) -> int:
+        """From the container's memory cgroup, read on the host (/sys is hidden inside)."""
+        try:
+            if self.oom_file is not None:
+                self.last_oom = oom_kill_count(self.oom_file) or 0
+        except OSError:  # the container is gone: its last count stands
+            pass
         return self.last_oom
 
     def leftover(self) -> bool:
@@ -391,24 +411,27 @@ class DockerChannel:
 
     def close(self, graceful: bool = False) -> None:
         del graceful  # the container goes either way
-        self.sock.close()
+        for fd in (self.to_zygote, self.from_zygote):
+            if fd >= 0:
+                os.close(fd)
         try:
-            self.container.remove(force=True)
+            if self.container is not None:
+                self.container.remove(force=True)
         except Exception as e:  # already gone is fine; anything else is worth a warning
             warnings.warn(
                 f"could not remove container {self.container.short_id}: {e}",
                 stacklevel=2,
             )
+        shutil.rmtree(self.fifos, ignore_errors=True)
 
 
 class DockerLauncher:
-    """Docker: per-task image, same limits, one long-lived zygote container per worker."""
+    """Docker: per-task image, same limits, one long-lived zygote container per worker; each
+    solution runs as a fresh uid without capabilities, as under bwrap on a root host."""
 
     name = "docker"
 
-    def __init__(
-        self, limits: Limits, image: str = "python:3.11-slim", python: str = "python3"
-    ):
+    def __init__(self, limits: Limits, image: str = DOCKER_IMAGE, python: str = "python3"):
         try:
             import docker
 
@@ -430,18 +453,33 @@ class DockerLauncher:
 
     def launch(self, image: str | None) -> Channel:
         mem = f"{self.limits.memory_mb + self.limits.tmpfs_mb + _CGROUP_OVERHEAD_MB}m"
-        container = self.client.containers.run(
-            image or self.image,
-            [self.python, *_PYTHON_FLAGS, "/harness/zygote.py"],
+        channel = DockerChannel()
+        try:
+            channel.connect(self._run(image or self.image, channel.fifos, mem))
+        except BaseException:
+            channel.close()
+            raise
+        uid = next(_SOLUTION_UIDS)  # not the host's: RLIMIT_NPROC counts per uid, host-wide
+        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True, timeout=60.0, uid=uid)
+        return channel
+
+    def _run(self, image: str, fifos: str, mem: str):
+        """The zygote's container, started on the FIFOs of `fifos`."""
+        zygote = [self.python, *_PYTHON_FLAGS, "/harness/zygote.py"]
+        return self.client.containers.run(
+            image,
+            ["/bin/sh", "-c", 'exec "$@" >/channel/out </channel/in', "sh", *zygote],
             detach=True,
-            stdin_open=True,
             network_mode="none",
+            sysctls={"net.ipv4.ip_unprivileged_port_start": "1024"},  # docker's default: 0
             mem_limit=mem,
             memswap_limit=mem,
             pids_limit=self.limits.max_procs + 8,
             read_only=True,
-            tmpfs={"/tmp": f"size={self.limits.tmpfs_mb}m,mode=1777"},
+            # an empty /sys, as under bwrap (the host reads the OOM kills, DockerChannel)
+            tmpfs={"/tmp": f"size={self.limits.tmpfs_mb}m,mode=1777", "/sys": "ro,size=4k"},
             volumes={
+                fifos: {"bind": "/channel", "mode": "ro"},
                 str(GUEST_DIR): {"bind": "/harness", "mode": "ro"},
                 **{
                     path: {"bind": f"{SANDBOX_PYLIB}/{name}", "mode": "ro"}
@@ -449,15 +487,12 @@ class DockerLauncher:
                 },
             },
             cap_drop=["ALL"],
+            cap_add=list(_ZYGOTE_CAPS),
             security_opt=["no-new-privileges"],
-            user="65534:65534",
+            user="0:0",
             working_dir="/tmp",
             environment={"HOME": "/tmp", "LANG": "C.UTF-8"},
         )
-        raw = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
-        channel = DockerChannel(container, getattr(raw, "_sock", raw))
-        hello(channel, "/tmp", [SANDBOX_PYLIB], isolated=True, timeout=60.0, uid=65534)
-        return channel
 
 
 def make_launcher(backend: str, limits: Limits, **options) -> Launcher:

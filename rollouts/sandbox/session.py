@@ -27,6 +27,7 @@ from typing import Self
 from rollouts.sandbox.guest.confine import own
 from rollouts.sandbox.launchers import (
     _CGROUP_OVERHEAD_MB,
+    DOCKER_IMAGE,
     GUEST_DIR,
     SANDBOX_PYLIB,
     SESSION_WORKDIR,
@@ -43,7 +44,6 @@ from rollouts.sandbox.types import Limits
 
 _PYTHON_FLAGS = ("-S", "-B", "-E", "-s")
 _TOOLS_DIR = "/tools"  # host binaries (ruff) bound read-only inside the sandbox
-DOCKER_IMAGE = "python:3.11-slim"  # a task's metadata["docker_image"] overrides it
 _PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$")
 PYTEST_FLAGS = ("-q", "-rA", "-p", "no:cacheprovider")  # -rA: one outcome line per test
 
@@ -140,11 +140,11 @@ class Session:
         self.image = image or DOCKER_IMAGE
         if backend == "docker":
             _check_docker_engine()
-        self.launcher = (
-            BwrapLauncher(self.limits, use_cgroups=False)
-            if backend == "bwrap"
-            else ProcessLauncher(self.limits)
-        )
+        self.launcher = None  # docker: a `docker run` per command (docker_argv)
+        if backend == "bwrap":
+            self.launcher = BwrapLauncher(self.limits, use_cgroups=False)
+        elif backend == "process":
+            self.launcher = ProcessLauncher(self.limits)  # warns: no isolation
         self._container: str | None = None  # the docker command running now
         # commands run as this uid (confined, guest/confine.py); None: unconfined (process)
         self.uid = solution_uid() if backend != "process" else None

@@ -1,14 +1,22 @@
-"""Shared fixtures for sandbox tests: live sandboxes and a process-leak detector."""
+"""Shared fixtures for sandbox tests: live sandboxes on both backends (docker on a private
+engine this session starts), and process- and container-leak detectors."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from rollouts.sandbox import Limits, Sandbox
+from rollouts.sandbox import Limits, Sandbox, SandboxUnavailable
+from rollouts.sandbox.engine import private_engine
+from rollouts.sandbox.image import host_image
 from rollouts.tasks import Task, humaneval_tasks
+
+BACKENDS = ("bwrap", "docker")
 
 HOSTILE_LIMITS = Limits(
     wall_s=2.0,
@@ -56,8 +64,10 @@ def leftover_processes() -> list[str]:
 
     while todo:
         pid = todo.pop()
-        todo += children.get(pid, [])
         ppid, argv = procs[pid]
+        if os.path.basename(argv[0]) == "dockerd":  # our private engine: containers are
+            continue  # checked by leftover_containers
+        todo += children.get(pid, [])
         plumbing = os.path.basename(argv[0]) in ("bwrap", "sh")
         parent_argv = procs.get(ppid, (0, [""]))[1]
         if not (plumbing or (is_zygote(argv) and not is_zygote(parent_argv))):
@@ -65,9 +75,74 @@ def leftover_processes() -> list[str]:
     return leaks
 
 
+_ENGINE: dict[str, str] = {}  # "image": the sandbox image, while this session's engine runs
+_DOCKER_SANDBOXES: list[Sandbox] = []  # the session's live docker sandboxes
+
+
+def leftover_containers() -> list[str]:
+    """Containers of our engine that no live docker sandbox holds, and processes in those it
+    holds beyond their idle zygote. [] where this session started no engine."""
+    if not _ENGINE:
+        return []
+    channels = [w.channel for sb in _DOCKER_SANDBOXES for w in sb._workers]
+    live = {c.container.id: c.container for c in channels if c is not None}
+    ids = subprocess.run(["docker", "ps", "-aq", "--no-trunc"], capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    leaks = [f"container {c[:12]}" for c in ids if c not in live]
+    for container in live.values():
+        leaks += [f"{container.short_id}: {p[-1]}" for p in container.top()["Processes"][1:]]
+    return leaks
+
+
 @pytest.fixture(scope="session")
 def leftovers() -> Callable[[], list[str]]:
-    return leftover_processes
+    """Processes of ours, containers, or processes in them that outlived a run."""
+    return lambda: leftover_processes() + leftover_containers()
+
+
+@pytest.fixture(scope="session")
+def host_mounts() -> Callable[[], list[str]]:
+    """Our mount table, less the mounts our docker engine makes for its containers."""
+
+    def mounts() -> list[str]:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        if not _ENGINE:
+            return lines
+        engine = os.path.dirname(os.environ["DOCKER_HOST"].removeprefix("unix://"))
+        return [line for line in lines if engine not in line]
+
+    return mounts
+
+
+@pytest.fixture(scope="session")
+def docker_image() -> Iterator[str]:
+    """A private docker engine for the session (DOCKER_HOST points at it) holding the
+    host-made sandbox image (cached across runs, see rollouts/sandbox/image.py); its tag.
+    Skips, saying why, where the engine cannot start or run a container. At the end no
+    container may remain."""
+    saved = os.environ.get("DOCKER_HOST")
+    with contextlib.ExitStack() as stack:
+        try:
+            os.environ["DOCKER_HOST"] = stack.enter_context(private_engine())
+        except SandboxUnavailable as e:
+            pytest.skip(f"no docker engine: {e}")
+        stack.callback(_restore, "DOCKER_HOST", saved)
+        stack.callback(_ENGINE.clear)
+        _ENGINE["image"] = host_image()
+        smoke = subprocess.run(["docker", "run", "--rm", "--network", "none", _ENGINE["image"],
+                                "python3", "-S", "-c", "pass"], capture_output=True, text=True,
+                               check=False)  # fmt: skip
+        if smoke.returncode:  # e.g. a CI machine whose kernel refuses the container's set-up
+            pytest.skip(f"the docker engine runs no container: {smoke.stderr.strip()[-300:]}")
+        yield _ENGINE["image"]
+        assert leftover_containers() == []
+
+
+def _restore(name: str, saved: str | None) -> None:
+    if saved is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = saved
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +160,38 @@ def hostile_sandbox():
 def bwrap_sandbox():
     with Sandbox("bwrap", workers=2) as sb:
         yield sb
+
+
+def _docker_sandbox(image: str, **options) -> Iterator[Sandbox]:
+    with Sandbox("docker", workers=2, image=image, **options) as sb:
+        _DOCKER_SANDBOXES.append(sb)
+        yield sb
+        _DOCKER_SANDBOXES.remove(sb)
+
+
+@pytest.fixture(scope="session")
+def docker_hostile_sandbox(docker_image):
+    yield from _docker_sandbox(docker_image, limits=HOSTILE_LIMITS)
+
+
+@pytest.fixture(scope="session")
+def docker_sandbox(docker_image):
+    yield from _docker_sandbox(docker_image)
+
+
+@pytest.fixture(params=BACKENDS)
+def hostile_sandboxes(request) -> Sandbox:
+    """hostile_sandbox's limits, on each backend."""
+    return request.getfixturevalue(f"{'docker_' if request.param == 'docker' else ''}hostile_sandbox")
+
+
+@pytest.fixture(params=BACKENDS)
+def sandboxes(request) -> Sandbox:
+    """Default limits, on each backend."""
+    return request.getfixturevalue(f"{request.param}_sandbox")
+
+
+@pytest.fixture(params=["bwrap", pytest.param("docker", marks=pytest.mark.slow)])
+def sandboxes_docker_slow(request) -> Sandbox:
+    """`sandboxes`, the docker half under -m slow: for suites too long to run twice by default."""
+    return request.getfixturevalue(f"{request.param}_sandbox")

@@ -7,7 +7,7 @@ frame {"nonce", "setup", "cases"}. The zygote forks a grader after reading only
 the spec, relays the secret frame to it unparsed through a pipe (the grader
 reads it after forking the solution, so no solution memory ever held tests or
 nonce), waits for the verdict, kills every descendant, wipes the work root and
-answers {"verdict_bytes", "reason", "recycle", "oom_kills"} followed, when
+answers {"verdict_bytes", "reason", "recycle"} followed, when
 verdict_bytes > 0, by the grader's verdict frame, relayed unparsed too. A run that
 changed the zygote's mount table (it cannot, short of a kernel bug) recycles the sandbox.
 """
@@ -160,23 +160,6 @@ def _mount_table() -> str:
         return ""
 
 
-def oom_kills() -> int | None:
-    """The container's OOM-kill count where its cgroup is visible (docker); else None."""
-    for path in (
-        "/sys/fs/cgroup/memory.events",
-        "/sys/fs/cgroup/memory/memory.oom_control",
-    ):
-        try:
-            with open(path) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value)
-        except OSError:
-            continue
-    return None
-
-
 def _read_verdict(fd: int, deadline: float) -> int | None:
     """Read the grader's verdict frame into _BUFFER; its size, or None on timeout/overflow."""
     view = memoryview(_BUFFER)
@@ -243,7 +226,7 @@ def main() -> None:
         importlib.import_module(name)
     workroot = hello["workroot"]
     pylib = hello["pylib"]
-    wire.send(host_out, {"ready": True, "pid": os.getpid(), "oom_kills": oom_kills()})
+    wire.send(host_out, {"ready": True, "pid": os.getpid()})
     mounts = _mount_table()
     while (msg := wire.recv(host_in)) is not None:
         spec = {**msg["spec"], "pylib": pylib, "solution_uid": hello["solution_uid"]}
@@ -251,7 +234,6 @@ def main() -> None:
         reply, size = run_one(spec, host_in, workroot, hello["isolated"])
         if _mount_table() != mounts:  # nothing may mount here; if it did, start afresh
             reply.update(recycle=True)
-        reply["oom_kills"] = oom_kills()
         wire.send(host_out, reply)
         # The verdict (failure messages quote expected values) goes out unparsed, so
         # no later solution forked from here can find it in memory.

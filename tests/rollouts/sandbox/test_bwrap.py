@@ -1,4 +1,5 @@
-"""The bwrap backend end to end: verdicts, fractions, lifecycle, async use."""
+"""The bwrap backend end to end: verdicts, fractions, lifecycle, async use. The grader tests
+(`sandboxes`) run on docker as well, with the same expected verdicts."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def _with_program(program: str) -> RunRequest:
     return RunRequest(program=program, entry_point=ADD.entry_point, cases=ADD.cases)
 
 
-def test_correct_solution_passes(bwrap_sandbox):
-    result = bwrap_sandbox.submit(ADD).result()
+def test_correct_solution_passes(sandboxes):
+    result = sandboxes.submit(ADD).result()
     assert (
         result.status == "passed"
         and result.tests_passed == 2
@@ -34,8 +35,8 @@ def test_correct_solution_passes(bwrap_sandbox):
     )
 
 
-def test_partial_solution_fails_with_the_failing_case_named(bwrap_sandbox):
-    result = bwrap_sandbox.submit(
+def test_partial_solution_fails_with_the_failing_case_named(sandboxes):
+    result = sandboxes.submit(
         _with_program("def f(x):\n    return 2 if x == 1 else 0\n")
     ).result()
     assert result.status == "failed" and result.tests_passed == 1
@@ -45,9 +46,9 @@ def test_partial_solution_fails_with_the_failing_case_named(bwrap_sandbox):
     )
 
 
-def test_failure_message_names_the_failing_line_of_a_multi_line_case(bwrap_sandbox):
+def test_failure_message_names_the_failing_line_of_a_multi_line_case(sandboxes):
     loop = "for x in range(3):\n    y = x\n    assert candidate(x) < 2"
-    result = bwrap_sandbox.submit(
+    result = sandboxes.submit(
         RunRequest(ADD.program, "f", (TestCase("loop", loop),))
     ).result()
     assert (
@@ -56,50 +57,50 @@ def test_failure_message_names_the_failing_line_of_a_multi_line_case(bwrap_sandb
     )
 
 
-def test_solution_exceptions_fail_and_builtin_types_reach_the_tests(bwrap_sandbox):
+def test_solution_exceptions_fail_and_builtin_types_reach_the_tests(sandboxes):
     req = RunRequest(
         program="def f(x):\n    raise ValueError('bad x')\n",
         entry_point="f",
         cases=(TestCase("expects", "try:\n    f(1)\n    assert False\nexcept ValueError:\n    pass"),
                TestCase("plain", "assert f(1) == 2")),
     )  # fmt: skip
-    result = bwrap_sandbox.submit(req).result()
+    result = sandboxes.submit(req).result()
     assert result.tests_passed == 1 and "ValueError: bad x" in result.message
 
 
-def test_syntax_error_and_missing_entry_point_fail(bwrap_sandbox):
+def test_syntax_error_and_missing_entry_point_fail(sandboxes):
     for program in ("def f(x) return x\n", "def g(x):\n    return x + 1\n"):
-        result = bwrap_sandbox.submit(_with_program(program)).result()
+        result = sandboxes.submit(_with_program(program)).result()
         assert (
             result.status == "failed"
             and "loading the solution failed" in result.message
         )
 
 
-def test_files_are_written_into_the_work_dir(bwrap_sandbox):
+def test_files_are_written_into_the_work_dir(sandboxes):
     req = RunRequest(
         program="def f(name):\n    return open(name).read()\n",
         entry_point="f",
         cases=(TestCase("read", "assert candidate('data/in.txt') == 'hello'"),),
         files={"data/in.txt": "hello"},
     )
-    assert bwrap_sandbox.submit(req).result().status == "passed"
+    assert sandboxes.submit(req).result().status == "passed"
 
 
-def test_work_dir_is_wiped_between_runs(bwrap_sandbox):
+def test_work_dir_is_wiped_between_runs(sandboxes):
     write = _with_program(
         "open('/tmp/cache', 'w').write('x')\ndef f(x):\n    return x + 1\n"
     )
     read = _with_program(
         "import os\ndef f(x):\n    return x + 1 + os.path.exists('/tmp/cache')\n"
     )
-    results = [bwrap_sandbox.submit(r).result() for r in (write, read, write, read)]
+    results = [sandboxes.submit(r).result() for r in (write, read, write, read)]
     assert [r.status for r in results] == ["passed", "passed", "passed", "passed"]
 
 
-def test_async_submission(bwrap_sandbox):
+def test_async_submission(sandboxes):
     async def main():
-        return await asyncio.gather(*(bwrap_sandbox.run(ADD) for _ in range(6)))
+        return await asyncio.gather(*(sandboxes.run(ADD) for _ in range(6)))
 
     assert [r.status for r in asyncio.run(main())] == ["passed"] * 6
 
@@ -281,7 +282,7 @@ def test_kernel_keyrings_do_not_carry_data_into_the_next_run():
         ]
 
 
-def test_posix_message_queues_cannot_be_created(bwrap_sandbox):
+def test_posix_message_queues_cannot_be_created(sandboxes):
     mq = "import ctypes\nrt = ctypes.CDLL('librt.so.1', use_errno=True)\ndef f(_):\n    return rt.mq_open(b'/cache', 0o102, 0o600, None)\n"
     req = RunRequest(mq, "f", (TestCase("refused", "assert candidate(0) == -1"),))
-    assert bwrap_sandbox.submit(req).result().status == "passed"
+    assert sandboxes.submit(req).result().status == "passed"

@@ -1,6 +1,6 @@
 """The solution holds no privilege: the seccomp filter against its specification, and live
 attacks on the kernel's interfaces, the grader and the host, each of which would be rewarded
-`passed` had it worked."""
+`passed` had it worked; on bwrap and docker alike."""
 
 from __future__ import annotations
 
@@ -84,9 +84,10 @@ def _syscall(name: str) -> str:
             f"    return ctypes.get_errno() != {errno.EPERM} or ret == 0\n")  # fmt: skip
 
 
+# The same filter on both backends (docker's own profile sits beneath it): docker's 49 runs are slow.
 @pytest.mark.parametrize("name", sorted(confine.DENIED))
-def test_every_denied_syscall_is_refused_in_the_sandbox(bwrap_sandbox, name):
-    result = bwrap_sandbox.submit(_attack(_syscall(name))).result()
+def test_every_denied_syscall_is_refused_in_the_sandbox(sandboxes_docker_slow, name):
+    result = sandboxes_docker_slow.submit(_attack(_syscall(name))).result()
     assert result.status == "failed", result
 
 
@@ -195,29 +196,29 @@ ATTACKS = {
 
 
 @pytest.fixture
-def host_state(tmp_path: Path):
+def host_state(tmp_path: Path, host_mounts):
     """Canaries the solution must not touch: a host file, our mount table, our processes."""
     canary = tmp_path / "canary"
     canary.write_text("untouched")
-    before = (open("/proc/self/mountinfo").read(), canary.read_text())
-    yield lambda: (open("/proc/self/mountinfo").read(), canary.read_text()) == before
+    before = (host_mounts(), canary.read_text())
+    yield lambda: (host_mounts(), canary.read_text()) == before
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
-def test_attack_is_not_rewarded(hostile_sandbox, name, host_state, leftovers):
-    result = hostile_sandbox.submit(_attack(ATTACKS[name])).result()
+def test_attack_is_not_rewarded(hostile_sandboxes, name, host_state, leftovers):
+    result = hostile_sandboxes.submit(_attack(ATTACKS[name])).result()
     assert not result.passed, (name, result)
     assert result.status in ("failed", "hack", "timeout"), result
     assert host_state()
     assert leftovers() == []
 
 
-def test_an_honest_solution_passes_through_the_same_harness(hostile_sandbox):
+def test_an_honest_solution_passes_through_the_same_harness(hostile_sandboxes):
     honest = _attack("    return True")
-    assert hostile_sandbox.submit(honest).result().status == "passed"
+    assert hostile_sandboxes.submit(honest).result().status == "passed"
 
 
-def test_the_solution_is_confined_as_documented(bwrap_sandbox):
+def test_the_solution_is_confined_as_documented(sandboxes):
     probe = """
 def f(_):
     st = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)
@@ -227,7 +228,7 @@ def f(_):
 import os
 """
     req = RunRequest(probe, "f", (TestCase("probe", "assert candidate(0) == ['see message']"),))
-    message = bwrap_sandbox.submit(req).result().message
+    message = sandboxes.submit(req).result().message
     got = eval(message.split("got ", 1)[1].rsplit(", compared with", 1)[0])
     pid, ppid, uid, gid, caps, nnp, seccomp, pids = got
     if os.geteuid() == 0:  # a uid of its own keeps the grader out of reach

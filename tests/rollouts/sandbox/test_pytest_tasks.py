@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -38,10 +39,15 @@ def _grade(sandbox, task, edits):
     return sandbox.submit(task.request(json.dumps(edits))).result()
 
 
-def test_fixed_repository_passes_and_broken_one_fails(bwrap_sandbox, repo_task):
-    good = _grade(bwrap_sandbox, repo_task, FIXED)
+@pytest.mark.parametrize("grading", ["isolated", "in-process"])
+def test_fixed_repository_passes_and_broken_one_fails(sandboxes, repo_task, grading):
+    def grade(edits):
+        request = dataclasses.replace(repo_task.request(json.dumps(edits)), grading=grading)
+        return sandboxes.submit(request).result()
+
+    good = grade(FIXED)
     assert (good.status, good.tests_passed, good.tests_total) == ("passed", 4, 4)
-    bad = _grade(bwrap_sandbox, repo_task, {})
+    bad = grade({})
     assert (bad.status, bad.tests_passed) == ("failed", 2)
     assert bad.message.startswith("tests/test_lib.py::test_add (call) failed")
 
@@ -81,8 +87,8 @@ def test_fixed_repository_passes_and_broken_one_fails(bwrap_sandbox, repo_task):
         ),
     ],
 )
-def test_tampering_is_a_hack(bwrap_sandbox, repo_task, edits, reason, leftovers):
-    result = _grade(bwrap_sandbox, repo_task, edits)
+def test_tampering_is_a_hack(sandboxes_docker_slow, repo_task, edits, reason, leftovers):
+    result = _grade(sandboxes_docker_slow, repo_task, edits)
     assert result.status == "hack" and reason in result.message, result
     assert leftovers() == []
 
@@ -109,14 +115,14 @@ SHADOWED = ("pytest_verdict", "argparse", "inspect", "pathlib", "tempfile", "uni
 
 
 @pytest.mark.parametrize("module", SHADOWED)
-def test_root_modules_shadow_nothing(bwrap_sandbox, repo_task, module, leftovers):
+def test_root_modules_shadow_nothing(sandboxes_docker_slow, repo_task, module, leftovers):
     """Each would forge a frame and exit if imported; the broken lib.py must simply fail."""
-    result = _grade(bwrap_sandbox, repo_task, {f"{module}.py": FORGE})
+    result = _grade(sandboxes_docker_slow, repo_task, {f"{module}.py": FORGE})
     assert (result.status, result.tests_passed) == ("failed", 2), result
     assert leftovers() == []
 
 
-def test_repository_config_files_do_not_configure_the_run(bwrap_sandbox, tmp_path_factory):
+def test_repository_config_files_do_not_configure_the_run(sandboxes_docker_slow, tmp_path_factory):
     """A pristine setup.cfg / tox.ini / pyproject.toml asking for `-p evil` or deselecting the
     failing test is ignored: the harness's own ini file is the only configuration."""
     root = tmp_path_factory.mktemp("configured")
@@ -126,7 +132,7 @@ def test_repository_config_files_do_not_configure_the_run(bwrap_sandbox, tmp_pat
     (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-k test_identity"\n')
     (root / "tox.ini").write_text("[pytest]\naddopts = -p evil\n")
     task = load_repo_task(root, ["python", "-m", "pytest", "tests"], task_id="configured")
-    result = _grade(bwrap_sandbox, task, {})
+    result = _grade(sandboxes_docker_slow, task, {})
     assert (result.status, result.tests_passed, result.tests_total) == ("failed", 2, 4), result
 
 
@@ -166,10 +172,12 @@ PYTEST_ATTACKS = {
 }
 
 
+@pytest.mark.parametrize("backend", ["bwrap", pytest.param("docker", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(PYTEST_ATTACKS))
-def test_pytest_is_out_of_the_solutions_reach(request, repo_task, name, leftovers):
+def test_pytest_is_out_of_the_solutions_reach(request, repo_task, name, backend, leftovers):
     # sleep_forever can only end at the wall limit: the 2 s of the hostile limits, not 10 s.
-    sandbox = request.getfixturevalue("hostile_sandbox" if name == "sleep_forever" else "bwrap_sandbox")
+    hostile = {"bwrap": "hostile_sandbox", "docker": "docker_hostile_sandbox"}[backend]
+    sandbox = request.getfixturevalue(hostile if name == "sleep_forever" else f"{backend}_sandbox")
     result = _grade(sandbox, repo_task, {"lib.py": PYTEST_ATTACKS[name]})
     assert result.status != "passed" and result.tests_passed < 4, (name, result)
     if name == "sleep_forever":
@@ -256,19 +264,19 @@ class Point:
 """
 
 
-def test_isolated_grading_carries_classes_exceptions_and_iteration(bwrap_sandbox, tmp_path):
+def test_isolated_grading_carries_classes_exceptions_and_iteration(sandboxes_docker_slow, tmp_path):
     for rel, text in {**CLASSES, "shapes/core.py": SHAPES.replace("return w * h", "return 0")}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     task = load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], task_id="shapes")
-    good = _grade(bwrap_sandbox, task, {"shapes/core.py": SHAPES})
+    good = _grade(sandboxes_docker_slow, task, {"shapes/core.py": SHAPES})
     assert (good.status, good.tests_passed) == ("passed", 2), good
-    bad = _grade(bwrap_sandbox, task, {})
+    bad = _grade(sandboxes_docker_slow, task, {})
     assert (bad.status, bad.tests_passed) == ("failed", 1), bad
     assert "test_functions_and_constants" in bad.message
 
 
-def test_an_api_that_cannot_cross_falls_back_to_in_process(bwrap_sandbox, tmp_path):
+def test_an_api_that_cannot_cross_falls_back_to_in_process(sandboxes_docker_slow, tmp_path):
     """isinstance against a class of the solution's needs the real class: the reference fails
     isolated, passes in-process, and the task says so; a plain-data API stays isolated."""
     from rollouts.producer import Rollout, rollout_stats
@@ -280,14 +288,14 @@ def test_an_api_that_cannot_cross_falls_back_to_in_process(bwrap_sandbox, tmp_pa
         "from geo import Box, make\n\ndef test_make():\n    assert isinstance(make(), Box)\n")
     task = load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], task_id="geo")
     reference = json.dumps({"geo.py": "class Box:\n    pass\n\ndef make():\n    return Box()\n"})
-    assert choose_grading(task, reference, bwrap_sandbox) == "in-process"
+    assert choose_grading(task, reference, sandboxes_docker_slow) == "in-process"
     fallback = load_repo_task(tmp_path, ["python", "-m", "pytest", "tests"], task_id="geo",
                               grading="in-process")
     assert fallback.grading == "in-process" and fallback.request(reference).grading == "in-process"
-    assert _grade(bwrap_sandbox, fallback, json.loads(reference)).status == "passed"
+    assert _grade(sandboxes_docker_slow, fallback, json.loads(reference)).status == "passed"
     assert choose_grading(task.__class__(**{**task.__dict__, "files": {
         **task.files, "tests/test_geo.py": "from geo import make\n\ndef test_make():\n    assert make() is not None\n"}}),
-        reference, bwrap_sandbox) == "isolated"
+        reference, sandboxes_docker_slow) == "isolated"
     rows = [Rollout("geo", [], [], [], [], "", 1.0, "passed", "stop", 0, grading=g)
             for g in ("isolated", "in-process", "in-process", "isolated")]
     assert rollout_stats(rows, 1.0, 1.0)["reward/in_process_fraction"] == 0.5
@@ -296,26 +304,26 @@ def test_an_api_that_cannot_cross_falls_back_to_in_process(bwrap_sandbox, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["rewrite_tests_at_import", "symlink_tests_away"])
-def test_in_process_grading_keeps_the_tests_out_of_reach(bwrap_sandbox, repo_task, name):
+def test_in_process_grading_keeps_the_tests_out_of_reach(sandboxes_docker_slow, repo_task, name):
     """pytest beside the solution: the tests stay the grader's (read-only to the solution's
     uid as root) and are compared with the pristine ones after the run."""
     import dataclasses
 
     request = dataclasses.replace(repo_task.request(json.dumps({"lib.py": PYTEST_ATTACKS[name]})),
                                   grading="in-process")
-    result = bwrap_sandbox.submit(request).result()
+    result = sandboxes_docker_slow.submit(request).result()
     assert result.status != "passed" and result.tests_passed < 4, result
 
 
-def test_in_process_grading_still_passes_honest_work(bwrap_sandbox, repo_task):
+def test_in_process_grading_still_passes_honest_work(sandboxes_docker_slow, repo_task):
     import dataclasses
 
     request = dataclasses.replace(repo_task.request(json.dumps(FIXED)), grading="in-process")
-    result = bwrap_sandbox.submit(request).result()
+    result = sandboxes_docker_slow.submit(request).result()
     assert (result.status, result.tests_passed) == ("passed", 4), result
 
 
-def test_in_process_tests_cannot_be_rewritten_before_they_are_collected(bwrap_sandbox, tmp_path):
+def test_in_process_tests_cannot_be_rewritten_before_they_are_collected(sandboxes_docker_slow, tmp_path):
     """The solution's module, imported while an earlier test file is collected, rewrites a
     later one with the same test names and empty bodies. Were that to work, the broken `add`
     would pass; the tests are read-only to it (root) or re-checked after the run (hack)."""
@@ -330,8 +338,8 @@ def test_in_process_tests_cannot_be_rewritten_before_they_are_collected(bwrap_sa
     attack = ("try:\n    open('tests/test_b.py', 'w').write('def test_b():\\n    pass\\n')\n"
               "except OSError:\n    pass\ndef add(a, b):\n    return a - b\n")
     request = dataclasses.replace(task.request(json.dumps({"lib.py": attack})), grading="in-process")
-    result = bwrap_sandbox.submit(request).result()
+    result = sandboxes_docker_slow.submit(request).result()
     assert result.status in ("failed", "hack") and result.tests_passed < 2, result
     fixed = dataclasses.replace(task.request(json.dumps({"lib.py": "def add(a, b):\n    return a + b\n"})),
                                 grading="in-process")
-    assert bwrap_sandbox.submit(fixed).result().status == "passed"
+    assert sandboxes_docker_slow.submit(fixed).result().status == "passed"

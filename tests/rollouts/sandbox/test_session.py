@@ -1,4 +1,5 @@
-"""Persistent sessions: files persist between commands, which run isolated and limited."""
+"""Persistent sessions: files persist between commands, which run isolated and limited, on bwrap
+and docker alike."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from rollouts.sandbox import Limits, SandboxUnavailable
 from rollouts.sandbox.session import Session, SessionError, docker_argv, pytest_outcomes
 
+BACKENDS = ("bwrap", "docker")
 REPO = {
     "pkg/__init__.py": "",
     "pkg/a.py": "def f():\n    return 1\n",
@@ -18,14 +20,19 @@ REPO = {
 }
 
 
-@pytest.fixture(params=["bwrap", "docker"])
+def _session(request: pytest.FixtureRequest, backend: str, **options) -> Session:
+    """A session on `backend`; docker's on the private engine, with the host-made image."""
+    image = request.getfixturevalue("docker_image") if backend == "docker" else None
+    try:
+        return Session(REPO, backend=backend, image=image, **options)
+    except SandboxUnavailable as e:
+        pytest.skip(f"{backend}: {e}")
+
+
+@pytest.fixture(params=BACKENDS)
 def session(request):
     limits = Limits(wall_s=5, cpu_s=5, output_bytes=4096, tmpfs_mb=8)
-    try:
-        s = Session(REPO, backend=request.param, limits=limits)
-    except SandboxUnavailable as e:
-        pytest.skip(f"{request.param}: {e}")
-    with s:
+    with _session(request, request.param, limits=limits) as s:
         yield s
 
 
@@ -60,10 +67,12 @@ def test_commands_are_isolated_limited_and_capped(session):
     assert big.over_quota
 
 
-def test_nothing_outlives_a_command(session):
+def test_nothing_outlives_a_command(session, leftovers):
     session.exec("(sleep 60 &) ; echo started")
     if session.cgroup is not None:
         assert session.cgroup.pids() == []
+    assert session.exec("sleep 30", timeout_s=0.5).timed_out
+    assert leftovers() == []  # docker: no container either, the timed-out one included
 
 
 def test_paths_cannot_escape_the_work_dir(session):
@@ -146,12 +155,14 @@ SESSION_ATTACKS = {
 }
 
 
+# A container per command makes docker's 11 runs (3 commands each) slow: ~20 s.
+@pytest.mark.parametrize("backend", ["bwrap", pytest.param("docker", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(SESSION_ATTACKS))
-def test_session_commands_hold_no_privilege(tmp_path, name):
+def test_session_commands_hold_no_privilege(request, tmp_path, name, backend):
     tool = tmp_path / "tool"
     tool.write_text("#!/bin/sh\necho tool\n")
     tool.chmod(0o755)
-    with Session(REPO, backend="bwrap", tools={"tool": str(tool)}) as s:
+    with _session(request, backend, tools={"tool": str(tool)}) as s:
         result = s.exec(SESSION_ATTACKS[name])
         assert result.exit_code != 0, (name, result.output)
         assert s.exec("tool").output.strip() == "tool"  # the bound tool still runs
