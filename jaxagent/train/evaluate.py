@@ -7,6 +7,7 @@ from contextlib import closing
 from pathlib import Path
 
 from flax import nnx
+from rich.progress import Progress
 
 from jaxagent.checkpoint import CheckpointError, Checkpointer
 from jaxagent.config import Config, load_config
@@ -54,14 +55,15 @@ def solved(traj: Trajectory) -> bool:
 
 
 def evaluate_agent(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task],
-                   *, samples: int, ks, temperature: float,
-                   seed: int) -> tuple[dict, list[Trajectory]]:
+                   *, samples: int, ks, temperature: float, seed: int,
+                   progress: Progress | None = None) -> tuple[dict, list[Trajectory]]:
     """({"eval/pass@k": ..., "eval/agent/...": ...}, trajectories): `samples` episodes per
     task as `cfg.agent` configures them (budgets, tools, call format), `agent.episodes` in
     flight. pass@k is the unbiased estimator over each task's episodes (`solved`); the
     agent/... metrics are `agent_metrics` over all episodes (turns, calls per tool, bad calls,
     truncation, test-edit attempts, the share of solved episodes that ran the tests before
-    finishing), with the tool mix as shares of all calls."""
+    finishing), with the tool mix as shares of all calls. `progress`: a bar that advances as
+    episodes end."""
     episodes = [t for t in tasks for _ in range(samples)]
     if not episodes:
         return {}, []
@@ -70,11 +72,15 @@ def evaluate_agent(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, tas
     cont = continuation(sampler, len(envs), max_new_tokens=cfg.agent.max_action_tokens,
                         temperature=temperature, top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p,
                         stop_token_ids=tokenizer.stop_ids, seed=seed)
+    bar = progress.add_task("eval", total=len(episodes), info="") if progress else None
     try:
-        trajs = run_episodes(cont, envs, episodes)
+        trajs = run_episodes(cont, envs, episodes, on_done=None if bar is None else (
+            lambda _: progress.update(bar, advance=1)))
     finally:
         for env in envs:
             env.close()
+        if bar is not None:
+            progress.remove_task(bar)
     scores = mean_pass_at_k([(t.task_id, solved(t)) for t in trajs],
                             [k for k in ks if k <= samples])
     out = {f"eval/pass@{k}": v for k, v in scores.items()}
@@ -87,11 +93,11 @@ def evaluate_agent(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, tas
 
 
 def agent_held_out(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer,
-                   tasks: list[Task]) -> dict:
+                   tasks: list[Task], progress: Progress | None = None) -> dict:
     """`evaluate_agent`'s scores as `cfg.eval` sets it (an agent training run's evaluation)."""
     scores, _ = evaluate_agent(cfg, sampler, tokenizer, scorer, tasks, samples=cfg.eval.samples,
                                ks=cfg.eval.k, temperature=cfg.eval.temperature,
-                               seed=cfg.seed + 7)
+                               seed=cfg.seed + 7, progress=progress)
     return scores
 
 

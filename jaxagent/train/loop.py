@@ -279,10 +279,10 @@ class HeldOutEval:
 
     def __call__(self, step: int, params) -> None:
         self.sampler.update_weights(self.layout.sampler_params(params))
-        # agent runs play episodes on their held-out repository tasks
-        evaluate = agent_held_out if self.cfg.agent.enabled else held_out_pass_at_k
-        self.log.evaluation(step, evaluate(self.cfg, self.sampler, self.tokenizer, self.scorer,
-                                           self.tasks))
+        args = (self.cfg, self.sampler, self.tokenizer, self.scorer, self.tasks)
+        # agent runs play episodes on their held-out repository tasks (minutes: a progress bar)
+        self.log.evaluation(step, agent_held_out(*args, progress=self.log.progress)
+                            if self.cfg.agent.enabled else held_out_pass_at_k(*args))
 
 
 @dataclasses.dataclass

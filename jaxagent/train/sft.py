@@ -40,7 +40,7 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
     completions, or document-retrieval examples (then the metrics hold the held-out answer
     accuracy before and after). `chunk`: tokens per LM-head chunk (`logits_chunk`)."""
     s = cfg.sft
-    draw, eval_batch = _sft_data(cfg, tokenizer, tasks)
+    draw, eval_batch = _sft_data(cfg, tokenizer, tasks, progress)
     tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
                         s.steps)
     opt_state = layout.place(tx.init(params))
@@ -66,13 +66,13 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
     return params, {k: float(v) for k, v in {**metrics, **accuracy}.items()}
 
 
-def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
+def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
     """(draw(rng) -> a packed batch of `sft.batch_size` rows, held-out batch or None)."""
     s = cfg.sft
     encode = functools.partial(tokenizer.encode, add_bos=False)
     stop = list(tokenizer.stop_ids[:1])
     if s.data == "agent":
-        demos = _agent_demonstrations(cfg, tokenizer, tasks)
+        demos = _agent_demonstrations(cfg, tokenizer, tasks, progress)
         # One padded length for every draw (the longest demonstration): one compiled step.
         length = max(len(t.tokens) for t in demos) - 1
 
@@ -109,7 +109,7 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task]):
     return draw, None
 
 
-def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task]):
+def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=None):
     """One scripted, graded episode per task through the configured environment (turn budget
     raised to fit the script), `rewards.workers` at a time; a demonstration that fails or is
     cut is a config error."""
@@ -130,8 +130,11 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task]):
             if not traj.info.get("passed"):
                 raise ConfigError(f"sft.data: the agent demonstration of {task.id} did not pass "
                                   f"(status {traj.info.get('status')!r})")
+            if progress:
+                progress.update(bar, advance=1)
             return traj
 
+        bar = progress.add_task("demos", total=len(tasks), info="") if progress else None
         with ThreadPoolExecutor(max(1, cfg.rewards.workers)) as pool:
             return list(pool.map(play, tasks, scripts))
 

@@ -5,7 +5,7 @@ slot is refilled from the task queue at once so the batch stays full."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from rollouts.environment import Environment, Trajectory, safe_step
@@ -13,13 +13,14 @@ from rollouts.sampler import Continuation, ThreadedContinuation
 
 
 def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Environment],
-                 tasks: Iterable, version: int = 0,
-                 timing: dict[str, float] | None = None) -> list[Trajectory]:
+                 tasks: Iterable, version: int = 0, timing: dict[str, float] | None = None,
+                 on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Play every task to the end with `len(envs)` episodes in flight; trajectories in the
     order of `tasks`. An episode whose environment step raises ends there with status
     `infra_error` (no reward to learn from) instead of failing the others. `timing`, if
     given, gets `tools_s` added: the wall time spent in environments (resets, tool calls,
-    grading) rather than sampling."""
+    grading) rather than sampling. `on_done(trajectory)` is called as each episode ends (a
+    progress bar)."""
     tools_s = 0.0
     if len(envs) > cont.slots:
         raise ValueError(f"{len(envs)} environments but the continuation has {cont.slots} slots")
@@ -53,6 +54,8 @@ def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Envir
                 traj.record(result)
                 if result.done:
                     finished[index] = traj
+                    if on_done is not None:
+                        on_done(traj)
                     del live[slot]
                     cont.release(slot)
                     fill(slot)
