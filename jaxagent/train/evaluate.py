@@ -12,7 +12,9 @@ from jaxagent.checkpoint import CheckpointError, Checkpointer
 from jaxagent.config import Config, load_config
 from jaxagent.errors import UserError
 from jaxagent.eval import mean_pass_at_k
+from jaxagent.models.adapters import split_trainable
 from jaxagent.optim import make_optimizer
+from jaxagent.steps import merged_model
 from jaxagent.train.build import (load_agent_splits, load_model_and_tokenizer, load_task_splits,
                                   make_sampler, make_scorer, tool_env_factory)
 from rollouts.agent.metrics import agent_metrics
@@ -111,7 +113,8 @@ def load_policy(cfg: Config, checkpoint: str | None):
     if path is not None and (path / "checkpoints").is_dir():
         run_cfg = load_config(path / "config.yaml")
         model, tokenizer = load_model_and_tokenizer(run_cfg)
-        graphdef, params = nnx.split(model)
+        graphdef, weights = nnx.split(model)
+        params, frozen = split_trainable(weights)  # with LoRA the run saved its adapters
         tx = make_optimizer(run_cfg.optim, run_cfg.train.steps)
         like = {"params": params, "opt_state": tx.init(params),
                 **({"ref_params": params} if run_cfg.rl.kl_coef else {})}  # as the run saved
@@ -120,7 +123,7 @@ def load_policy(cfg: Config, checkpoint: str | None):
         if resumed is None:
             raise CheckpointError(f"{path / 'checkpoints'}: no complete checkpoint")
         state = resumed[1]
-        return nnx.merge(graphdef, state["params"]), tokenizer, run_cfg
+        return merged_model(graphdef, state["params"], frozen), tokenizer, run_cfg
     model, tokenizer = load_model_and_tokenizer(cfg, checkpoint)
     return model, tokenizer, cfg
 

@@ -1,0 +1,90 @@
+"""Training with LoRA: only the adapters train (the optimizer state holds them alone), the base
+is untouched, the KL reference is the base under the reference adapters, and the sampler gets
+the adapters merged into its own copy (or runs them unmerged) with the trainer's logits."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxagent.config import OptimizerConfig
+from jaxagent.models import init_model
+from jaxagent.models.adapters import split_trainable
+from jaxagent.models.config import LoraConfig, ModelConfig
+from jaxagent.optim import make_optimizer
+from jaxagent.steps import LossOptions, merged_model, pack, rl_step, sft_step
+from jaxagent.train.sync import SamplerWeights
+from sharding.config import MeshConfig
+from sharding.layout import Layout
+
+LORA = LoraConfig(rank=3, alpha=6.0, targets=("*_proj", "embed_tokens"))
+CFG = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2,
+                  num_heads=3, num_kv_heads=1, head_dim=8, tie_embeddings=False, lora=LORA)
+
+
+def rollouts(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 61, rng.integers(3, 9)).tolist() for _ in range(n)]
+    completions = [rng.integers(0, 61, rng.integers(1, 7)).tolist() for _ in range(n)]
+    logprobs = [(-rng.random(len(c))).tolist() for c in completions]
+    return pack(prompts, completions, logprobs, rng.normal(size=n), bucket=8)
+
+
+def setup(cfg=CFG):
+    graphdef, weights = nnx.split(init_model(cfg, seed=0))
+    params, frozen = split_trainable(weights)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2, max_grad_norm=0.0), 10)
+    return graphdef, params, frozen, tx
+
+
+def copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def test_only_the_adapters_train():
+    graphdef, params, frozen, tx = setup()
+    base = copy(frozen)
+    opt_state = tx.init(params)
+    sizes = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+    assert sizes(opt_state) == 2 * sizes(params) + 2  # Adam: moments of the adapters, 2 counts
+    assert sizes(params) < sizes(frozen) / 4
+    before = copy(params)
+    for _ in range(2):
+        params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, rollouts(), 0, 0,
+                                              frozen)
+    assert all(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(params),
+                                                        jax.tree.leaves(before)))
+    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_kl_reference_is_the_base_under_the_reference_adapters():
+    graphdef, params, frozen, tx = setup()
+    ref = copy(params)  # B = 0: the reference is the base model itself
+    options = LossOptions(kl_coef=0.5, entropy_coef=0.05)
+    opt_state = tx.init(params)
+    kls = []
+    for _ in range(3):
+        params, opt_state, metrics = rl_step(graphdef, tx, params, opt_state, rollouts(), ref,
+                                             None, frozen, options=options)
+        kls.append(float(metrics["train/kl"]))
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 1e-6  # moves off the base
+
+
+@pytest.mark.parametrize("mode", ["merged", "unmerged"])
+def test_sampler_weights_give_the_trainers_logits(mode):
+    cfg = dataclasses.replace(CFG, lora=dataclasses.replace(LORA, sampler=mode))
+    graphdef, params, frozen, _ = setup(cfg)
+    params = jax.tree.map(lambda x: x + 0.1, params)  # nonzero B
+    layout = Layout(MeshConfig())
+    to_sampler = SamplerWeights.create(cfg, layout, graphdef, frozen)
+    store = to_sampler.store(params, None)
+    store.publish(1, to_sampler.sent(params))
+    sampler_model = nnx.merge(to_sampler.graphdef, store.take(1))
+    assert (sampler_model.config.lora.rank == 0) == (mode == "merged")
+    tokens = rollouts().tokens
+    np.testing.assert_allclose(sampler_model(tokens), merged_model(graphdef, params, frozen)(tokens),
+                               atol=2e-5)
