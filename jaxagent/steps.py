@@ -245,7 +245,11 @@ def feedback_term(model, feedback: FeedbackBatch, beta: float,
 def merged_model(graphdef, params, frozen=None):
     """The model of the trained `params` and, with LoRA, the `frozen` base weights they adapt
     (every step takes both: gradients and optimizer state are the trained params' alone)."""
-    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+    states = [params] if frozen is None else [params, frozen]
+    # Fresh Variables at the caller's trace level (rebuilt pytrees): nnx.remat refuses to update
+    # Variables made at an outer one, as the KL reference's and LoRA's base are (closed over
+    # by the gradient's trace).
+    return nnx.merge(graphdef, *(jax.tree.map(lambda x: x, s) for s in states))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "logits_chunk"))

@@ -75,7 +75,10 @@ def without_adapters(model: Decoder) -> Decoder:
 
 
 def merged(model: Decoder) -> Decoder:
-    """A decoder without adapters whose weights are `model`'s with its adapters merged in."""
+    """A decoder without adapters whose weights are `model`'s with its adapters merged in
+    (`model` itself if it has none)."""
+    if not model.config.lora.rank:
+        return model
     _, factors, base = split_adapters(model)
     return _plain(model, merge(base, factors, model.config.lora))
 

@@ -12,11 +12,12 @@ from jaxagent.checkpoint import CheckpointError, Checkpointer
 from jaxagent.config import Config, load_config
 from jaxagent.errors import UserError
 from jaxagent.eval import mean_pass_at_k
-from jaxagent.models.adapters import split_trainable
+from jaxagent.models.adapters import merged, save_policy, split_trainable
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import merged_model
-from jaxagent.train.build import (load_agent_splits, load_model_and_tokenizer, load_task_splits,
-                                  make_sampler, make_scorer, tool_env_factory)
+from jaxagent.tokenizer import HFTokenizer
+from jaxagent.train.build import (base_checkpoint, load_agent_splits, load_model_and_tokenizer,
+                                  load_task_splits, make_sampler, make_scorer, tool_env_factory)
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
 from rollouts.environment import Trajectory
@@ -126,6 +127,19 @@ def load_policy(cfg: Config, checkpoint: str | None):
         return merged_model(graphdef, state["params"], frozen), tokenizer, run_cfg
     model, tokenizer = load_model_and_tokenizer(cfg, checkpoint)
     return model, tokenizer, cfg
+
+
+def run_export(cfg: Config, checkpoint: str, out: str | Path, *, merge: bool = False) -> Path:
+    """`jaxagent export`: the policy at `checkpoint` (see `load_policy`) as an HF checkpoint;
+    with adapters as a PEFT directory over the base it was trained on, or with `merge` as a
+    full HF checkpoint with the adapters merged in."""
+    model, tokenizer, run_cfg = load_policy(cfg, checkpoint)
+    is_run = (Path(checkpoint) / "checkpoints").is_dir()
+    base = base_checkpoint(run_cfg.init_from if is_run else checkpoint)
+    out = save_policy(merged(model) if merge else model, out, base)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(out)
+    return out
 
 
 def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = None,

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxagent.config import OptimizerConfig
-from jaxagent.models import init_model
-from jaxagent.models.adapters import split_trainable
+from jaxagent.config import OptimizerConfig, load_config
+from jaxagent.models import from_pretrained, init_model
+from jaxagent.models.adapters import read_adapter_config, split_trainable, without_adapters
 from jaxagent.models.config import LoraConfig, ModelConfig
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import LossOptions, merged_model, pack, rl_step, sft_step
+from jaxagent.train.build import load_model_and_tokenizer
 from jaxagent.train.sync import SamplerWeights
 from sharding.config import MeshConfig
 from sharding.layout import Layout
@@ -74,6 +75,16 @@ def test_kl_reference_is_the_base_under_the_reference_adapters():
     assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 1e-6  # moves off the base
 
 
+def test_remat_over_a_frozen_base_and_reference_adapters():
+    batch, options, norms = rollouts(), LossOptions(kl_coef=0.5), []
+    for remat in ("none", "dots"):
+        graphdef, params, frozen, tx = setup(dataclasses.replace(CFG, remat=remat))
+        _, _, m = rl_step(graphdef, tx, copy(params), tx.init(params), batch, copy(params), None,
+                          frozen, options=options)
+        norms.append(m["train/grad_norm"])
+    np.testing.assert_allclose(norms[1], norms[0], rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["merged", "unmerged"])
 def test_sampler_weights_give_the_trainers_logits(mode):
     cfg = dataclasses.replace(CFG, lora=dataclasses.replace(LORA, sampler=mode))
@@ -88,3 +99,24 @@ def test_sampler_weights_give_the_trainers_logits(mode):
     tokens = rollouts().tokens
     np.testing.assert_allclose(sampler_model(tokens), merged_model(graphdef, params, frozen)(tokens),
                                atol=2e-5)
+
+
+SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=48",
+         "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16", "sft.batch_size=8",
+         "tasks.num_train=50", "tasks.num_eval=3", "rewards.workers=1", "model.lora.rank=4"]
+
+
+def test_sft_writes_peft_files_and_export_merges_them(tmp_path):
+    from jaxagent.cli import main
+
+    assert main(["sft", *SMALL, "sft.steps=2", f"workdir={tmp_path}"]) == 0
+    sft = tmp_path / "sft"  # a PEFT directory over the random base, written beside
+    assert read_adapter_config(sft)[1] == str((sft / "base").absolute())
+    assert main(["export", "--checkpoint", str(sft), "--out", str(tmp_path / "merged"),
+                 "--merge", *SMALL]) == 0
+    adapted, _ = load_model_and_tokenizer(load_config(None, SMALL), str(sft))
+    full = from_pretrained(tmp_path / "merged", dtype="float32")
+    assert not full.config.lora.rank
+    tokens = rollouts().tokens
+    np.testing.assert_allclose(full(tokens), adapted(tokens), atol=2e-5)
+    assert np.abs(adapted(tokens) - without_adapters(adapted)(tokens)).max() > 1e-4  # trained
