@@ -21,7 +21,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxagent.models.config import LORA_TARGETS, LoraConfig
-from jaxagent.models.hf import CheckpointError, save_pretrained
+from jaxagent.models.hf import CheckpointError, read_json, save_pretrained
 from jaxagent.models.llama import Decoder
 from jaxagent.models.lora import LoraParam, merge
 
@@ -152,12 +152,7 @@ def is_adapter_dir(path: str | Path) -> bool:
 def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
     """(the adapters' LoraConfig, the base checkpoint it names or None) of a PEFT directory."""
     file = Path(path) / CONFIG_FILE
-    if not file.exists():
-        raise CheckpointError(f"{file}: not found (is {path} a PEFT adapter directory?)")
-    try:
-        hf = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: invalid JSON ({e})") from None
+    hf = read_json(file, "a PEFT adapter directory")
     if hf.get("peft_type") != "LORA":
         raise CheckpointError(f"{file}: peft_type {hf.get('peft_type')!r} is not supported (LORA)")
     for key, off in _UNSUPPORTED.items():

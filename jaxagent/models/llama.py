@@ -387,7 +387,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         v, d, pd = cfg.vocab_size, cfg.hidden_size, cfg.param_dtype
-        check_lora(cfg)
+        check_lora(cfg.lora, cfg.tie_embeddings)
         self.config = cfg
         self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd)
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])

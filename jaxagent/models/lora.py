@@ -40,9 +40,9 @@ def lora_targets(cfg: LoraConfig) -> frozenset[str]:
                      if any(fnmatch.fnmatchcase(name, p) for p in cfg.targets))
 
 
-def check_lora(cfg: ModelConfig) -> None:
-    """ConfigError naming the `model.lora` field a LoRA config gets wrong."""
-    lora = cfg.lora
+def check_lora(lora: LoraConfig, tied: bool = False) -> None:
+    """ConfigError naming the `model.lora` field a LoRA config gets wrong (`tied`: for a model
+    whose LM head is its embedding table)."""
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {lora.rank}")
     if not lora.rank:
@@ -54,7 +54,7 @@ def check_lora(cfg: ModelConfig) -> None:
     if unmatched or not lora.targets:
         raise ConfigError(f"model.lora.targets: {unmatched or 'empty'} match no module; "
                           f"known: {', '.join(LORA_TARGETS)}")
-    if "lm_head" in lora_targets(lora) and cfg.tie_embeddings:
+    if "lm_head" in lora_targets(lora) and tied:
         raise ConfigError("model.lora.targets: lm_head needs model.tie_embeddings: false (a tied "
                           "model's head is the embedding table; target embed_tokens)")
 

@@ -125,7 +125,8 @@ def validate(cfg: Config) -> Config:
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key}: {message}")
-    check_lora(cfg.model)
+    # an HF checkpoint's own ties count (checked when it loads), not the config's
+    check_lora(cfg.model.lora, cfg.init_from is None and cfg.model.tie_embeddings)
     agent_tools(cfg)
     return cfg
 

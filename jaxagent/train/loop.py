@@ -13,9 +13,10 @@ trainer publishes a copy of the weights to the sampler, which switches between b
 
 Resuming: running the same command again restores the newest checkpoint in
 `workdir/checkpoints/` (params, optimizer, data-iterator state, step, and the scored batches
-the next k steps will train; with LoRA the params are the adapters, the base is loaded again) and trains each remaining step exactly once. Sampling seeds derive
-from (seed, step) and each batch's weights version from its step, so a resumed run reproduces
-an uninterrupted one.
+the next k steps will train; with LoRA the params are the adapters and the base is loaded
+again) and trains each remaining step exactly once. Sampling seeds derive from (seed, step)
+and each batch's weights version from its step, so a resumed run reproduces an uninterrupted
+one.
 """
 
 from __future__ import annotations

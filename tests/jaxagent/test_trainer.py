@@ -93,6 +93,10 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     (["agent.enabled=true", "rl.overlong_buffer=4"], "rl.overlong_buffer: is for single completions"),
     (["rl.algorithm=dapo", "rl.drop_zero_variance_groups=false", "rl.refill_draws=2"],
      "rl.refill_draws: needs dynamic sampling"),
+    (["model.lora.rank=4", "model.lora.targets=[q_proj, wq]"],
+     "model.lora.targets: ['wq'] match no module"),
+    (["model.lora.rank=4", "model.lora.targets=[lm_head]"],
+     "model.lora.targets: lm_head needs model.tie_embeddings: false"),
 ])
 def test_semantic_config_errors_fail_before_compute(tmp_path, overrides, message):
     from jaxagent.train.loop import train
