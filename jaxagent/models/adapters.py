@@ -20,21 +20,20 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxagent.models.config import LORA_TARGETS, LoraConfig
+from jaxagent.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 from jaxagent.models.hf import CheckpointError, read_json, save_pretrained
 from jaxagent.models.llama import Decoder
 from jaxagent.models.lora import LoraParam, merge
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
-_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _abstract(cfg) -> Decoder:
+def _abstract(cfg: ModelConfig) -> Decoder:
     return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
 
 
-def init_adapters(cfg, seed: int) -> nnx.State:
+def init_adapters(cfg: ModelConfig, seed: int) -> nnx.State:
     """Fresh adapter factors for a decoder of `cfg` (one program: the base weights it would
     draw are dead code, never computed)."""
     init = nnx.jit(lambda key: nnx.state(Decoder(cfg, rngs=nnx.Rngs(params=key)), LoraParam))
@@ -60,7 +59,7 @@ def with_adapters(model: Decoder, lora: LoraConfig, factors: nnx.State) -> Decod
     return nnx.merge(nnx.graphdef(_abstract(cfg)), base, factors)
 
 
-def base_graphdef(cfg) -> nnx.GraphDef:
+def base_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
     """The graph of a decoder of `cfg` without adapters."""
     return nnx.graphdef(_abstract(dataclasses.replace(cfg, lora=LoraConfig())))
 
@@ -160,7 +159,7 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
             raise CheckpointError(f"{file}: {key}={hf[key]!r} is not supported")
     targets = hf.get("target_modules")
     if targets == "all-linear":
-        targets = _ALL_LINEAR
+        targets = LoraConfig.targets  # every projection, the head not
     if isinstance(targets, str) or not targets or set(targets) - set(LORA_TARGETS):
         raise CheckpointError(f"{file}: target_modules {targets!r} is not supported (a list of "
                               f"{', '.join(LORA_TARGETS)}, or all-linear)")

@@ -96,6 +96,10 @@ FAMILIES = {
     "qwen2": ("Qwen2", dict(tie_word_embeddings=True),
               dict(targets=("q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"))),
     "qwen3": ("Qwen3", dict(tie_word_embeddings=False), dict(targets=("*_proj",), rslora=True)),
+    # attention only: peft maps gate/up/down_proj onto the fused experts too, which we do not
+    "qwen3_moe": ("Qwen3Moe", dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=11,
+                                   mlp_only_layers=[0], experts_implementation="eager"),
+                  dict(targets=("q_proj", "k_proj", "v_proj", "o_proj"))),
 }
 
 
