@@ -75,8 +75,8 @@ def step_memory(shape: str, rank: int, batch: int, seq: int) -> dict:
 
 def memory(args) -> None:
     gib = lambda b: f"{b / 2**30:8.3f}"  # noqa: E731
-    print(f"| shape | training | trainable GiB | grads GiB | AdamW GiB | frozen GiB | "
-          f"trainable state vs full | step peak GiB | step temp GiB |")
+    print("| shape | training | trainable GiB | grads GiB | AdamW GiB | frozen GiB | "
+          "trainable state vs full | step peak GiB | step temp GiB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for shape in args.shapes.split(","):
         full = None
@@ -135,7 +135,8 @@ def sampler(args) -> None:
     print("| weights | publish ms | decode tokens/s |")
     print("|---|---:|---:|")
     for name, (publish_s, decode_s) in best.items():
-        print(f"| {name} | {publish_s * 1e3:8.1f} | {args.batch * args.new_tokens / decode_s:10.0f} |")
+        tokens_per_s = args.batch * args.new_tokens / decode_s
+        print(f"| {name} | {publish_s * 1e3:8.1f} | {tokens_per_s:10.0f} |")
 
 
 def main() -> None:

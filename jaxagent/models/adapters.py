@@ -180,7 +180,8 @@ def load_adapter(model: Decoder, path: str | Path) -> Decoder:
         raise CheckpointError(f"{file}: not found")
     # peft also saves the embedding and head layers whole when it adapts them (in case their
     # vocabulary was resized): the base's own weights, not adapters.
-    tensors = {k: v for k, v in load_file(str(file)).items() if not k.endswith(".base_layer.weight")}
+    tensors = {k: v for k, v in load_file(str(file)).items()
+               if not k.endswith(".base_layer.weight")}
     cfg = dataclasses.replace(model.config, lora=lora)
     _, factors, _ = split_adapters(_abstract(cfg))
     flat = dict(nnx.to_flat_state(factors))

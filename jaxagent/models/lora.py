@@ -71,11 +71,14 @@ class Adapter(nnx.Module):
         r = cfg.rank
         in_shape, in_axes = zip(*ins)
         out_shape, out_axes = zip(*outs)
-        bound = 1 / math.sqrt(math.prod(in_shape))
-        a = jax.random.uniform(rngs.params(), (*in_shape, r), jnp.float32, -bound, bound)
-        b = jnp.zeros((r, *out_shape), jnp.float32)
-        if table:
-            a, b = jnp.zeros_like(a), jax.random.normal(rngs.params(), b.shape, jnp.float32)
+        a_shape, b_shape = (*in_shape, r), (r, *out_shape)
+        if table:  # a lookup: A zero, B normal (peft's choice)
+            a = jnp.zeros(a_shape, jnp.float32)
+            b = jax.random.normal(rngs.params(), b_shape, jnp.float32)
+        else:
+            bound = 1 / math.sqrt(math.prod(in_shape))
+            a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound)
+            b = jnp.zeros(b_shape, jnp.float32)
         self.a = LoraParam(a, logical_axes=(*in_axes, None))
         self.b = LoraParam(b, logical_axes=(None, *out_axes))
         self.scale = lora_scale(cfg)
