@@ -122,6 +122,14 @@ def _cmd_sft(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from jaxagent.train.evaluate import run_export
+
+    out = run_export(_load_config(args), args.checkpoint, args.out, merge=args.merge)
+    print(f"written to {out}")
+    return 0
+
+
 def _cmd_eval(args) -> int:
     import json
 
@@ -315,8 +323,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample a completion from a model",
                        description="Sample completions of a prompt (tiny default model "
                                    "without --model).")
-    p.add_argument("--model", help="HF checkpoint directory (config.json + *.safetensors), or a "
-                                    "training run's workdir (its newest checkpoint)")
+    p.add_argument("--model", help="HF checkpoint directory (config.json + *.safetensors), a "
+                                    "PEFT adapter directory, or a training run's workdir (its "
+                                    "newest checkpoint)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-new-tokens", type=int)
@@ -352,8 +361,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "agent.enabled, plays tool episodes and adds the eval/agent/... "
                                    "metrics (turns, tool mix, bad calls, truncation, test edits, "
                                    "solved episodes that ran the tests first).")
-    p.add_argument("--checkpoint", help="HF checkpoint dir or a run's workdir (its newest "
-                                        "checkpoint); default: the config's model")
+    p.add_argument("--checkpoint", help="HF checkpoint dir, PEFT adapter dir or a run's "
+                                        "workdir (its newest checkpoint); default: the config's "
+                                        "model")
     p.add_argument("--tasks", default=None, help="humaneval | synthetic[:N[:SEED]] | FILE.jsonl "
                                                  "| a directory of deletion tasks (agent configs)")
     p.add_argument("--k", default="1", help="comma-separated k values")
@@ -361,6 +371,18 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write per-sample results as JSONL here")
     _add_config_args(p)
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("export", help="write a policy as files other programs load",
+                       description="Write a run's newest checkpoint (or an HF / PEFT directory) "
+                                   "as an HF checkpoint; a LoRA policy as a PEFT adapter "
+                                   "directory, or with --merge as a full HF checkpoint with the "
+                                   "adapters merged in.")
+    p.add_argument("--checkpoint", required=True, help="a run's workdir, an HF checkpoint dir "
+                                                       "or a PEFT adapter dir")
+    p.add_argument("--out", required=True, help="the directory to write")
+    p.add_argument("--merge", action="store_true", help="merge adapters into the weights")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser(
         "check-solutions",

@@ -242,11 +242,22 @@ def feedback_term(model, feedback: FeedbackBatch, beta: float,
     return rl.feedback_loss(kl, f.mask, beta=beta)
 
 
+def merged_model(graphdef, params, frozen=None):
+    """The model of the trained `params` and, with LoRA, the `frozen` base weights they adapt
+    (every step takes both: gradients and optimizer state are the trained params' alone)."""
+    states = [params] if frozen is None else [params, frozen]
+    # Fresh Variables at the caller's trace level (rebuilt pytrees): nnx.remat refuses to update
+    # Variables made at an outer one, as the KL reference's and LoRA's base are (closed over
+    # by the gradient's trace).
+    return nnx.merge(graphdef, *(jax.tree.map(lambda x: x, s) for s in states))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "logits_chunk"))
-def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0) -> jax.Array:
+def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0,
+                    frozen=None) -> jax.Array:
     """Fraction of rows whose every loss-masked target is the greedy (argmax) prediction
     (the LM head in chunks of about `logits_chunk` tokens, as in `target_logprobs`)."""
-    model = nnx.merge(graphdef, params)
+    model = merged_model(graphdef, params, frozen)
     hidden, _ = target_hidden(model, batch)
     (miss,) = over_position_chunks(
         lambda h, targets: (jnp.argmax(model.logits(h), -1) != targets,),
@@ -370,12 +381,12 @@ def _apply(tx, params, opt_state, grads):
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "micro_batch", "logits_chunk"),
                    donate_argnames=("params", "opt_state"))
 def sft_step(graphdef, tx, params, opt_state, batch: TrainBatch, micro_batch: int = 0,
-             logits_chunk: int = 0):
+             logits_chunk: int = 0, frozen=None):
     total = jnp.maximum(batch.loss_mask.sum(), 1.0)
     num_micro = _num_micro(batch, micro_batch)
 
     def loss_fn(p, mb):
-        model = nnx.merge(graphdef, p)
+        model = merged_model(graphdef, p, frozen)
         logp, _, aux = target_logprobs(model, mb, logits_chunk)
         loss = -(logp * mb.loss_mask).sum() / total
         tokens = (mb.loss_mask > 0).sum()  # the mask may weight tokens (agent turns)
@@ -415,11 +426,11 @@ class LossOptions:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "micro_batch", "logits_chunk", "sampling"))
-def policy_logprobs(graphdef, params, batch: TrainBatch, *, micro_batch: int = 0,
+def policy_logprobs(graphdef, params, batch: TrainBatch, frozen=None, *, micro_batch: int = 0,
                     logits_chunk: int = 0, sampling=None) -> jax.Array:
     """The targets' log-probabilities [B, T] under `params` (no gradient), micro-batch by
     micro-batch: the proximal policy of several updates on one batch."""
-    model = nnx.merge(graphdef, params)
+    model = merged_model(graphdef, params, frozen)
     micro = _micro_batches(batch, micro_batch)
     logp = jax.lax.map(lambda mb: target_logprobs(model, mb, logits_chunk, sampling)[0], micro)
     return logp.reshape(batch.targets.shape)
@@ -433,8 +444,8 @@ def split_rows(batch: TrainBatch, parts: int) -> list[TrainBatch]:
 
 
 def ppo_update(graphdef, tx, params, opt_state, mini_batches: list[TrainBatch], ref_params=None,
-               feedback: FeedbackBatch | None = None, *, options: LossOptions, epochs: int = 1,
-               micro_batch: int = 0, logits_chunk: int = 0):
+               feedback: FeedbackBatch | None = None, frozen=None, *, options: LossOptions,
+               epochs: int = 1, micro_batch: int = 0, logits_chunk: int = 0):
     """`epochs` passes over `mini_batches`, one clipped update each, against the proximal
     log-probs taken once before the first (so from the second update on the ratio moves and
     the clip acts). The feedback term joins the first update only (its weight per batch stays
@@ -442,16 +453,17 @@ def ppo_update(graphdef, tx, params, opt_state, mini_batches: list[TrainBatch], 
     One epoch over one mini-batch is exactly `rl_step`."""
     if epochs == 1 and len(mini_batches) == 1:
         return rl_step(graphdef, tx, params, opt_state, mini_batches[0], ref_params, feedback,
-                       options=options, micro_batch=micro_batch, logits_chunk=logits_chunk)
+                       frozen, options=options, micro_batch=micro_batch,
+                       logits_chunk=logits_chunk)
     mini_batches = [dataclasses.replace(b, proximal_logprobs=policy_logprobs(
-        graphdef, params, b, micro_batch=micro_batch, logits_chunk=logits_chunk,
+        graphdef, params, b, frozen, micro_batch=micro_batch, logits_chunk=logits_chunk,
         sampling=options.sampling)) for b in mini_batches]
     history = []
     for epoch in range(epochs):
         for i, batch in enumerate(mini_batches):
             params, opt_state, metrics = rl_step(
                 graphdef, tx, params, opt_state, batch, ref_params,
-                feedback if epoch == i == 0 else None, options=options,
+                feedback if epoch == i == 0 else None, frozen, options=options,
                 micro_batch=micro_batch, logits_chunk=logits_chunk)
             history.append(metrics)
     keys = set().union(*history)
@@ -474,18 +486,19 @@ def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Arr
                    static_argnames=("graphdef", "tx", "options", "micro_batch", "logits_chunk"),
                    donate_argnames=("params", "opt_state"))
 def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
-            feedback: FeedbackBatch | None = None, *, options: LossOptions, micro_batch: int = 0,
-            logits_chunk: int = 0):
+            feedback: FeedbackBatch | None = None, frozen=None, *, options: LossOptions,
+            micro_batch: int = 0, logits_chunk: int = 0):
     """One update on a batch of scored rollouts (one policy epoch: the proximal policy is the
     current one, so the decoupled clipped ratio starts at 1 and only the sampler correction,
     behaviour -> proximal, is off 1; with stale rollouts that correction grows). With
-    `feedback`, `options.feedback_beta` times the targeted-feedback KL joins the loss."""
+    `feedback`, `options.feedback_beta` times the targeted-feedback KL joins the loss. With
+    LoRA, `params` and `ref_params` are adapters over the same `frozen` base weights."""
     o = options
     full_mask = batch.loss_mask
     num_micro = _num_micro(batch, micro_batch)
 
     def loss_fn(p, mb):
-        model = nnx.merge(graphdef, p)
+        model = merged_model(graphdef, p, frozen)
         logp, token_entropy, aux = target_logprobs(model, mb, logits_chunk, o.sampling)
         proximal = (jax.lax.stop_gradient(logp) if mb.proximal_logprobs is None
                     else mb.proximal_logprobs)
@@ -509,8 +522,8 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
                                           cap=o.importance_cap)
         metrics.update({f"train/behaviour_{k}": v for k, v in stats.items()})
         if o.kl_coef:
-            ref_logp, _, _ = target_logprobs(nnx.merge(graphdef, ref_params), mb, logits_chunk,
-                                             o.sampling)
+            ref_logp, _, _ = target_logprobs(merged_model(graphdef, ref_params, frozen), mb,
+                                             logits_chunk, o.sampling)
             kl = rl.aggregate(rl.kl_penalty(logp, jax.lax.stop_gradient(ref_logp),
                                             estimator=o.kl_estimator, clamp=o.kl_clamp),
                               mb.loss_mask,
@@ -526,7 +539,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
     loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
     if feedback is not None:
         term, term_grads = jax.value_and_grad(
-            lambda p: feedback_term(nnx.merge(graphdef, p), feedback, o.feedback_beta,
+            lambda p: feedback_term(merged_model(graphdef, p, frozen), feedback, o.feedback_beta,
                                     logits_chunk))(params)
         loss, grads = loss + term, jax.tree.map(jnp.add, grads, term_grads)
         metrics = {**metrics, "train/feedback_loss": term,

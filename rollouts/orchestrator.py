@@ -46,20 +46,23 @@ def _copy(x: jax.Array, sharding, dtype) -> jax.Array:
 class WeightStore:
     """Versioned copies of the policy's parameters on the sampler's devices."""
 
-    def __init__(self, shardings, dtypes=None):
+    def __init__(self, shardings, dtypes=None, prepare=None):
         self.shardings = shardings  # a pytree of shardings, like the params
         # the sampler's dtypes (its compute dtype: float32 masters are published as bfloat16
         # copies, half the bytes); None keeps the published dtypes
         self.dtypes = dtypes
+        # what the sampler's side makes of a published copy before keeping it (LoRA: merges
+        # the adapters into its base weights); None keeps the copy
+        self.prepare = prepare
         self._versions: dict[int, Any] = {}
         self._cond = threading.Condition()
         self._closed = False
 
     @classmethod
-    def like(cls, params) -> WeightStore:
+    def like(cls, params, prepare=None) -> WeightStore:
         """A store whose copies keep `params`' shardings and dtypes (the sampler's weights)."""
         return cls(jax.tree.map(lambda x: x.sharding, params),
-                   jax.tree.map(lambda x: x.dtype, params))
+                   jax.tree.map(lambda x: x.dtype, params), prepare)
 
     def publish(self, version: int, params) -> float:
         """Copy `params` to the sampler's shardings (and dtypes) as `version`; returns the
@@ -67,6 +70,8 @@ class WeightStore:
         t0 = time.perf_counter()
         dtypes = self.dtypes or jax.tree.map(lambda x: x.dtype, params)
         copy = jax.tree.map(_copy, params, self.shardings, dtypes)
+        if self.prepare is not None:
+            copy = self.prepare(copy)
         jax.block_until_ready(copy)
         with self._cond:
             self._versions[version] = copy

@@ -91,8 +91,10 @@ class Layout:
             return params
         return place(self.gather(params), self.sampler_mesh, self.rules)
 
-    def sampler_model(self, graphdef: Any, params: Any) -> nnx.Module:
-        model = nnx.merge(graphdef, self.sampler_params(params))
+    def sampler_model(self, graphdef: Any, params: Any, *, placed: bool = False) -> nnx.Module:
+        """The sampler's model of the trainer's `params` (`placed`: of params already on the
+        sampler's mesh)."""
+        model = nnx.merge(graphdef, params if placed else self.sampler_params(params))
         model.shard_activations = ActivationSharding(self.sampler_mesh, self.rules)
         return model
 

@@ -53,6 +53,28 @@ class DocumentConfig:
     final_positions: Literal["sum", "longest"] = "sum"
 
 
+# What `LoraConfig.targets` can name: HF module names (peft's `target_modules`).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, arXiv 2106.09685): each targeted weight W runs as
+    W + scale * A B with A [in, r], B [r, out]; only A and B train, W stays frozen."""
+
+    rank: int = 0  # r; 0 = no adapters (every weight trains)
+    alpha: float = 16.0  # scale = alpha / r
+    rslora: bool = False  # rank-stabilised scale alpha / sqrt(r) (peft `use_rslora`)
+    # fnmatch patterns over LORA_TARGETS ("*_proj": every projection). Sparse MoE layers
+    # adapt their attention only: gate/up/down_proj reach the dense MLP layers, not experts.
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj")
+    # How the sampler runs the adapters: merged into its copy of the weights at each publish
+    # (decode at base speed), or unmerged beside them (x A B per projection per step).
+    sampler: Literal["merged", "unmerged"] = "merged"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder. Defaults: the tiny byte-level
@@ -104,3 +126,4 @@ class ModelConfig:
     # dense: every expert on every token, zero-weighted off the top-k (E/K x FLOPs; reference).
     moe_dispatch: Literal["dropless", "capacity", "dense"] = "dropless"
     capacity_factor: float = 1.25
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters; rank 0 = none

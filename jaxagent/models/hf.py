@@ -337,16 +337,19 @@ def resolve_checkpoint(spec: str | Path) -> Path:
                               f"model ({type(e).__name__}: {first[:160]})") from None
 
 
-def read_config(path: str | Path) -> ModelConfig:
-    path = Path(path)
-    file = path / "config.json"
+def read_json(file: Path, kind: str) -> dict:
+    """The contents of a JSON file of a directory of `kind` ("an HF checkpoint directory")."""
     if not file.exists():
-        raise CheckpointError(f"{file}: not found (is {path} an HF checkpoint directory?)")
+        raise CheckpointError(f"{file}: not found (is {file.parent} {kind}?)")
     try:
-        hf = json.loads(file.read_text())
+        return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file}: invalid JSON ({e})") from None
-    return config_from_hf(hf, file)
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    file = Path(path) / "config.json"
+    return config_from_hf(read_json(file, "an HF checkpoint directory"), file)
 
 
 def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: str | None = None,

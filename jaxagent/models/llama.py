@@ -27,6 +27,7 @@ from jaxagent.models.attention import (
     supports_sees_all,
 )
 from jaxagent.models.config import ModelConfig
+from jaxagent.models.lora import adapted, check_lora, make_adapters
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import param as _param
 from pallas_kernels.nsa import (
@@ -277,6 +278,11 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
         self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pd)
+        embed, heads = ((d, "embed"),), ((n, "heads"), (h, "head_dim"))
+        kv_heads = ((k, "kv_heads"), (h, "head_dim"))
+        self.lora = make_adapters(cfg, {"q_proj": (embed, heads), "k_proj": (embed, kv_heads),
+                                        "v_proj": (embed, kv_heads), "o_proj": (heads, embed)},
+                                  rngs=rngs)
         if cfg.attention_bias:
             self.bq = _param(rngs, (n, h), ("heads", "head_dim"), pd, init="zeros")
             self.bk = _param(rngs, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
@@ -291,9 +297,9 @@ class Attention(nnx.Module):
                  cache_index=None, cache_nsa=None, cache_k_t=None):
         """-> (out [B,T,D], the layer's cache entries {"k", "v"[, "k_cmp", "v_cmp"][, "k_t"]} or None)."""
         cfg, dt = self.cfg, x.dtype
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq[...].astype(dt))
-        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk[...].astype(dt))
-        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv[...].astype(dt))
+        q = adapted(self.lora, "q_proj", x, jnp.einsum("BTD,DNH->BTNH", x, self.wq[...].astype(dt)))
+        k = adapted(self.lora, "k_proj", x, jnp.einsum("BTD,DKH->BTKH", x, self.wk[...].astype(dt)))
+        v = adapted(self.lora, "v_proj", x, jnp.einsum("BTD,DKH->BTKH", x, self.wv[...].astype(dt)))
         if cfg.attention_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if cfg.qk_norm:
@@ -328,7 +334,8 @@ class Attention(nnx.Module):
             attend = get_backend(backend_name(cfg))
             out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
                          kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots)
-        return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt)), new_kv
+        o = jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt))
+        return adapted(self.lora, "o_proj", out, o), new_kv
 
 
 class MLP(nnx.Module):
@@ -339,12 +346,18 @@ class MLP(nnx.Module):
         self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.w_up = _param(rngs, (d, f), ("embed", "mlp"), pd)
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), pd)
+        embed, mlp = ((d, "embed"),), ((f, "mlp"),)
+        self.lora = make_adapters(cfg, {"gate_proj": (embed, mlp), "up_proj": (embed, mlp),
+                                        "down_proj": (mlp, embed)}, rngs=rngs)
 
     def __call__(self, x):
         dt = x.dtype
-        gate = jnp.einsum("BTD,DF->BTF", x, self.w_gate[...].astype(dt))
-        up = jnp.einsum("BTD,DF->BTF", x, self.w_up[...].astype(dt))
-        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
+        gate = adapted(self.lora, "gate_proj", x,
+                       jnp.einsum("BTD,DF->BTF", x, self.w_gate[...].astype(dt)))
+        up = adapted(self.lora, "up_proj", x, jnp.einsum("BTD,DF->BTF", x, self.w_up[...].astype(dt)))
+        h = jax.nn.silu(gate) * up
+        return adapted(self.lora, "down_proj", h,
+                       jnp.einsum("BTF,FD->BTD", h, self.w_down[...].astype(dt)))
 
 
 class Block(nnx.Module):
@@ -374,12 +387,16 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         v, d, pd = cfg.vocab_size, cfg.hidden_size, cfg.param_dtype
+        check_lora(cfg.lora, cfg.tie_embeddings)
         self.config = cfg
         self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd)
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd)
+        vocab, embed = ((v, "vocab"),), ((d, "embed"),)
+        self.lora = make_adapters(cfg, {"embed_tokens": (vocab, embed),
+                                        "lm_head": (embed, vocab)}, rngs=rngs)
         # (x, logical axis names) -> x, pinning activations at layer boundaries to a layout;
         # set from outside (sharding/), as this file knows no mesh. None: no constraint.
         self.shard_activations = None
@@ -416,7 +433,10 @@ class Decoder(nnx.Module):
             where = jnp.where(segment_ids != 0, positions, cache.size)
             slot_of = cache.slot_of.at[jnp.arange(b)[:, None], where].set(slots, mode="drop")
 
-        x = self._pin(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype), _BTD)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
+        if "embed_tokens" in self.lora:
+            x = x + self.lora["embed_tokens"].lookup(tokens, cfg.dtype)
+        x = self._pin(x, _BTD)
         new_kv, router_logits = [], []
         run = _remat(lambda layer, *args, **kw: layer(*args, **kw), cfg.remat, cache is None)
         for i, layer in enumerate(self.layers):
@@ -456,7 +476,8 @@ class Decoder(nnx.Module):
         if self.config.tie_embeddings:
             logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(x.dtype))
         else:
-            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
+            logits = adapted(self.lora, "lm_head", x,
+                             jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype)))
         return self._pin(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 

@@ -22,7 +22,10 @@ from jaxagent.config import Config
 from jaxagent.errors import ConfigError
 from jaxagent.metrics import LogProgress
 from jaxagent.models import from_pretrained, init_model, sees_all_segments
+from jaxagent.models.adapters import (init_adapters, is_adapter_dir, load_adapter,
+                                      read_adapter_config, with_adapters)
 from jaxagent.models.hf import CheckpointError, resolve_checkpoint
+from jaxagent.models.lora import check_lora
 from jaxagent.rl import algorithms
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import LossOptions, logits_chunk_tokens
@@ -122,6 +125,8 @@ def validate(cfg: Config) -> Config:
     for ok, key, message in checks:
         if not ok:
             raise ConfigError(f"{key}: {message}")
+    # an HF checkpoint's own ties count (checked when it loads), not the config's
+    check_lora(cfg.model.lora, cfg.init_from is None and cfg.model.tie_embeddings)
     agent_tools(cfg)
     return cfg
 
@@ -147,17 +152,39 @@ def rl_layout(cfg: Config) -> Layout:
     return layout
 
 
+def base_checkpoint(checkpoint: str | None) -> str | None:
+    """The base model `checkpoint` stands on, as a PEFT file names it: a PEFT directory's own
+    base, a directory as an absolute path, a hub id as it is; None for random init."""
+    if checkpoint is None or not Path(checkpoint).exists():
+        return checkpoint
+    if is_adapter_dir(checkpoint):
+        return read_adapter_config(checkpoint)[1]
+    return str(Path(checkpoint).absolute())
+
+
 def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
     """The HF checkpoint (with its tokenizer) if one is given, else `cfg.model` at random init
-    with the byte tokenizer."""
+    with the byte tokenizer. A PEFT directory loads its base under its adapters; with
+    `model.lora.rank` set, any other model gets fresh adapters."""
     checkpoint = checkpoint or cfg.init_from
     if checkpoint is None:
         return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
+    adapter = checkpoint if is_adapter_dir(checkpoint) else None
+    if adapter is not None:
+        checkpoint = base_checkpoint(adapter)
+        if checkpoint is None:
+            raise CheckpointError(f"{adapter}/adapter_config.json: base_model_name_or_path is "
+                                  "not set (the adapters' base model is unknown)")
     checkpoint = resolve_checkpoint(checkpoint)  # a directory, or a hub id through the HF cache
     m = cfg.model  # the architecture comes from the checkpoint; how to run it from here
     model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype,
                             attention_backend=m.attention_backend, remat=m.remat,
                             moe_dispatch=m.moe_dispatch, capacity_factor=m.capacity_factor)
+    if adapter is not None:
+        model = load_adapter(model, adapter)
+    elif m.lora.rank:
+        lora_cfg = dataclasses.replace(model.config, lora=m.lora)
+        model = with_adapters(model, m.lora, init_adapters(lora_cfg, cfg.seed))
     if (Path(checkpoint) / "tokenizer.json").exists():
         return model, HFTokenizer(checkpoint)
     if model.config.vocab_size < ByteTokenizer.vocab_size:

@@ -13,9 +13,12 @@ from jaxagent.checkpoint import CheckpointError, Checkpointer
 from jaxagent.config import Config, load_config
 from jaxagent.errors import UserError
 from jaxagent.eval import mean_pass_at_k
+from jaxagent.models.adapters import merged, save_policy, split_trainable
 from jaxagent.optim import make_optimizer
-from jaxagent.train.build import (load_agent_splits, load_model_and_tokenizer, load_task_splits,
-                                  make_sampler, make_scorer, tool_env_factory)
+from jaxagent.steps import merged_model
+from jaxagent.tokenizer import HFTokenizer
+from jaxagent.train.build import (base_checkpoint, load_agent_splits, load_model_and_tokenizer,
+                                  load_task_splits, make_sampler, make_scorer, tool_env_factory)
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
 from rollouts.environment import Trajectory
@@ -117,7 +120,8 @@ def load_policy(cfg: Config, checkpoint: str | None):
     if path is not None and (path / "checkpoints").is_dir():
         run_cfg = load_config(path / "config.yaml")
         model, tokenizer = load_model_and_tokenizer(run_cfg)
-        graphdef, params = nnx.split(model)
+        graphdef, weights = nnx.split(model)
+        params, frozen = split_trainable(weights)  # with LoRA the run saved its adapters
         tx = make_optimizer(run_cfg.optim, run_cfg.train.steps)
         like = {"params": params, "opt_state": tx.init(params),
                 **({"ref_params": params} if run_cfg.rl.kl_coef else {})}  # as the run saved
@@ -126,9 +130,22 @@ def load_policy(cfg: Config, checkpoint: str | None):
         if resumed is None:
             raise CheckpointError(f"{path / 'checkpoints'}: no complete checkpoint")
         state = resumed[1]
-        return nnx.merge(graphdef, state["params"]), tokenizer, run_cfg
+        return merged_model(graphdef, state["params"], frozen), tokenizer, run_cfg
     model, tokenizer = load_model_and_tokenizer(cfg, checkpoint)
     return model, tokenizer, cfg
+
+
+def run_export(cfg: Config, checkpoint: str, out: str | Path, *, merge: bool = False) -> Path:
+    """`jaxagent export`: the policy at `checkpoint` (see `load_policy`) as an HF checkpoint;
+    with adapters as a PEFT directory over the base it was trained on, or with `merge` as a
+    full HF checkpoint with the adapters merged in."""
+    model, tokenizer, run_cfg = load_policy(cfg, checkpoint)
+    is_run = (Path(checkpoint) / "checkpoints").is_dir()
+    base = base_checkpoint(run_cfg.init_from if is_run else checkpoint)
+    out = save_policy(merged(model) if merge else model, out, base)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(out)
+    return out
 
 
 def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = None,

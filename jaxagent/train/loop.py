@@ -13,9 +13,10 @@ trainer publishes a copy of the weights to the sampler, which switches between b
 
 Resuming: running the same command again restores the newest checkpoint in
 `workdir/checkpoints/` (params, optimizer, data-iterator state, step, and the scored batches
-the next k steps will train) and trains each remaining step exactly once. Sampling seeds derive
-from (seed, step) and each batch's weights version from its step, so a resumed run reproduces
-an uninterrupted one.
+the next k steps will train; with LoRA the params are the adapters and the base is loaded
+again) and trains each remaining step exactly once. Sampling seeds derive from (seed, step)
+and each batch's weights version from its step, so a resumed run reproduces an uninterrupted
+one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jaxagent.checkpoint import Checkpointer
 from jaxagent.config import Config, save_config
 from jaxagent.metrics import MetricsWriter, plot_curves, trim_jsonl
 from jaxagent.models import sees_all_segments
+from jaxagent.models.adapters import split_trainable
 from jaxagent.optim import make_optimizer
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_feedback,
@@ -47,9 +49,10 @@ from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_o
                                   rl_layout, run_tasks, task_stream, validate)
 from jaxagent.train.evaluate import agent_held_out, held_out_pass_at_k
 from jaxagent.train.sft import sft
+from jaxagent.train.sync import SamplerWeights
 from jaxagent.workdir import check_resume_config, workdir_lock
 from rollouts.agent.feedback import turn_examples
-from rollouts.orchestrator import Orchestrator, WeightStore
+from rollouts.orchestrator import Orchestrator
 from rollouts.producer import RolloutBatch
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
@@ -100,22 +103,23 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
         log = Log(metrics, rollouts_file, console, progress, t.log_rollouts)
         # Restore the newest checkpoint, or warm up (SFT).
         if resumed:
-            state, queued = restored(*resumed[1:], task_iter)
+            state, queued = restored(state, *resumed[1:], task_iter)
             console.print(f"Resuming from checkpoint step {start} in {ckpt.directory}")
         else:
             start, queued = 0, []
             state = warm_up(cfg, learner, state, train_tasks, progress, metrics)
         # The producer thread's sampler, and one for evaluation in this thread.
-        sampler, eval_sampler = (make_sampler(layout.sampler_model(learner.graphdef, state.params),
-                                              tokenizer, cfg) for _ in range(2))
-        evaluate = HeldOutEval(cfg, layout, eval_sampler, tokenizer, scorer, eval_tasks, log)
+        to_sampler = SamplerWeights.create(model.config, layout, learner.graphdef, state.frozen)
+        sampler, eval_sampler = (make_sampler(to_sampler.model(state.params), tokenizer, cfg)
+                                 for _ in range(2))
+        evaluate = HeldOutEval(cfg, to_sampler, eval_sampler, tokenizer, scorer, eval_tasks, log)
         if not resumed:  # evaluate, then save step 0: a kill between them repeats the evaluation
             if eval_tasks:
                 evaluate(0, state.params)
             ckpt.save(0, state.arrays(), {"step": 0, "data": task_iter.get_state()})
         producer = make_producer(cfg, sampler, tokenizer, scorer, task_iter)
-        weights = WeightStore.like(sampler.params)
-        weights.publish(start, layout.sampler_params(state.params))
+        weights = to_sampler.store(state.params, sampler.params)
+        weights.publish(start, to_sampler.sent(state.params))
         bar = progress.add_task("rl", total=t.steps, completed=start, info="")
         with Orchestrator(producer, weights, max_staleness=cfg.rollout.max_staleness,
                           start=start, stop=t.steps, queued=queued) as orchestrator:
@@ -129,7 +133,7 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                     rows, feedback, keep = learner.prepare(batch)
                     state, update_metrics, train_s = learner.update(state, rows, feedback)
                 done = step + 1
-                sync_s = (weights.publish(done, layout.sampler_params(state.params))
+                sync_s = (weights.publish(done, to_sampler.sent(state.params))
                           if done < t.steps else 0.0)
                 # Log: metrics, a few rollouts, progress; evaluate every eval.every steps.
                 log.step(done, batch, step_row(step, batch, timing, update_metrics, keep, t0=t0,
@@ -157,9 +161,10 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
 class TrainState:
     """What the updates change, and what a checkpoint holds."""
 
-    params: Any
+    params: Any  # what trains: every weight, or with LoRA the adapters
     opt_state: Any
     ref_params: Any = None  # the KL penalty's frozen reference (the post-SFT weights), if on
+    frozen: Any = None  # LoRA: the base weights; fixed, so never checkpointed (loaded again)
 
     def arrays(self) -> dict:
         ref = {} if self.ref_params is None else {"ref_params": self.ref_params}
@@ -168,7 +173,8 @@ class TrainState:
 
 def kl_reference(cfg: Config, params):
     """A frozen copy of `params` when the KL penalty is on, else None (a copy: the train step
-    donates params)."""
+    donates params). With LoRA a copy of the adapters only: the reference runs them over the
+    same frozen base (the base itself before any update, B = 0)."""
     return jax.tree.map(jnp.copy, params) if cfg.rl.kl_coef else None
 
 
@@ -191,13 +197,14 @@ class Learner:
     @classmethod
     def create(cls, cfg: Config, model, tokenizer, layout: Layout) -> tuple[Learner, TrainState]:
         """(the learner, the initial state) for `model` laid out on `layout`."""
-        graphdef, params = layout.split(model)
+        graphdef, weights = layout.split(model)
+        params, frozen = split_trainable(weights)
         tx = make_optimizer(cfg.optim, cfg.train.steps)
         share = cfg.train.share_prompt and sees_all_segments(cfg.model)
         learner = cls(cfg, graphdef, tx, layout, tokenizer, loss_options(cfg),
                       logits_chunk(cfg, model), share)
         return learner, TrainState(params, layout.place(tx.init(params)),
-                                   kl_reference(cfg, params))
+                                   kl_reference(cfg, params), frozen)
 
     def prepare(self, batch: RolloutBatch) -> tuple[TrainBatch, FeedbackBatch | None, np.ndarray]:
         """(the packed rows with their advantages, the feedback KL's flagged turns if it is
@@ -219,7 +226,7 @@ class Learner:
         minis = [self.layout.batch(b) for b in split_rows(rows, self.cfg.rl.mini_batches)]
         params, opt_state, metrics = ppo_update(
             self.graphdef, self.tx, state.params, state.opt_state, minis, state.ref_params,
-            feedback, options=self.options, epochs=self.cfg.rl.ppo_epochs,
+            feedback, state.frozen, options=self.options, epochs=self.cfg.rl.ppo_epochs,
             micro_batch=self.cfg.train.micro_batch, logits_chunk=self.chunk)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the update
         return (dataclasses.replace(state, params=params, opt_state=opt_state), metrics,
@@ -232,16 +239,19 @@ def warm_up(cfg: Config, learner: Learner, state: TrainState, train_tasks, progr
     if not cfg.sft.steps:
         return state
     params, sft_metrics = sft(cfg, learner.graphdef, state.params, learner.tokenizer,
-                              train_tasks, learner.layout, progress, chunk=learner.chunk)
+                              train_tasks, learner.layout, progress, chunk=learner.chunk,
+                              frozen=state.frozen)
     metrics.write(0, sft_metrics)
     return dataclasses.replace(state, params=params, ref_params=kl_reference(cfg, params))
 
 
-def restored(arrays: dict, extra: dict, task_iter) -> tuple[TrainState, list[RolloutBatch]]:
-    """(the state a checkpoint saved, the scored batches queued then); the task iterator is
-    put back where it was."""
+def restored(state: TrainState, arrays: dict, extra: dict,
+             task_iter) -> tuple[TrainState, list[RolloutBatch]]:
+    """(`state` as a checkpoint saved it, the scored batches queued then); the task iterator
+    is put back where it was."""
     task_iter.set_state(extra["data"])
-    return (TrainState(arrays["params"], arrays["opt_state"], arrays.get("ref_params")),
+    return (dataclasses.replace(state, params=arrays["params"], opt_state=arrays["opt_state"],
+                                ref_params=arrays.get("ref_params")),
             [RolloutBatch.from_json(b) for b in extra.get("queued", [])])
 
 
@@ -270,7 +280,7 @@ class HeldOutEval:
     runs: episodes, with their agent/... metrics)."""
 
     cfg: Config
-    layout: Layout
+    to_sampler: SamplerWeights
     sampler: Sampler  # its own, in the trainer's thread
     tokenizer: Any
     scorer: Scorer
@@ -278,7 +288,7 @@ class HeldOutEval:
     log: Log
 
     def __call__(self, step: int, params) -> None:
-        self.sampler.update_weights(self.layout.sampler_params(params))
+        self.sampler.update_weights(self.to_sampler.weights(params))
         args = (self.cfg, self.sampler, self.tokenizer, self.scorer, self.tasks)
         # agent runs play episodes on their held-out repository tasks (minutes: a progress bar)
         self.log.evaluation(step, agent_held_out(*args, progress=self.log.progress)

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxagent.config import Config, ConfigError
-from jaxagent.models import save_pretrained
+from jaxagent.models.adapters import save_policy, split_trainable
 from jaxagent.optim import make_optimizer
-from jaxagent.steps import answer_accuracy, pack, pack_documents, sft_step
+from jaxagent.steps import answer_accuracy, merged_model, pack, pack_documents, sft_step
 from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (
+    base_checkpoint,
     load_model_and_tokenizer,
     logits_chunk,
     make_progress,
@@ -35,10 +35,11 @@ from sharding.layout import Layout
 
 
 def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Layout,
-        progress=None, *, chunk: int = 0):
+        progress=None, *, chunk: int = 0, frozen=None):
     """`cfg.sft.steps` of token-mean cross-entropy on `cfg.sft.data`: the tasks' reference
     completions, or document-retrieval examples (then the metrics hold the held-out answer
-    accuracy before and after). `chunk`: tokens per LM-head chunk (`logits_chunk`)."""
+    accuracy before and after). `chunk`: tokens per LM-head chunk (`logits_chunk`). With
+    LoRA, `params` are the adapters over the `frozen` base."""
     s = cfg.sft
     draw, eval_batch = _sft_data(cfg, tokenizer, tasks, progress)
     tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
@@ -51,18 +52,20 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
         eval_batch = layout.batch(jax.tree.map(
             lambda x: x[layout.local_rows(s.documents.eval_examples)], eval_batch),
             "sft.documents.eval_examples")
-        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch, chunk)
+        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch, chunk,
+                                                                frozen)
     for _ in range(s.steps):
         # Every process draws the same global batch and keeps its own rows of it.
         batch = draw(rng)
         batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)], batch),
                              "sft.batch_size")
         params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
-                                              cfg.train.micro_batch, chunk)
+                                              cfg.train.micro_batch, chunk, frozen)
         if progress:
             progress.update(task_bar, advance=1, info=f"loss {float(metrics['sft/loss']):.3f}")
     if eval_batch is not None:
-        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch, chunk)
+        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch, chunk,
+                                                          frozen)
     return params, {k: float(v) for k, v in {**metrics, **accuracy}.items()}
 
 
@@ -141,7 +144,8 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
 
 def run_sft(cfg: Config) -> Path:
     """SFT on the training tasks' references (an agent config: scripted episodes over its
-    repository tasks); writes an HF checkpoint to `workdir/sft`."""
+    repository tasks); writes an HF checkpoint to `workdir/sft` (with LoRA, a PEFT adapter
+    directory: `save_policy`)."""
     if cfg.sft.steps <= 0:
         raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
     cfg = validate(cfg)
@@ -149,15 +153,17 @@ def run_sft(cfg: Config) -> Path:
     layout = Layout(cfg.mesh, cfg.sampler.mesh)
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     model, tokenizer = load_model_and_tokenizer(cfg)
-    graphdef, params = layout.split(model)
+    graphdef, weights = layout.split(model)
+    params, frozen = split_trainable(weights)
     train_tasks, _ = run_tasks(cfg)  # an agent config's repository tasks, or single ones
     with make_progress() as progress:
         params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress,
-                              chunk=logits_chunk(cfg, model))
-    params = layout.gather(params)  # every process joins; only process 0 writes
+                              chunk=logits_chunk(cfg, model), frozen=frozen)
+    # every process joins; only process 0 writes
+    params, frozen = layout.gather(params), layout.gather(frozen)
     out = Path(cfg.workdir) / "sft"
     if is_leader():
-        save_pretrained(nnx.merge(graphdef, params), out)
+        save_policy(merged_model(graphdef, params, frozen), out, base_checkpoint(cfg.init_from))
         if isinstance(tokenizer, HFTokenizer):  # reloads tokenize, stop and chat as before
             tokenizer.save(out)
         (out / "sft_metrics.json").write_text(json.dumps(metrics))

@@ -527,3 +527,19 @@ def test_ppo_epochs_and_mini_batches_clip_against_a_fixed_proximal_policy():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), new, p)
     alone = rl_step(graphdef, tx, copy(params), copy(opt), minis[0], options=options)[2]
     np.testing.assert_allclose(first["train/loss"], alone["train/loss"], rtol=1e-6)
+
+
+def test_remat_step_with_a_kl_reference_equals_the_plain_one():
+    """nnx.remat under the gradient with the reference's Variables made outside it (it raised
+    "Cannot mutate Param from a different trace level")."""
+    p, c, lp = random_rollouts()
+    batch = pack(p, c, lp, np.linspace(-1, 1, 6))
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2, max_grad_norm=0.0), 10)
+    metrics = []
+    for remat in ("none", "full"):
+        graphdef, params = nnx.split(init_model(dataclasses.replace(CFG, remat=remat), seed=0))
+        _, _, m = rl_step(graphdef, tx, copy(params), tx.init(params), batch, copy(params),
+                          options=LossOptions(kl_coef=0.5))
+        metrics.append(m)
+    np.testing.assert_allclose(metrics[1]["train/grad_norm"], metrics[0]["train/grad_norm"],
+                               rtol=1e-5)

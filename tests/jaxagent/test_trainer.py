@@ -1,6 +1,6 @@
 """End to end: `jaxagent train` on a tiny model, killed with SIGKILL after a checkpoint and
 re-run, trains each step exactly once and matches an uninterrupted run (with a KL penalty
-against the post-SFT reference, which the checkpoint carries)."""
+against the post-SFT reference, which the checkpoint carries; with LoRA, adapters only)."""
 
 import dataclasses
 import json
@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -37,11 +38,14 @@ def losses(workdir):
             for r in rows]
 
 
-def test_kill_and_resume_trains_each_step_once(tmp_path):
+@pytest.mark.parametrize("lora", [(), pytest.param(
+    ("model.lora.rank=4", "model.lora.targets=[q_proj, v_proj, down_proj]"),
+    marks=pytest.mark.slow)], ids=["full", "lora"])
+def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     # KL against the post-SFT weights (the resumed run must have them too); the entropy bonus
     # moves the policy off them even when every reward of the tiny model is 0
-    kl = ("rl.kl_coef=0.5", "rl.entropy_coef=0.05")
+    kl = ("rl.kl_coef=0.5", "rl.entropy_coef=0.05", *lora)
     straight = tmp_path / "straight"
     subprocess.run(train_cmd(straight, *kl), check=True, env=env, capture_output=True)
 
@@ -65,6 +69,12 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
     assert (run / "curves.png").exists() and (run / "config.yaml").exists()
     evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval/pass@1" in r]
     assert [r["step"] for r in evals] == [0, 4]
+    if lora:  # the checkpoint holds the adapters (params, reference, Adam's moments) alone
+        saved = ocp.StandardCheckpointer().metadata(run / "checkpoints" / "4" / "state")
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(saved.item_metadata.tree)[0]]
+        weights = [p for p in paths if "'count'" not in p]
+        assert weights and all("['lora']" in p for p in weights)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -83,6 +93,10 @@ def test_kill_and_resume_trains_each_step_once(tmp_path):
     (["agent.enabled=true", "rl.overlong_buffer=4"], "rl.overlong_buffer: is for single completions"),
     (["rl.algorithm=dapo", "rl.drop_zero_variance_groups=false", "rl.refill_draws=2"],
      "rl.refill_draws: needs dynamic sampling"),
+    (["model.lora.rank=4", "model.lora.targets=[q_proj, wq]"],
+     "model.lora.targets: ['wq'] match no module"),
+    (["model.lora.rank=4", "model.lora.targets=[lm_head]"],
+     "model.lora.targets: lm_head needs model.tie_embeddings: false"),
 ])
 def test_semantic_config_errors_fail_before_compute(tmp_path, overrides, message):
     from jaxagent.train.loop import train

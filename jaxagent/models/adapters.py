@@ -1,0 +1,202 @@
+"""Adapters on a whole decoder: fresh, attached, merged away, and as PEFT directories
+(`adapter_config.json` + `adapter_model.safetensors`, the layout `peft` writes and reads).
+
+peft stores a factor pair per module as `lora_A.weight` [r, in] and `lora_B.weight` [out, r]
+(an embedding: `lora_embedding_A` [r, V], `lora_embedding_B` [D, r]), its `in`/`out` the HF
+weight's flattened axes; ours are A [in..., r] and B [r, out...], so each is a reshape and a
+transpose (lora.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jaxagent.models.config import LORA_TARGETS, LoraConfig, ModelConfig
+from jaxagent.models.hf import CheckpointError, read_json, save_pretrained
+from jaxagent.models.llama import Decoder
+from jaxagent.models.lora import LoraParam, merge
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+
+def _abstract(cfg: ModelConfig) -> Decoder:
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+
+
+def init_adapters(cfg: ModelConfig, seed: int) -> nnx.State:
+    """Fresh adapter factors for a decoder of `cfg` (one program: the base weights it would
+    draw are dead code, never computed)."""
+    init = nnx.jit(lambda key: nnx.state(Decoder(cfg, rngs=nnx.Rngs(params=key)), LoraParam))
+    return init(jax.random.key(seed))
+
+
+def split_adapters(model: Decoder) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, adapter factors, every other weight: the frozen base)."""
+    return nnx.split(model, LoraParam, ...)
+
+
+def split_trainable(weights: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+    """(what trains, what stays frozen) of a decoder's weights: with adapters, their factors
+    and the base; without, every weight and None."""
+    factors, base = nnx.split_state(weights, LoraParam, ...)
+    return (factors, base) if factors else (weights, None)
+
+
+def with_adapters(model: Decoder, lora: LoraConfig, factors: nnx.State) -> Decoder:
+    """`model`'s base weights (not copied) under adapters `factors` of config `lora`."""
+    cfg = dataclasses.replace(model.config, lora=lora)
+    _, _, base = split_adapters(model)
+    return nnx.merge(nnx.graphdef(_abstract(cfg)), base, factors)
+
+
+def base_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
+    """The graph of a decoder of `cfg` without adapters."""
+    return nnx.graphdef(_abstract(dataclasses.replace(cfg, lora=LoraConfig())))
+
+
+def _plain(model: Decoder, weights: nnx.State) -> Decoder:
+    return nnx.merge(base_graphdef(model.config), weights)
+
+
+def without_adapters(model: Decoder) -> Decoder:
+    """`model`'s base: the same weights (not copied), no adapters."""
+    return _plain(model, split_adapters(model)[2])
+
+
+def merged(model: Decoder) -> Decoder:
+    """A decoder without adapters whose weights are `model`'s with its adapters merged in
+    (`model` itself if it has none)."""
+    if not model.config.lora.rank:
+        return model
+    _, factors, base = split_adapters(model)
+    return _plain(model, merge(base, factors, model.config.lora))
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT directories.
+
+
+def _hf_module(path: tuple) -> str:
+    """Our factor path -> the HF module it adapts: ("layers", 3, "attn", "lora", "q_proj", "a")
+    -> "model.layers.3.self_attn.q_proj"."""
+    *owner, _, name, _ = path
+    if not owner:
+        return "lm_head" if name == "lm_head" else f"model.{name}"
+    _, layer, block = owner
+    return f"model.layers.{layer}.{'self_attn' if block == 'attn' else 'mlp'}.{name}"
+
+
+def _hf_key(path: tuple) -> str:
+    factor = "A" if path[-1] == "a" else "B"
+    if path[-2] == "embed_tokens":
+        return f"{_PREFIX}{_hf_module(path)}.lora_embedding_{factor}"
+    return f"{_PREFIX}{_hf_module(path)}.lora_{factor}.weight"
+
+
+def save_adapter(model: Decoder, path: str | Path, base_model: str | None = None) -> Path:
+    """Write `model`'s adapters as a PEFT directory (`base_model`: the base checkpoint's path
+    or hub id, written as `base_model_name_or_path`)."""
+    lora = model.config.lora
+    if not lora.rank:
+        raise CheckpointError(f"{path}: the model has no adapters (model.lora.rank is 0)")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _, factors, _ = split_adapters(model)
+    tensors = {}
+    for p, var in nnx.to_flat_state(factors):
+        x = np.asarray(jax.device_get(var[...]), np.float32)
+        flat = x.reshape(-1, lora.rank).T if p[-1] == "a" else x.reshape(lora.rank, -1).T
+        tensors[_hf_key(p)] = np.ascontiguousarray(flat)
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    targets = sorted({p[-2] for p, _ in nnx.to_flat_state(factors)})
+    (path / CONFIG_FILE).write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": lora.rank, "lora_alpha": lora.alpha, "use_rslora": lora.rslora,
+        "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "modules_to_save": None, "inference_mode": True,
+    }, indent=2))
+    return path
+
+
+def save_policy(model: Decoder, path: str | Path, base_model: str | None = None) -> Path:
+    """A trained decoder as files other programs load: an HF checkpoint, or with adapters a
+    PEFT directory over `base_model` (None: a random base, written beside into `path/base`)."""
+    if not model.config.lora.rank:
+        return save_pretrained(model, path)
+    if base_model is None:
+        base_model = str(save_pretrained(without_adapters(model), Path(path) / "base").absolute())
+    return save_adapter(model, path, base_model)
+
+
+# adapter_config.json settings we do not implement, with the value that means "off"
+_UNSUPPORTED = {"bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+                "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+                "target_parameters": None}
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).exists()
+
+
+def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
+    """(the adapters' LoraConfig, the base checkpoint it names or None) of a PEFT directory."""
+    file = Path(path) / CONFIG_FILE
+    hf = read_json(file, "a PEFT adapter directory")
+    if hf.get("peft_type") != "LORA":
+        raise CheckpointError(f"{file}: peft_type {hf.get('peft_type')!r} is not supported (LORA)")
+    for key, off in _UNSUPPORTED.items():
+        if hf.get(key, off) not in (off, None, [], {}):
+            raise CheckpointError(f"{file}: {key}={hf[key]!r} is not supported")
+    targets = hf.get("target_modules")
+    if targets == "all-linear":
+        targets = LoraConfig.targets  # every projection, the head not
+    if isinstance(targets, str) or not targets or set(targets) - set(LORA_TARGETS):
+        raise CheckpointError(f"{file}: target_modules {targets!r} is not supported (a list of "
+                              f"{', '.join(LORA_TARGETS)}, or all-linear)")
+    try:
+        lora = LoraConfig(rank=int(hf["r"]), alpha=float(hf["lora_alpha"]),
+                          rslora=bool(hf.get("use_rslora", False)), targets=tuple(targets))
+    except KeyError as e:
+        raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
+    return lora, hf.get("base_model_name_or_path")
+
+
+def load_adapter(model: Decoder, path: str | Path) -> Decoder:
+    """`model`'s base weights under the adapters of the PEFT directory `path`."""
+    path = Path(path)
+    lora, _ = read_adapter_config(path)
+    file = path / WEIGHTS_FILE
+    if not file.exists():
+        raise CheckpointError(f"{file}: not found")
+    # peft also saves the embedding and head layers whole when it adapts them (in case their
+    # vocabulary was resized): the base's own weights, not adapters.
+    tensors = {k: v for k, v in load_file(str(file)).items()
+               if not k.endswith(".base_layer.weight")}
+    cfg = dataclasses.replace(model.config, lora=lora)
+    _, factors, _ = split_adapters(_abstract(cfg))
+    flat = dict(nnx.to_flat_state(factors))
+    for p, var in flat.items():
+        key = _hf_key(p)
+        if key not in tensors:
+            raise CheckpointError(f"{file}: missing tensor {key!r}")
+        x = tensors.pop(key)
+        expected = ((lora.rank, math.prod(var.shape[:-1])) if p[-1] == "a"
+                    else (math.prod(var.shape[1:]), lora.rank))
+        if x.shape != expected:
+            raise CheckpointError(f"{file}: tensor {key!r} has shape {x.shape}, expected "
+                                  f"{expected} from the model and r={lora.rank}")
+        var.set_value(jnp.asarray(x.T.reshape(var.shape), jnp.float32))
+    if tensors:
+        raise CheckpointError(f"{file}: tensors the model has no place for, e.g. "
+                              f"{next(iter(tensors))!r}")
+    return with_adapters(model, lora, nnx.from_flat_state(flat))

@@ -1,0 +1,121 @@
+"""Low-rank adapters (LoRA, arXiv 2106.09685) on the decoder's projections.
+
+    W' = W + s A B,   s = alpha / r   (alpha / sqrt(r) with rslora)
+
+Our weights are einsum-ready [in..., out...] (see hf.py), so a weight's adapter is
+A [in..., r] and B [r, out...]: x W' = x W + s (x A) B, and the merged weight is
+W + s tensordot(A, B). A starts uniform in +-1/sqrt(fan_in) and B at zero, so an adapted model
+starts as its base; the embedding table's the other way round (as peft does). A module keeps
+its adapters in `self.lora`, an nnx.Dict by HF module name (`LORA_TARGETS`); the factors are
+`LoraParam`s, the only parameters a LoRA run trains: `nnx.split(model, LoraParam, ...)`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxagent.errors import ConfigError
+from jaxagent.models.config import LORA_TARGETS, LoraConfig, ModelConfig
+
+# The weight each target adapts, an attribute of the module holding `lora`.
+WEIGHT_OF = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+             "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
+             "embed_tokens": "embed", "lm_head": "lm_head"}
+
+
+class LoraParam(nnx.Param):
+    """A factor (A or B) of a low-rank adapter."""
+
+
+def lora_targets(cfg: LoraConfig) -> frozenset[str]:
+    """The module names `cfg.targets` match (none without a rank)."""
+    if not cfg.rank:
+        return frozenset()
+    return frozenset(name for name in LORA_TARGETS
+                     if any(fnmatch.fnmatchcase(name, p) for p in cfg.targets))
+
+
+def check_lora(lora: LoraConfig, tied: bool = False) -> None:
+    """ConfigError naming the `model.lora` field a LoRA config gets wrong (`tied`: for a model
+    whose LM head is its embedding table)."""
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {lora.rank}")
+    if not lora.rank:
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha: must be > 0, got {lora.alpha}")
+    unmatched = [p for p in lora.targets
+                 if not any(fnmatch.fnmatchcase(name, p) for name in LORA_TARGETS)]
+    if unmatched or not lora.targets:
+        raise ConfigError(f"model.lora.targets: {unmatched or 'empty'} match no module; "
+                          f"known: {', '.join(LORA_TARGETS)}")
+    if "lm_head" in lora_targets(lora) and tied:
+        raise ConfigError("model.lora.targets: lm_head needs model.tie_embeddings: false (a tied "
+                          "model's head is the embedding table; target embed_tokens)")
+
+
+def lora_scale(cfg: LoraConfig) -> float:
+    return cfg.alpha / (math.sqrt(cfg.rank) if cfg.rslora else cfg.rank)
+
+
+class Adapter(nnx.Module):
+    """`adapter(x [..., in...]) -> s (x A) B [..., out...]`; `lookup(tokens)` for a table."""
+
+    def __init__(self, cfg: LoraConfig, ins: tuple[tuple[int, str], ...],
+                 outs: tuple[tuple[int, str], ...], *, rngs: nnx.Rngs, table: bool = False):
+        r = cfg.rank
+        in_shape, in_axes = zip(*ins)
+        out_shape, out_axes = zip(*outs)
+        a_shape, b_shape = (*in_shape, r), (r, *out_shape)
+        if table:  # a lookup: A zero, B normal (peft's choice)
+            a = jnp.zeros(a_shape, jnp.float32)
+            b = jax.random.normal(rngs.params(), b_shape, jnp.float32)
+        else:
+            bound = 1 / math.sqrt(math.prod(in_shape))
+            a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound)
+            b = jnp.zeros(b_shape, jnp.float32)
+        self.a = LoraParam(a, logical_axes=(*in_axes, None))
+        self.b = LoraParam(b, logical_axes=(None, *out_axes))
+        self.scale = lora_scale(cfg)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        h = jnp.tensordot(x, self.a[...].astype(dt), axes=self.a.ndim - 1)
+        return self.scale * jnp.tensordot(h, self.b[...].astype(dt), axes=1)
+
+    def lookup(self, tokens: jax.Array, dtype) -> jax.Array:
+        h = jnp.take(self.a[...], tokens, axis=0).astype(dtype)
+        return self.scale * jnp.tensordot(h, self.b[...].astype(dtype), axes=1)
+
+
+def make_adapters(cfg: ModelConfig, weights: dict, *, rngs: nnx.Rngs) -> nnx.Dict:
+    """The adapters of a module's targeted weights: `weights` maps an HF module name to
+    ((size, logical axis) of its inputs, ... of its outputs)."""
+    targets = lora_targets(cfg.lora)
+    return nnx.Dict({name: Adapter(cfg.lora, ins, outs, rngs=rngs, table=name == "embed_tokens")
+                     for name, (ins, outs) in weights.items() if name in targets})
+
+
+def adapted(lora: nnx.Dict, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """y = x W plus the adapter of `name`'s update, if `name` is targeted."""
+    return y + lora[name](x) if name in lora else y
+
+
+def merge(base: nnx.State, factors: nnx.State, cfg: LoraConfig) -> nnx.State:
+    """`base` with each adapted weight W replaced by W + s A B (summed in float32, in W's dtype)."""
+    s = lora_scale(cfg)
+    weights = dict(nnx.to_flat_state(base))
+    factor = dict(nnx.to_flat_state(factors))
+    for path in [p for p in factor if p[-1] == "a"]:
+        *owner, _, name, _ = path  # (..., "lora", name, "a")
+        target = (*owner, WEIGHT_OF[name])
+        a, b = factor[path][...], factor[(*path[:-1], "b")][...]
+        w = weights[target]
+        delta = s * jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
+        weights[target] = w.replace((w[...].astype(jnp.float32) + delta).astype(w.dtype))
+    return nnx.from_flat_state(weights)

@@ -1,0 +1,163 @@
+"""LoRA adapters: the math (merged = unmerged, zero B = base), config errors, and parity with
+`peft` + transformers on tiny random models, both ways (we write -> peft reads, peft writes ->
+we read). Dimensions are odd and distinct so a transposed factor cannot pass."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from jaxagent.errors import ConfigError
+from jaxagent.models import from_pretrained, init_model
+from jaxagent.models.adapters import (load_adapter, merged, read_adapter_config, save_adapter,
+                                      split_adapters, with_adapters, without_adapters)
+from jaxagent.models.config import LoraConfig, ModelConfig
+from jaxagent.models.hf import CheckpointError
+from jaxagent.models.lora import LoraParam, lora_targets
+
+VOCAB = 97
+TINY = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=30, intermediate_size=43,
+                   num_layers=2, num_heads=3, num_kv_heads=1, head_dim=10, qk_norm=False,
+                   tie_embeddings=False)
+EVERYTHING = LoraConfig(rank=5, alpha=7.0, targets=("*_proj", "embed_tokens", "lm_head"))
+
+
+def randomise_b(model, seed=0):
+    """Nonzero B (and embedding A) factors: a fresh adapter is the identity."""
+    _, factors, _ = split_adapters(model)
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    factors = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), factors)
+    nnx.update(model, factors)
+    return model
+
+
+def ids(shape=(2, 11), seed=1):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape))
+
+
+def test_fresh_adapters_start_at_the_base_and_merge_exactly():
+    model = init_model(dataclasses.replace(TINY, lora=EVERYTHING), seed=3)
+    base = merged(model)
+    assert not nnx.state(base, LoraParam)
+    np.testing.assert_allclose(model(ids()), base(ids()), atol=1e-6)  # B = 0
+    randomise_b(model)
+    adapted = model(ids())
+    assert np.abs(adapted - base(ids())).max() > 1e-2
+    np.testing.assert_allclose(merged(model)(ids()), adapted, atol=2e-5)
+
+
+def test_only_targeted_weights_have_adapters():
+    cfg = dataclasses.replace(TINY, lora=LoraConfig(rank=4, targets=("q_proj", "v_proj")))
+    _, factors, _ = split_adapters(init_model(cfg))
+    paths = {p[:-1] for p, _ in nnx.to_flat_state(factors)}
+    assert paths == {("layers", i, "attn", "lora", name) for i in (0, 1)
+                     for name in ("q_proj", "v_proj")}
+
+
+@pytest.mark.parametrize("lora, tied, message", [
+    (LoraConfig(rank=-1), False, "model.lora.rank: must be >= 0"),
+    (LoraConfig(rank=4, alpha=0.0), False, "model.lora.alpha: must be > 0"),
+    (LoraConfig(rank=4, targets=("q_proj", "wq")), False, r"model.lora.targets: \['wq'\]"),
+    (LoraConfig(rank=4, targets=("lm_head",)), True, "lm_head needs model.tie_embeddings"),
+])
+def test_bad_config_names_the_field(lora, tied, message):
+    with pytest.raises(ConfigError, match=message):
+        init_model(dataclasses.replace(TINY, lora=lora, tie_embeddings=tied))
+
+
+def test_moe_adapts_attention_and_dense_mlp_layers_only():
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=VOCAB, hidden_size=30, intermediate_size=43,
+                      num_layers=2, num_heads=3, num_kv_heads=1, head_dim=10, num_experts=3,
+                      moe_intermediate_size=11, mlp_only_layers=(0,),
+                      lora=LoraConfig(rank=3, targets=("*_proj",)))
+    model = randomise_b(init_model(cfg))
+    _, factors, _ = split_adapters(model)
+    owners = {p[:3] for p, _ in nnx.to_flat_state(factors)}
+    assert owners == {("layers", 0, "attn"), ("layers", 0, "mlp"), ("layers", 1, "attn")}
+    np.testing.assert_allclose(merged(model)(ids()), model(ids()), atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with peft + transformers.
+
+HF_BASE = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=43, num_hidden_layers=2,
+               num_attention_heads=3, num_key_value_heads=1, head_dim=10, rms_norm_eps=1e-5,
+               initializer_range=0.15, max_position_embeddings=64)
+FAMILIES = {
+    "llama": ("Llama", dict(tie_word_embeddings=False),
+              dict(targets=("*_proj", "embed_tokens", "lm_head"))),
+    "qwen2": ("Qwen2", dict(tie_word_embeddings=True),
+              dict(targets=("q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"))),
+    "qwen3": ("Qwen3", dict(tie_word_embeddings=False), dict(targets=("*_proj",), rslora=True)),
+    # attention only: peft maps gate/up/down_proj onto the fused experts too, which we do not
+    "qwen3_moe": ("Qwen3Moe", dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=11,
+                                   mlp_only_layers=[0], experts_implementation="eager"),
+                  dict(targets=("q_proj", "k_proj", "v_proj", "o_proj"))),
+}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request, tmp_path):
+    arch, options, lora = FAMILIES[request.param]
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(**{**HF_BASE, **options})
+    hf = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    hf.save_pretrained(tmp_path / "base")
+    return hf, tmp_path, LoraConfig(rank=5, alpha=11.0, **lora)
+
+
+def peft_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def test_peft_reads_what_we_write(family):
+    hf, tmp, lora = family
+    base = from_pretrained(tmp / "base", dtype="float32")
+    ours = with_adapters(base, lora, split_adapters(init_model(
+        dataclasses.replace(base.config, lora=lora), seed=1))[1])
+    randomise_b(ours, seed=2)
+    save_adapter(ours, tmp / "adapter", base_model=str(tmp / "base"))
+    theirs = peft.PeftModel.from_pretrained(hf, tmp / "adapter").eval()
+    tokens = ids()
+    np.testing.assert_allclose(ours(tokens), peft_logits(theirs, tokens), atol=1e-4)
+    assert np.abs(ours(tokens) - base(tokens)).max() > 1e-2  # the adapters matter
+
+
+def test_we_read_what_peft_writes(family):
+    hf, tmp, lora = family
+    targets = sorted(lora_targets(lora))
+    theirs = peft.get_peft_model(hf, peft.LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, use_rslora=lora.rslora, target_modules=targets,
+        init_lora_weights=False))  # random nonzero B
+    theirs.eval().save_pretrained(tmp / "adapter")
+    ours = load_adapter(from_pretrained(tmp / "base", dtype="float32"), tmp / "adapter")
+    assert read_adapter_config(tmp / "adapter")[0].rank == lora.rank
+    tokens = ids()
+    np.testing.assert_allclose(ours(tokens), peft_logits(theirs, tokens), atol=1e-4)
+
+
+def test_unsupported_adapter_config_is_named(tmp_path):
+    model = randomise_b(init_model(dataclasses.replace(TINY, lora=EVERYTHING)))
+    save_adapter(model, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(CheckpointError, match=r"adapter_config.json: use_dora=True"):
+        load_adapter(without_adapters(model), tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
+    with pytest.raises(CheckpointError, match=r"adapter_model.safetensors: tensor .* has shape"):
+        load_adapter(without_adapters(model), tmp_path)
+
+
+def test_round_trip_through_our_files(tmp_path):
+    model = randomise_b(init_model(dataclasses.replace(TINY, lora=EVERYTHING)))
+    save_adapter(model, tmp_path)
+    again = load_adapter(without_adapters(model), tmp_path)
+    np.testing.assert_array_equal(again(ids()), model(ids()))

@@ -1,0 +1,140 @@
+"""Training with LoRA: only the adapters train (the optimizer state holds them alone), the base
+is untouched, the KL reference is the base under the reference adapters, and the sampler gets
+the adapters merged into its own copy (or runs them unmerged) with the trainer's logits."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxagent.config import OptimizerConfig, load_config
+from jaxagent.models import from_pretrained, init_model
+from jaxagent.models.adapters import read_adapter_config, split_trainable, without_adapters
+from jaxagent.models.config import LoraConfig, ModelConfig
+from jaxagent.optim import make_optimizer
+from jaxagent.steps import LossOptions, merged_model, pack, rl_step, sft_step
+from jaxagent.train.build import load_model_and_tokenizer
+from jaxagent.train.sync import SamplerWeights
+from sharding.config import MeshConfig
+from sharding.layout import Layout
+
+LORA = LoraConfig(rank=3, alpha=6.0, targets=("*_proj", "embed_tokens"))
+CFG = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2,
+                  num_heads=3, num_kv_heads=1, head_dim=8, tie_embeddings=False, lora=LORA)
+
+
+def rollouts(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 61, rng.integers(3, 9)).tolist() for _ in range(n)]
+    completions = [rng.integers(0, 61, rng.integers(1, 7)).tolist() for _ in range(n)]
+    logprobs = [(-rng.random(len(c))).tolist() for c in completions]
+    return pack(prompts, completions, logprobs, rng.normal(size=n), bucket=8)
+
+
+def setup(cfg=CFG):
+    graphdef, weights = nnx.split(init_model(cfg, seed=0))
+    params, frozen = split_trainable(weights)
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-2, max_grad_norm=0.0), 10)
+    return graphdef, params, frozen, tx
+
+
+def copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def test_only_the_adapters_train():
+    graphdef, params, frozen, tx = setup()
+    base = copy(frozen)
+    opt_state = tx.init(params)
+    sizes = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+    assert sizes(opt_state) == 2 * sizes(params) + 2  # Adam: moments of the adapters, 2 counts
+    assert sizes(params) < sizes(frozen) / 4
+    before = copy(params)
+    for _ in range(2):
+        params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, rollouts(), 0, 0,
+                                              frozen)
+    assert all(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(params),
+                                                        jax.tree.leaves(before)))
+    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_kl_reference_is_the_base_under_the_reference_adapters():
+    graphdef, params, frozen, tx = setup()
+    ref = copy(params)  # B = 0: the reference is the base model itself
+    options = LossOptions(kl_coef=0.5, entropy_coef=0.05)
+    opt_state = tx.init(params)
+    kls = []
+    for _ in range(3):
+        params, opt_state, metrics = rl_step(graphdef, tx, params, opt_state, rollouts(), ref,
+                                             None, frozen, options=options)
+        kls.append(float(metrics["train/kl"]))
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 1e-6  # moves off the base
+
+
+def test_remat_over_a_frozen_base_and_reference_adapters():
+    batch, options, norms = rollouts(), LossOptions(kl_coef=0.5), []
+    for remat in ("none", "dots"):
+        graphdef, params, frozen, tx = setup(dataclasses.replace(CFG, remat=remat))
+        _, _, m = rl_step(graphdef, tx, copy(params), tx.init(params), batch, copy(params), None,
+                          frozen, options=options)
+        norms.append(m["train/grad_norm"])
+    np.testing.assert_allclose(norms[1], norms[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["merged", "unmerged"])
+def test_sampler_weights_give_the_trainers_logits(mode):
+    cfg = dataclasses.replace(CFG, lora=dataclasses.replace(LORA, sampler=mode))
+    graphdef, params, frozen, _ = setup(cfg)
+    params = jax.tree.map(lambda x: x + 0.1, params)  # nonzero B
+    layout = Layout(MeshConfig())
+    to_sampler = SamplerWeights.create(cfg, layout, graphdef, frozen)
+    store = to_sampler.store(params, None)
+    store.publish(1, to_sampler.sent(params))
+    sampler_model = nnx.merge(to_sampler.graphdef, store.take(1))
+    assert (sampler_model.config.lora.rank == 0) == (mode == "merged")
+    tokens = rollouts().tokens
+    trainer_model = merged_model(graphdef, params, frozen)
+    np.testing.assert_allclose(sampler_model(tokens), trainer_model(tokens), atol=2e-5)
+
+
+SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=48",
+         "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16", "sft.batch_size=8",
+         "tasks.num_train=50", "tasks.num_eval=3", "rewards.workers=1", "model.lora.rank=4"]
+
+
+def test_sft_writes_peft_files_and_export_merges_them(tmp_path):
+    from jaxagent.cli import main
+
+    assert main(["sft", *SMALL, "sft.steps=2", f"workdir={tmp_path}"]) == 0
+    sft = tmp_path / "sft"  # a PEFT directory over the random base, written beside
+    assert read_adapter_config(sft)[1] == str((sft / "base").absolute())
+    assert main(["export", "--checkpoint", str(sft), "--out", str(tmp_path / "merged"),
+                 "--merge", *SMALL]) == 0
+    adapted, _ = load_model_and_tokenizer(load_config(None, SMALL), str(sft))
+    full = from_pretrained(tmp_path / "merged", dtype="float32")
+    assert not full.config.lora.rank
+    tokens = rollouts().tokens
+    np.testing.assert_allclose(full(tokens), adapted(tokens), atol=2e-5)
+    assert np.abs(adapted(tokens) - without_adapters(adapted)(tokens)).max() > 1e-4  # trained
+
+
+def test_sharded_lora_step_equals_the_single_device_one():
+    """Base and adapters laid out by their logical axes (fsdp and tensor), the update the same."""
+    layout = Layout(MeshConfig(data=2, fsdp=2, tensor=2))
+    graphdef, weights = layout.split(init_model(CFG, seed=0))
+    params, frozen = split_trainable(weights)
+    wq_a = params["layers"][0]["attn"]["lora"]["q_proj"]["a"].get_value()
+    assert wq_a.addressable_shards[0].data.shape == (12, 3)  # embed over fsdp, rank replicated
+    _, ref_params, ref_frozen, tx = setup()
+    batch = rollouts(8)
+    new, _, m = sft_step(graphdef, tx, params, layout.place(tx.init(params)), layout.batch(batch),
+                         0, 0, frozen)
+    ref_new, _, ref_m = sft_step(graphdef, tx, ref_params, tx.init(ref_params), batch, 0, 0,
+                                 ref_frozen)
+    np.testing.assert_allclose(m["sft/loss"], ref_m["sft/loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
