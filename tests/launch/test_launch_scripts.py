@@ -182,9 +182,74 @@ def test_k8s_dry_run_renders_the_jobset():
     assert "job-completion-index" in env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
 
 
+def _pod(out: str) -> dict:
+    import yaml
+
+    assert "${" not in out
+    return yaml.safe_load(out)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+def _sandbox_pod(*args: str) -> dict:
+    return _pod(_dry("k8s/submit.sh", "--image", "reg/j:gpu", *args))
+
+
+def test_k8s_bwrap_pod_is_privileged_with_an_emptydir():
+    pod = _sandbox_pod("--", "jaxagent", "train")  # bwrap is the default, as in rewards.backend
+    (trainer,) = pod["containers"]
+    assert trainer["securityContext"] == {"privileged": True}
+    assert {"name": "TMPDIR", "value": "/sandbox"} in trainer["env"]
+    assert {"name": "sandbox", "mountPath": "/sandbox"} in trainer["volumeMounts"]
+    assert {"name": "sandbox", "emptyDir": {}} in pod["volumes"]
+    assert "initContainers" not in pod
+
+
+def test_k8s_docker_pod_has_a_dockerd_sidecar_sharing_the_work_dir():
+    pod = _sandbox_pod("--", "jaxagent", "train", "rewards.backend=docker")
+    (trainer,) = pod["containers"]
+    (dockerd,) = pod["initContainers"]
+    assert "securityContext" not in trainer  # only the engine is privileged
+    env = {e["name"]: e["value"] for e in trainer["env"] if "value" in e}
+    assert env["TMPDIR"] == "/sandbox" and env["DOCKER_HOST"] == "unix:///sandbox/docker.sock"
+    assert dockerd["image"] == trainer["image"]  # the harness and pytest at the same paths
+    assert dockerd["restartPolicy"] == "Always" and dockerd["securityContext"]["privileged"]
+    assert dockerd["command"][:2] == ["dockerd", "--host=unix:///sandbox/docker.sock"]
+    assert "--host=unix:///sandbox/docker.sock" in dockerd["startupProbe"]["exec"]["command"]
+    mounts = {m["name"]: m["mountPath"] for m in dockerd["volumeMounts"]}
+    assert mounts == {"sandbox": "/sandbox", "docker-data": "/var/lib/docker"}
+    assert {"name": "sandbox", "mountPath": "/sandbox"} in trainer["volumeMounts"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["sandbox"]["emptyDir"] == volumes["docker-data"]["emptyDir"] == {}
+
+
+def test_k8s_process_pod_adds_nothing():
+    pod = _sandbox_pod("--sandbox", "process", "--", "jaxagent", "train")
+    (trainer,) = pod["containers"]
+    assert "securityContext" not in trainer and "initContainers" not in pod
+    assert [v["name"] for v in pod["volumes"]] == ["runs"]
+    names = [e["name"] for e in trainer["env"]]
+    assert names == ["JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sandbox", "dokker", "--", "x"],
+         "--sandbox (the config's rewards.backend) must be bwrap, docker or process, got 'dokker'"),
+        (["--", "x", "rewards.backend=nsjail"], "got 'nsjail'"),
+        (["--sandbox", "bwrap", "--", "x", "rewards.backend=docker"],
+         "--sandbox bwrap but the command sets rewards.backend=docker"),
+    ],
+)
+def test_k8s_bad_sandbox_backend_names_the_field(args, message):
+    out = subprocess.run(["bash", str(LAUNCH / "k8s/submit.sh"), "--dry-run", "--image", "r", *args],
+                         check=False, capture_output=True, text=True)
+    assert out.returncode == 2 and message in out.stderr and not out.stdout
+
+
 @pytest.mark.parametrize("kind", ["gpu", "tpu"])
 def test_docker_dry_run(kind):
     out = _dry("docker/build.sh", "--push", "--tag", f"reg/j:{kind}", kind).splitlines()
     assert out[0].startswith("docker build -f ") and f"Dockerfile.{kind} -t reg/j:{kind}" in out[0]
     assert out[1] == f"docker push reg/j:{kind}"
-    assert f'".[{kind}]"' in (LAUNCH / f"docker/Dockerfile.{kind}").read_text()
+    dockerfile = (LAUNCH / f"docker/Dockerfile.{kind}").read_text()
+    assert f'".[{kind},docker]"' in dockerfile and " docker.io " in dockerfile  # the k8s sidecar
