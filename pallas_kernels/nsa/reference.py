@@ -104,16 +104,14 @@ def nsa_block_idx(q, k_cmp, shape: NSAShape, s_len, scale, offset=0):
 
 
 def compressed_attention_reference(q, k_cmp, v_cmp, *, shape: NSAShape, num_select_blocks, scale=None, offset=0):
-    """The compressed branch and its by-product, in one pass over the compressed probabilities:
-    q[B,T,N,H] at positions offset + t, k_cmp[B,C,K,H], v_cmp[B,C,K,V] ->
-    (o_cmp [B,T,N,V] (eq. 7), block importance [B,T,K,P] (eqs. 9-10, no gradient))."""
+    """The compressed branch and its by-product: q[B,T,N,H] at positions offset + t,
+    k_cmp[B,C,K,H], v_cmp[B,C,K,V] -> (o_cmp [B,T,N,V] (eq. 7), block importance [B,T,K,P]
+    (eqs. 9-10, no gradient))."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    b, t, n, _ = q.shape
-    kh = k_cmp.shape[2]
-    p = compressed_probs(q, k_cmp, compressed_mask(t, k_cmp.shape[1], shape, offset), scale)  # [B,T,N,C]
-    o = jnp.einsum("btkgc,bckv->btkgv", p.reshape(b, t, kh, n // kh, -1), v_cmp).reshape(b, t, n, -1)
-    score = group_scores(selection_scores_reference(jax.lax.stop_gradient(p), num_select_blocks, shape), kh)
-    return o, score
+    mask = compressed_mask(q.shape[1], k_cmp.shape[1], shape, offset)
+    p = compressed_probs(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp), mask, scale)
+    score = group_scores(selection_scores_reference(p, num_select_blocks, shape), k_cmp.shape[2])
+    return attend(q, k_cmp, v_cmp, mask, scale), score
 
 
 def nsa_reference(q, k, v, params, shape: NSAShape, scale=None, select_fn=None):
