@@ -5,8 +5,9 @@ V vocab.
 
 One module covers the family; the differences are config switches: q/k/v bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling (Llama 3.1), sparse MoE MLPs
-(Qwen3-MoE, Mixtral: `moe.py`). Every parameter carries `logical_axes` metadata that
-`sharding/` maps to mesh axes; this file knows no mesh.
+(Qwen3-MoE, Mixtral: `moe.py`). Every parameter carries `logical_axes` metadata and
+activations are pinned by logical names (`params.constrain`); `sharding/` maps the names to mesh
+axes from outside (a rules context); this file knows no mesh.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flax import nnx
 
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
+from jaxagent.models.params import constrain
 from jaxagent.models.params import param as _param
 from pallas_kernels.attention import (
     dense_attention,
@@ -338,12 +340,6 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd)
-        # (x, logical axis names) -> x, pinning activations at layer boundaries to a layout;
-        # set from outside (sharding/), as this file knows no mesh. None: no constraint.
-        self.shard_activations = None
-
-    def _pin(self, x: jax.Array, names: tuple[str, ...]) -> jax.Array:
-        return x if self.shard_activations is None else self.shard_activations(x, names)
 
     def __call__(
         self,
@@ -374,7 +370,7 @@ class Decoder(nnx.Module):
             where = jnp.where(segment_ids != 0, positions, cache.size)
             slot_of = cache.slot_of.at[jnp.arange(b)[:, None], where].set(slots, mode="drop")
 
-        x = self._pin(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype), _BTD)
+        x = constrain(jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype), _BTD)
         new_kv, router_logits = [], []
         run = _remat(lambda layer, *args, **kw: layer(*args, **kw), cfg.remat, cache is None)
         for i, layer in enumerate(self.layers):
@@ -387,7 +383,7 @@ class Decoder(nnx.Module):
                 if cache.k_t is not None:
                     kw["cache_k_t"] = cache.k_t[i]
             x, kv, layer_router_logits = run(layer, x, positions, segment_ids, slots, **kw)
-            x = self._pin(x, _BTD)
+            x = constrain(x, _BTD)  # activations pinned at layer boundaries
             if layer_router_logits is not None:
                 router_logits.append(layer_router_logits)
             if kv is not None:
@@ -415,7 +411,7 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(x.dtype))
         else:
             logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype))
-        return self._pin(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 _REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

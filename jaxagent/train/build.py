@@ -172,10 +172,12 @@ def logits_chunk(cfg: Config, model) -> int:
     return logits_chunk_tokens(cfg.train.logits_chunk_mib, model.config.vocab_size)
 
 
-def make_sampler(model, tokenizer, cfg: Config) -> Sampler:
+def make_sampler(model, tokenizer, cfg: Config, activations=None) -> Sampler:
+    """`activations`: the rules context of the sampler's mesh (`Layout.sampler_activations`)."""
     s = cfg.sampler
     return Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket, cache_bucket=s.cache_bucket,
-                   batch_bucket=s.batch_bucket, host_threads=s.host_threads)
+                   batch_bucket=s.batch_bucket, host_threads=s.host_threads,
+                   activations=activations)
 
 
 def make_scorer(cfg: Config) -> Scorer:
