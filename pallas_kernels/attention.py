@@ -42,6 +42,8 @@ __all__ = ["BACKENDS", "dense_attention", "document_attention", "nsa_attention",
 def resolve_backend(kind: str, backend: str = "auto") -> str:
     """The backend ("xla" or "pallas") attention of `kind` ("dense" or "doc") runs for the
     option `backend` (one of ``BACKENDS``)."""
+    if kind not in ("dense", "doc"):
+        raise ValueError(f"attention {kind!r} has no backend option")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     if backend != "auto":

@@ -120,6 +120,8 @@ def test_attention_backend_is_picked_per_kind():
     assert [resolve_backend(kind) for kind in ("dense", "doc")] == ["xla", "pallas"]
     assert [resolve_backend(kind, "xla") for kind in ("dense", "doc")] == ["xla", "xla"]
     assert [resolve_backend(kind, "pallas") for kind in ("dense", "doc")] == ["pallas", "pallas"]
+    with pytest.raises(ValueError, match="attention 'nsa' has no backend option"):
+        resolve_backend("nsa")  # NSA picks its kernels itself (model.nsa.kernels)
 
 
 def test_heads_must_divide():
