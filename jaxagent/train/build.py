@@ -22,7 +22,9 @@ from jaxagent.config import Config
 from jaxagent.errors import ConfigError
 from jaxagent.metrics import LogProgress
 from jaxagent.models import from_pretrained, init_model, sees_all_segments
+from jaxagent.models.config import ModelConfig
 from jaxagent.models.hf import CheckpointError, resolve_checkpoint
+from jaxagent.models.llama import backend_name
 from jaxagent.rl import algorithms
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import LossOptions, logits_chunk_tokens
@@ -51,10 +53,17 @@ def expand_algorithm(r: RLConfig) -> RLConfig:
         r.algorithm, {key: getattr(r, key) for key in algorithms.SETTINGS}))
 
 
+def resolve_attention(m: ModelConfig) -> ModelConfig:
+    """`m` with `attention_backend: auto` resolved for its kind (dense: xla, doc: pallas), so
+    the saved config names the backend the run used (NSA's kernels are `model.nsa.kernels`)."""
+    return m if m.attention == "nsa" else dataclasses.replace(m, attention_backend=backend_name(m))
+
+
 def validate(cfg: Config) -> Config:
-    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`), after
-    the semantic checks that types alone cannot express. Run before any compute."""
-    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl))
+    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`) and the
+    attention backend resolved (`resolve_attention`), after the semantic checks that types
+    alone cannot express. Run before any compute."""
+    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl), model=resolve_attention(cfg.model))
     t, r = cfg.train, cfg.rl
     checks = [
         (t.steps >= 1, "train.steps", "must be >= 1"),
