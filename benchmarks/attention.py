@@ -34,6 +34,7 @@ from pallas_kernels.nsa import (
     sliding_window_attention,
 )
 from pallas_kernels.nsa import reference as R
+from pallas_kernels.nsa import xla as X
 from pallas_kernels.nsa._index import clean_block_idx
 from pallas_kernels.nsa.compressed_gpu import BlockSizes as CompressedBlockSizes
 from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
@@ -53,7 +54,7 @@ def timed(fn, *args, repeats):
     return best
 
 
-def random_selection(key, b, t, kh, shape: R.NSAShape):
+def random_selection(key, b, t, kh, shape: X.NSAShape):
     """Plausible block lists without the O(T * S) scoring: block 0, the local blocks and random
     past blocks (repeats are dropped by the kernel)."""
     own = jnp.arange(t)[None, :, None, None] // shape.select_block
@@ -63,7 +64,7 @@ def random_selection(key, b, t, kh, shape: R.NSAShape):
     return jnp.concatenate([zero, jnp.broadcast_to(local, (b, t, kh, shape.num_local_blocks)), rand], -1).astype(jnp.int32)
 
 
-def block_loads(idx, groups, shape: R.NSAShape):
+def block_loads(idx, groups, shape: X.NSAShape):
     """Key/value block loads of the selected branch: the per-position kernels load every pick of
     every position; the Mosaic GPU kernels load each block of a tile's union once."""
     t = idx.shape[1]
@@ -76,7 +77,7 @@ def block_loads(idx, groups, shape: R.NSAShape):
     return {"positions_per_tile": r, "per_position": per_position, "union": union, "ratio": per_position / union}
 
 
-def flops(t, n, h, shape: R.NSAShape):
+def flops(t, n, h, shape: X.NSAShape):
     """Forward matmul FLOPs: dense causal vs NSA's three branches (+ the compression MLP)."""
     dense = 2 * 2 * n * h * t * t / 2
     c = t // shape.compress_stride
@@ -100,7 +101,7 @@ def main():
     ap.add_argument("--no-backward", action="store_true", help="forward only (CPU: dense fwd+bwd at 16k takes minutes)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    shape = R.NSAShape()  # the paper's l=32, d=16, l'=64, n=16, w=512
+    shape = X.NSAShape()  # the paper's l=32, d=16, l'=64, n=16, w=512
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     b, n, kh, h = args.batch, args.heads, args.kv_heads, args.head_dim
     results = {
@@ -128,8 +129,8 @@ def main():
 
         def compressed(q, k, v, compressed_fn=None):
             """The compressed branch and the selection it drives, from the keys (MLPs included)."""
-            kc, vc = R.compress_blocks(k, params["compress_k"], shape), R.compress_blocks(v, params["compress_v"], shape)
-            return R.compressed_branch(q, kc, vc, shape, -(-t // shape.select_block), h**-0.5, compressed_fn)
+            kc, vc = X.compress_blocks(k, params["compress_k"], shape), X.compress_blocks(v, params["compress_v"], shape)
+            return X.compressed_branch(q, kc, vc, shape, -(-t // shape.select_block), h**-0.5, compressed_fn)
 
         cases = {"nsa_compressed_xla": lambda q, k, v, idx: compressed(q, k, v)}
         if on_gpu:
@@ -140,14 +141,14 @@ def main():
                 q, jnp.repeat(k, n // kh, 2), jnp.repeat(v, n // kh, 2), None, sm_scale=h**-0.5, causal=True
             )
             cases["nsa_selected_kernel"] = lambda q, k, v, idx: select_attention(q, k, v, idx, block_size=shape.select_block)
-            cases["nsa_layer"] = lambda q, k, v, idx: R.nsa_forward(
+            cases["nsa_layer"] = lambda q, k, v, idx: X.nsa_forward(
                 q, k, v, params, shape, select_fn=select_attention, window_fn=window_cudnn
             )
             # the window branch alone: our Pallas kernel vs cuDNN's sliding window
             cases["nsa_window_kernel"] = lambda q, k, v, idx: sliding_window_attention(q, k, v, window=shape.window)
             cases["nsa_window_cudnn"] = lambda q, k, v, idx: window_cudnn(q, k, v, window=shape.window, scale=h**-0.5)
             cases["nsa_compressed_kernel"] = lambda q, k, v, idx: compressed(q, k, v, compressed_attention)
-            cases["nsa_layer_kernels"] = lambda q, k, v, idx: R.nsa_forward(
+            cases["nsa_layer_kernels"] = lambda q, k, v, idx: X.nsa_forward(
                 q, k, v, params, shape, select_fn=select_attention, window_fn=sliding_window_attention,
                 compressed_fn=compressed_attention,
             )
@@ -161,13 +162,13 @@ def main():
             cases["nsa_selected_mosaic"] = lambda q, k, v, idx: mosaic["select_fn"](q, k, v, idx, block_size=shape.select_block)
             cases["nsa_window_mosaic"] = lambda q, k, v, idx: mosaic["window_fn"](q, k, v, window=shape.window)
             cases["nsa_compressed_mosaic"] = lambda q, k, v, idx: compressed(q, k, v, mosaic["compressed_fn"])
-            cases["nsa_layer_mosaic"] = lambda q, k, v, idx: R.nsa_forward(q, k, v, params, shape, **mosaic)
+            cases["nsa_layer_mosaic"] = lambda q, k, v, idx: X.nsa_forward(q, k, v, params, shape, **mosaic)
         else:
             cases["dense_xla"] = lambda q, k, v, idx: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-            cases["nsa_selected_gathered"] = lambda q, k, v, idx: R.select_attention_gathered(
+            cases["nsa_selected_gathered"] = lambda q, k, v, idx: X.select_attention_gathered(
                 q, k, v, idx, block_size=shape.select_block
             )
-            cases["nsa_layer"] = lambda q, k, v, idx: R.nsa_forward(q, k, v, params, shape)
+            cases["nsa_layer"] = lambda q, k, v, idx: X.nsa_forward(q, k, v, params, shape)
 
         dense_f, nsa_f = flops(t, n, h, shape)
         row = {"seq": t, "dense_gflop": dense_f / 1e9, "nsa_gflop": nsa_f / 1e9, "ms": {},
@@ -192,12 +193,12 @@ def main():
                 print(t, name, kind, row["ms"][f"{name}/{kind}"], flush=True)
 
         # one decode step at position t-1 with a full cache
-        k_cmp = R.compress_blocks(k, params["compress_k"], shape)
-        v_cmp = R.compress_blocks(v, params["compress_v"], shape)
+        k_cmp = X.compress_blocks(k, params["compress_k"], shape)
+        v_cmp = X.compress_blocks(v, params["compress_v"], shape)
         q1 = q[:, -1:]
         pos = jnp.full((b,), t - 1)
         dense_dec = jax.jit(lambda q1, k, v: jax.nn.dot_product_attention(q1, k, v, implementation="xla"))
-        nsa_dec = jax.jit(lambda q1, k, v, kc, vc, pos: R.nsa_decode_step(q1, k, v, kc, vc, pos, params, shape))
+        nsa_dec = jax.jit(lambda q1, k, v, kc, vc, pos: X.nsa_decode_step(q1, k, v, kc, vc, pos, params, shape))
         k_slots, v_slots, kc, vc = (x.transpose(0, 2, 1, 3) for x in (k, v, k_cmp, v_cmp))  # a sampler cache's layout
         for name, f, a in (("dense/decode", dense_dec, (q1, k, v)),
                            ("nsa/decode", nsa_dec, (q1, k_slots, v_slots, kc, vc, pos))):

@@ -142,7 +142,7 @@ def main():
                    help="activations (parameters and AdamW stay float32)")
     p.add_argument("--tunix-timeout", type=float, default=None, help="seconds")
     p.add_argument("--attention-backend", default=None,
-                   help="jaxagent's training attention (default: doc on a GPU, else xla). XLA "
+                   help="jaxagent's training attention (default: pallas on a GPU, else xla). XLA "
                         "attention keeps [rows, heads, L, L] scores per layer for the backward: "
                         "at 0.5B with 8 x (256 + 8 x 256)-token shared-prompt rows an H200 "
                         "was asked for 99 GiB")
@@ -169,7 +169,7 @@ def main():
         prompts = make_prompts(args.prompts, args.prompt_len, vocab)
         common = (prompts, args.group, args.new_tokens, args.warmup, args.steps, args.lr,
                   args.dtype)
-        backend = args.attention_backend or ("doc" if jax.default_backend() == "gpu" else "xla")
+        backend = args.attention_backend or ("pallas" if jax.default_backend() == "gpu" else "xla")
         results["jaxagent"] = run_ours(ckpt, *common, share_prompt=not args.no_share_prompt,
                                        attention_backend=backend)
         print(json.dumps({"stack": "jaxagent", "median": medians(results["jaxagent"])}),

@@ -67,7 +67,7 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--groups", type=int, default=1, help="groups per step")
-    ap.add_argument("--attention", default="xla", help="model.attention_backend (xla, doc)")
+    ap.add_argument("--attention", default="xla", help="model.attention_backend (auto, xla, pallas)")
     ap.add_argument("--layers", type=int, default=0, help="override the model's layer count")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)

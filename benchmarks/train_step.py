@@ -15,6 +15,7 @@ devices share the same cores, so the CPU numbers compare layouts, not hardware).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import platform
@@ -78,7 +79,7 @@ def run_layout(model_cfg, layout, batch: int, seq: int, steps: int, micro_batch:
     from jaxagent.steps import TrainBatch, sft_step
     from sharding.config import DEFAULT_AXIS_RULES
     from sharding.mesh import build_mesh
-    from sharding.rules import ActivationSharding, place, shard_batch
+    from sharding.rules import activation_rules, place, shard_batch
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model_cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
@@ -94,16 +95,18 @@ def run_layout(model_cfg, layout, batch: int, seq: int, steps: int, micro_batch:
             graphdef, params = nnx.split(model)
             opt_state = tx.init(params)
             data = jax.device_put(host, jax.devices()[0])
+        activations = contextlib.nullcontext()
     else:
         mesh = build_mesh(layout)
         model = init_model(model_cfg)
-        model.shard_activations = ActivationSharding(mesh, DEFAULT_AXIS_RULES)
         graphdef, params = nnx.split(model)
         params, opt_state = place((params, tx.init(params)), mesh, DEFAULT_AXIS_RULES)
         data = shard_batch(host, mesh, DEFAULT_AXIS_RULES)
+        activations = activation_rules(mesh, DEFAULT_AXIS_RULES)
     t0 = time.perf_counter()
-    step = sft_step.lower(graphdef, tx, params, opt_state, data, micro_batch,
-                          logits_chunk).compile()
+    with activations:  # the step is traced here: activations pinned to the mesh's layout
+        step = sft_step.lower(graphdef, tx, params, opt_state, data, micro_batch,
+                              logits_chunk).compile()
     memory = step.memory_analysis()  # None where the backend does not say
     temp = memory.temp_size_in_bytes if memory is not None else None
     params, opt_state, metrics = step(params, opt_state, data)

@@ -9,7 +9,7 @@ the positions whose *target* is a policy-generated token (`loss_mask`); prompt, 
 Shared-prompt packing (`pack_shared`): the G rollouts of a group share one prompt, so the
 model reads each group as one row `[prompt, completion_1, ..., completion_G]` in which
 completion i attends to the prompt and to itself only (negative segment ids, see
-`jaxagent.models.attention`) and continues the prompt's positions. The prompt's activations
+`pallas_kernels.attention`) and continues the prompt's positions. The prompt's activations
 are computed once per group instead of G times; the logits are then gathered back into the
 per-rollout layout, so every loss below is unchanged and so are its gradients.
 """

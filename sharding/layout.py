@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sharding.config import MeshConfig
 from sharding.mesh import build_mesh
 from sharding.rules import (
-    ActivationSharding,
+    activation_rules,
     check_batch,
     place,
     shard_batch,
@@ -46,10 +46,14 @@ class Layout:
     # -- training -------------------------------------------------------------------------------
 
     def split(self, model: nnx.Module) -> tuple[Any, Any]:
-        """(graphdef, params on the trainer's mesh); activations pinned at layer boundaries."""
-        model.shard_activations = ActivationSharding(self.mesh, self.rules)
+        """(graphdef, params on the trainer's mesh)."""
         graphdef, params = nnx.split(model)
         return graphdef, self.place(params)
+
+    def activations(self):
+        """The rules context of the trainer's mesh: training programs called in it pin the
+        model's activations (at layer boundaries) to the rules' layout."""
+        return activation_rules(self.mesh, self.rules)
 
     def place(self, tree: Any) -> Any:
         """Params and/or optimizer state onto the trainer's mesh."""
@@ -94,7 +98,9 @@ class Layout:
     def sampler_model(self, graphdef: Any, params: Any, *, placed: bool = False) -> nnx.Module:
         """The sampler's model of the trainer's `params` (`placed`: of params already on the
         sampler's mesh)."""
-        model = nnx.merge(graphdef, params if placed else self.sampler_params(params))
-        model.shard_activations = ActivationSharding(self.sampler_mesh, self.rules)
-        return model
+        return nnx.merge(graphdef, params if placed else self.sampler_params(params))
+
+    def sampler_activations(self):
+        """`activations` for the sampler's mesh (`Sampler(activations=...)`)."""
+        return activation_rules(self.sampler_mesh, self.rules)
 

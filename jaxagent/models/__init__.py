@@ -1,14 +1,12 @@
 """Flax NNX decoders (Llama / Qwen2 / Qwen3) and HF checkpoint import/export; config.py: the
 `model` config section."""
 
-from jaxagent.models.attention import BACKENDS, register_backend
 from jaxagent.models.documents import document_layout
 from jaxagent.models.hf import CheckpointError, from_pretrained, read_config, save_pretrained
 from jaxagent.models.llama import (Decoder, KVCache, compute_weights, init_model, logical_axes,
                                    sees_all_segments)
 
 __all__ = [
-    "BACKENDS",
     "CheckpointError",
     "compute_weights",
     "Decoder",
@@ -18,7 +16,6 @@ __all__ = [
     "init_model",
     "logical_axes",
     "read_config",
-    "register_backend",
     "save_pretrained",
     "sees_all_segments",
 ]

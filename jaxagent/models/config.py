@@ -102,10 +102,13 @@ class ModelConfig:
     # only the matmuls with the weights (dots: recompute norms, RoPE, attention, SwiGLU) or
     # only the layer's input (full: recompute the whole layer).
     remat: Literal["none", "dots", "full"] = "none"
-    attention_backend: str = "xla"  # key of jaxagent.models.attention.BACKENDS (dense attention)
-    # dense: `attention_backend`; nsa: Native Sparse Attention, see `nsa`; doc: the Pallas
-    # document-attention kernel (pallas_kernels/doc_attention), prompts laid out by `documents`.
+    # dense; nsa: Native Sparse Attention, see `nsa`; doc: document-level prompts laid out by
+    # `documents` (pallas_kernels.attention: one function per kind).
     attention: Literal["dense", "nsa", "doc"] = "dense"
+    # How dense and doc attention run: auto (XLA for dense, the Pallas kernel for doc), xla, or
+    # pallas (the block-sparse kernel, pallas_kernels/doc_attention; interpreted on CPU). NSA's
+    # kernels are `nsa.kernels`.
+    attention_backend: Literal["auto", "xla", "pallas"] = "auto"
     documents: DocumentConfig = field(default_factory=DocumentConfig)  # when attention is "doc"
     nsa: NSAConfig = field(default_factory=NSAConfig)  # used when attention is "nsa"
     bos_token_id: int | None = 256
@@ -127,3 +130,8 @@ class ModelConfig:
     moe_dispatch: Literal["dropless", "capacity", "dense"] = "dropless"
     capacity_factor: float = 1.25
     lora: LoraConfig = field(default_factory=LoraConfig)  # adapters; rank 0 = none
+
+    def __post_init__(self):
+        if self.attention == "nsa" and self.attention_backend != "auto":
+            raise ValueError("attention_backend: NSA's kernels are picked by model.nsa.kernels "
+                             "(auto, xla, select, all); leave attention_backend at auto")

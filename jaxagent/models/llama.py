@@ -5,14 +5,14 @@ V vocab.
 
 One module covers the family; the differences are config switches: q/k/v bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), tied embeddings, RoPE scaling (Llama 3.1), sparse MoE MLPs
-(Qwen3-MoE, Mixtral: `moe.py`). Every parameter carries `logical_axes` metadata that
-`sharding/` maps to mesh axes; this file knows no mesh.
+(Qwen3-MoE, Mixtral: `moe.py`). Every parameter carries `logical_axes` metadata and
+activations are pinned by logical names (`params.constrain`); `sharding/` maps the names to mesh
+axes from outside (a rules context); this file knows no mesh.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -20,27 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxagent.models.attention import (
-    attention_mask,
-    decode_attention_keys_transposed,
-    get_backend,
-    supports_sees_all,
-)
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.lora import adapted, check_lora, make_adapters
 from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
+from jaxagent.models.params import constrain
 from jaxagent.models.params import param as _param
-from pallas_kernels.nsa import (
-    compressed_attention,
-    select_attention,
-    sliding_window_attention,
+from pallas_kernels.attention import (
+    dense_attention,
+    document_attention,
+    nsa_attention,
+    resolve_backend,
 )
-from pallas_kernels.nsa import reference as nsa_ref
-from pallas_kernels.nsa.compressed_gpu import BlockSizes as CompressedGpuBlockSizes
-from pallas_kernels.nsa.select_gpu import BlockSizes as SelectGpuBlockSizes
-from pallas_kernels.nsa.select_gpu import select_attention_gpu
-from pallas_kernels.nsa.window_gpu import BlockSizes as WindowGpuBlockSizes
-from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
+from pallas_kernels.nsa import NSAShape, append_compressed, cache_keys, nsa_decode_step, nsa_forward
 
 _BTD = ("batch", "length", "embed")  # logical names of the residual stream
 
@@ -161,45 +152,12 @@ class RMSNorm(nnx.Module):
         return xf.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-def nsa_shape(cfg: ModelConfig) -> nsa_ref.NSAShape:
-    fields = {f.name for f in dataclasses.fields(nsa_ref.NSAShape)}
+def nsa_shape(cfg: ModelConfig) -> NSAShape:
+    fields = {f.name for f in dataclasses.fields(NSAShape)}
     try:
-        return nsa_ref.NSAShape(**{k: v for k, v in dataclasses.asdict(cfg.nsa).items() if k in fields})
+        return NSAShape(**{k: v for k, v in dataclasses.asdict(cfg.nsa).items() if k in fields})
     except ValueError as e:
         raise ValueError(f"model.nsa: {e}") from None
-
-
-def _is_hopper(device) -> bool:
-    """NVIDIA compute capability 9.0 or later (wgmma and TMA, which Mosaic GPU's kernels need);
-    ROCm devices report an arch name ("gfx942") instead."""
-    try:
-        return float(getattr(device, "compute_capability", "0")) >= 9.0
-    except ValueError:
-        return False
-
-
-def nsa_kernels(kernels: str, gpu_kernels: str):
-    """(select_fn, window_fn, compressed_fn) for nsa_forward, per `model.nsa.kernels`; None is
-    the branch's plain-XLA form. Decided at trace time, from the backend."""
-    backend = jax.default_backend()
-    on_accelerator = backend in ("gpu", "tpu")
-    if kernels == "auto":
-        kernels = "select" if on_accelerator else "xla"
-    if kernels == "xla":
-        return None, None, None
-    interpret = not on_accelerator
-    compressed = functools.partial(compressed_attention, interpret=interpret)
-    if backend == "gpu":
-        gpu = gpu_kernels if _is_hopper(jax.devices()[0]) else "triton"
-        select = functools.partial(select_attention_gpu, block_sizes=SelectGpuBlockSizes(backend=gpu))
-        window = functools.partial(sliding_window_attention_gpu, block_sizes=WindowGpuBlockSizes(backend=gpu))
-        compressed = functools.partial(compressed, block_sizes=CompressedGpuBlockSizes(backend=gpu))
-    else:
-        select = functools.partial(select_attention, interpret=interpret)
-        window = functools.partial(sliding_window_attention, interpret=interpret)
-    if kernels == "select":
-        return select, None, None
-    return select, window, compressed
 
 
 class NSA(nnx.Module):
@@ -246,24 +204,23 @@ class NSA(nnx.Module):
         params = self._params(q.dtype)
         if cache is None:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,S,K,H], the kernels' layout
-            select_fn, window_fn, compressed_fn = nsa_kernels(*self.kernels)
-            return nsa_ref.nsa_forward(q, k, v, params, self.shape, select_fn=select_fn, window_fn=window_fn,
-                                       compressed_fn=compressed_fn)
+            kernels, gpu_kernels = self.kernels
+            return nsa_attention(q, k, v, params, self.shape, kernels=kernels, gpu_kernels=gpu_kernels)
         k_cmp, v_cmp, slot_of = cache
-        k_cmp = nsa_ref.append_compressed(k_cmp, k, slot_of, positions, segment_ids, params["compress_k"], self.shape)
-        v_cmp = nsa_ref.append_compressed(v_cmp, v, slot_of, positions, segment_ids, params["compress_v"], self.shape)
+        k_cmp = append_compressed(k_cmp, k, slot_of, positions, segment_ids, params["compress_k"], self.shape)
+        v_cmp = append_compressed(v_cmp, v, slot_of, positions, segment_ids, params["compress_v"], self.shape)
         if q.shape[1] == 1:
-            out = nsa_ref.nsa_decode_step(q, k, v, k_cmp, v_cmp, positions[:, 0], params, self.shape,
-                                          slot_of=slot_of)
+            out = nsa_decode_step(q, k, v, k_cmp, v_cmp, positions[:, 0], params, self.shape,
+                                  slot_of=slot_of)
         else:
             # A chunk (prefill): the keys by position, then the teacher-forced layer at an offset.
             # The last query is a real token (chunks are left-padded); padding queries get
             # negative positions, see nothing and output zeros.
             every = jnp.arange(slot_of.shape[1])[None, None, :]
             k_pos, v_pos, kc, vc = (jnp.swapaxes(x, 1, 2) for x in (  # [B,S|C,K,H]
-                nsa_ref.cache_keys(k, every, slot_of), nsa_ref.cache_keys(v, every, slot_of), k_cmp, v_cmp))
-            out = nsa_ref.nsa_forward(q, k_pos, v_pos, params, self.shape, k_cmp=kc, v_cmp=vc,
-                                      offset=positions[:, -1] - (q.shape[1] - 1))
+                cache_keys(k, every, slot_of), cache_keys(v, every, slot_of), k_cmp, v_cmp))
+            out = nsa_forward(q, k_pos, v_pos, params, self.shape, k_cmp=kc, v_cmp=vc,
+                              offset=positions[:, -1] - (q.shape[1] - 1))
         return out, (k_cmp, v_cmp)
 
 
@@ -272,7 +229,8 @@ class Attention(nnx.Module):
         d, n, k, h, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         if n % k:
             raise ValueError(f"model.num_heads ({n}) must be a multiple of model.num_kv_heads ({k})")
-        get_backend(cfg.attention_backend)  # fail at construction, not at the first call
+        if cfg.attention != "nsa":
+            backend_name(cfg)  # fail at construction, not at the first call
         self.cfg = cfg
         self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd)
         self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
@@ -323,17 +281,19 @@ class Attention(nnx.Module):
             k_t = jax.lax.dynamic_update_slice(
                 cache_k_t, jnp.swapaxes(k_new, 2, 3).astype(cache_k_t.dtype), (0, 0, 0, cache_index))
             new_kv["k_t"] = k_t
-            out = decode_attention_keys_transposed(
-                q, k_t.astype(dt), v.astype(dt), attention_mask(segment_ids, kv_segment_ids, slots, kv_slots))
+            out = dense_attention(q, k_t.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
+                                  kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots,
+                                  backend=cfg.attention_backend, keys_transposed=True)
         elif cfg.attention == "nsa" and cache_nsa is not None:
             out, (k_cmp, v_cmp) = self.nsa(q, k.astype(dt), v.astype(dt), positions, segment_ids, cache_nsa)
             new_kv.update(k_cmp=k_cmp, v_cmp=v_cmp)
         elif cfg.attention == "nsa":
             out = self.nsa(q, k.astype(dt), v.astype(dt), positions, segment_ids)
         else:
-            attend = get_backend(backend_name(cfg))
+            attend = document_attention if cfg.attention == "doc" else dense_attention
             out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
-                         kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots)
+                         kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots,
+                         backend=cfg.attention_backend)
         o = jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt))
         return adapted(self.lora, "o_proj", out, o), new_kv
 
@@ -397,12 +357,6 @@ class Decoder(nnx.Module):
         vocab, embed = ((v, "vocab"),), ((d, "embed"),)
         self.lora = make_adapters(cfg, {"embed_tokens": (vocab, embed),
                                         "lm_head": (embed, vocab)}, rngs=rngs)
-        # (x, logical axis names) -> x, pinning activations at layer boundaries to a layout;
-        # set from outside (sharding/), as this file knows no mesh. None: no constraint.
-        self.shard_activations = None
-
-    def _pin(self, x: jax.Array, names: tuple[str, ...]) -> jax.Array:
-        return x if self.shard_activations is None else self.shard_activations(x, names)
 
     def __call__(
         self,
@@ -436,7 +390,7 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cfg.dtype)
         if "embed_tokens" in self.lora:
             x = x + self.lora["embed_tokens"].lookup(tokens, cfg.dtype)
-        x = self._pin(x, _BTD)
+        x = constrain(x, _BTD)
         new_kv, router_logits = [], []
         run = _remat(lambda layer, *args, **kw: layer(*args, **kw), cfg.remat, cache is None)
         for i, layer in enumerate(self.layers):
@@ -449,7 +403,7 @@ class Decoder(nnx.Module):
                 if cache.k_t is not None:
                     kw["cache_k_t"] = cache.k_t[i]
             x, kv, layer_router_logits = run(layer, x, positions, segment_ids, slots, **kw)
-            x = self._pin(x, _BTD)
+            x = constrain(x, _BTD)  # activations pinned at layer boundaries
             if layer_router_logits is not None:
                 router_logits.append(layer_router_logits)
             if kv is not None:
@@ -478,7 +432,7 @@ class Decoder(nnx.Module):
         else:
             logits = adapted(self.lora, "lm_head", x,
                              jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype)))
-        return self._pin(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 _REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -494,14 +448,18 @@ def _remat(run, remat: str, training: bool):
 
 
 def backend_name(cfg: ModelConfig) -> str:
-    """The attention backend a dense or document-attention model runs."""
-    return "doc" if cfg.attention == "doc" else cfg.attention_backend
+    """The backend ("xla" or "pallas") a dense or document-attention model runs."""
+    try:
+        return resolve_backend(cfg.attention, cfg.attention_backend)
+    except ValueError as e:
+        raise ValueError(f"model.attention_backend: {e}") from None
 
 
 def sees_all_segments(cfg: ModelConfig) -> bool:
     """Whether the model honours negative ("sees all") segment ids: shared-prompt packing and
-    document prompts need it; NSA's branches do not read segment ids."""
-    return cfg.attention != "nsa" and supports_sees_all(backend_name(cfg))
+    document prompts need it; both backends of dense and document attention do, NSA's branches
+    do not read segment ids."""
+    return cfg.attention != "nsa"
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:

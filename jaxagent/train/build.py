@@ -24,7 +24,9 @@ from jaxagent.metrics import LogProgress
 from jaxagent.models import from_pretrained, init_model, sees_all_segments
 from jaxagent.models.adapters import (init_adapters, is_adapter_dir, load_adapter,
                                       read_adapter_config, with_adapters)
+from jaxagent.models.config import ModelConfig
 from jaxagent.models.hf import CheckpointError, resolve_checkpoint
+from jaxagent.models.llama import backend_name
 from jaxagent.models.lora import check_lora
 from jaxagent.rl import algorithms
 from jaxagent.rl.config import RLConfig
@@ -54,10 +56,17 @@ def expand_algorithm(r: RLConfig) -> RLConfig:
         r.algorithm, {key: getattr(r, key) for key in algorithms.SETTINGS}))
 
 
+def resolve_attention(m: ModelConfig) -> ModelConfig:
+    """`m` with `attention_backend: auto` resolved for its kind (dense: xla, doc: pallas), so
+    the saved config names the backend the run used (NSA's kernels are `model.nsa.kernels`)."""
+    return m if m.attention == "nsa" else dataclasses.replace(m, attention_backend=backend_name(m))
+
+
 def validate(cfg: Config) -> Config:
-    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`), after
-    the semantic checks that types alone cannot express. Run before any compute."""
-    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl))
+    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`) and the
+    attention backend resolved (`resolve_attention`), after the semantic checks that types
+    alone cannot express. Run before any compute."""
+    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl), model=resolve_attention(cfg.model))
     t, r = cfg.train, cfg.rl
     checks = [
         (t.steps >= 1, "train.steps", "must be >= 1"),
@@ -199,10 +208,12 @@ def logits_chunk(cfg: Config, model) -> int:
     return logits_chunk_tokens(cfg.train.logits_chunk_mib, model.config.vocab_size)
 
 
-def make_sampler(model, tokenizer, cfg: Config) -> Sampler:
+def make_sampler(model, tokenizer, cfg: Config, activations=None) -> Sampler:
+    """`activations`: the rules context of the sampler's mesh (`Layout.sampler_activations`)."""
     s = cfg.sampler
     return Sampler(model, tokenizer, prompt_bucket=s.prompt_bucket, cache_bucket=s.cache_bucket,
-                   batch_bucket=s.batch_bucket, host_threads=s.host_threads)
+                   batch_bucket=s.batch_bucket, host_threads=s.host_threads,
+                   activations=activations)
 
 
 def make_scorer(cfg: Config) -> Scorer:

@@ -110,7 +110,8 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
             state = warm_up(cfg, learner, state, train_tasks, progress, metrics)
         # The producer thread's sampler, and one for evaluation in this thread.
         to_sampler = SamplerWeights.create(model.config, layout, learner.graphdef, state.frozen)
-        sampler, eval_sampler = (make_sampler(to_sampler.model(state.params), tokenizer, cfg)
+        sampler, eval_sampler = (make_sampler(to_sampler.model(state.params), tokenizer, cfg,
+                                              layout.sampler_activations)
                                  for _ in range(2))
         evaluate = HeldOutEval(cfg, to_sampler, eval_sampler, tokenizer, scorer, eval_tasks, log)
         if not resumed:  # evaluate, then save step 0: a kill between them repeats the evaluation
@@ -224,10 +225,11 @@ class Learner:
         (the new state, the update's metrics, its seconds)."""
         t0 = time.perf_counter()
         minis = [self.layout.batch(b) for b in split_rows(rows, self.cfg.rl.mini_batches)]
-        params, opt_state, metrics = ppo_update(
-            self.graphdef, self.tx, state.params, state.opt_state, minis, state.ref_params,
-            feedback, state.frozen, options=self.options, epochs=self.cfg.rl.ppo_epochs,
-            micro_batch=self.cfg.train.micro_batch, logits_chunk=self.chunk)
+        with self.layout.activations():
+            params, opt_state, metrics = ppo_update(
+                self.graphdef, self.tx, state.params, state.opt_state, minis, state.ref_params,
+                feedback, state.frozen, options=self.options, epochs=self.cfg.rl.ppo_epochs,
+                micro_batch=self.cfg.train.micro_batch, logits_chunk=self.chunk)
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the update
         return (dataclasses.replace(state, params=params, opt_state=opt_state), metrics,
                 time.perf_counter() - t0)

@@ -48,24 +48,26 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
     rng = np.random.default_rng(cfg.seed)
     task_bar = progress.add_task("sft", total=s.steps, info="") if progress else None
     metrics, accuracy = {}, {}
-    if eval_batch is not None:
-        eval_batch = layout.batch(jax.tree.map(
-            lambda x: x[layout.local_rows(s.documents.eval_examples)], eval_batch),
-            "sft.documents.eval_examples")
-        accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch, chunk,
-                                                                frozen)
-    for _ in range(s.steps):
-        # Every process draws the same global batch and keeps its own rows of it.
-        batch = draw(rng)
-        batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)], batch),
-                             "sft.batch_size")
-        params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
-                                              cfg.train.micro_batch, chunk, frozen)
-        if progress:
-            progress.update(task_bar, advance=1, info=f"loss {float(metrics['sft/loss']):.3f}")
-    if eval_batch is not None:
-        accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch, chunk,
-                                                          frozen)
+    with layout.activations():  # the programs below pin activations to the trainer's layout
+        if eval_batch is not None:
+            eval_batch = layout.batch(jax.tree.map(
+                lambda x: x[layout.local_rows(s.documents.eval_examples)], eval_batch),
+                "sft.documents.eval_examples")
+            accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch,
+                                                                    chunk, frozen)
+        for _ in range(s.steps):
+            # Every process draws the same global batch and keeps its own rows of it.
+            batch = draw(rng)
+            batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)],
+                                              batch), "sft.batch_size")
+            params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
+                                                  cfg.train.micro_batch, chunk, frozen)
+            if progress:
+                progress.update(task_bar, advance=1,
+                                info=f"loss {float(metrics['sft/loss']):.3f}")
+        if eval_batch is not None:
+            accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch, chunk,
+                                                              frozen)
     return params, {k: float(v) for k, v in {**metrics, **accuracy}.items()}
 
 

@@ -3,7 +3,7 @@
 Letters: B batch, T query time, S key time, N query heads, K kv heads, G = N // K,
 H head dim, I query blocks, J key blocks.
 
-The mask is described, not materialised (as in `jaxagent.models.attention`): query t sees key
+The mask is described, not materialised (as in `pallas_kernels.attention`): query t sees key
 s iff slot[s] <= slot[t] (causal) and either seg[t] == seg[s] != 0, or seg[t] < 0 < seg[s]
 (a "sees all" segment reads every document). Documents attend within themselves; the final
 section of a document-level prompt (or each completion of a shared-prompt GRPO group) reads
@@ -289,7 +289,7 @@ def doc_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots,
                   interpret: bool = False):
     """q [B,T,N,H], k/v [B,K,S,H] (the model's cache layout) -> [B,T,N,H].
 
-    The `jaxagent.models.attention` backend protocol plus kernel options. T and S need not be
+    The contract of `pallas_kernels.attention.dense_attention` plus kernel options. T and S need not be
     multiples of the block sizes (padded with segment 0); H should be a power of two on GPU.
     """
     b, t, n, h = q.shape

@@ -1,22 +1,24 @@
-"""Native Sparse Attention: the plain-JAX reference and the kernels of its three branches
-(compressed with block scoring, selected blocks, sliding window)."""
+"""Native Sparse Attention: ``nsa_attention`` (the layer; the one place its kernels are picked,
+``attention.py``), the kernels of its three branches (compressed with block scoring, selected
+blocks, sliding window), the production XLA path with decoding over a KV cache (``xla.py``),
+and the plain oracle the tests use (``reference.py``)."""
 
-from pallas_kernels.nsa.compressed import compressed_attention
-from pallas_kernels.nsa.reference import (
-    NSAShape,
-    compressed_attention_reference,
-    nsa_reference,
-    select_attention_reference,
+from pallas_kernels.nsa.attention import (
+    compressed_attention,
+    nsa_attention,
+    select_attention,
+    sliding_window_attention,
 )
-from pallas_kernels.nsa.select import select_attention
-from pallas_kernels.nsa.window import sliding_window_attention
+from pallas_kernels.nsa.xla import NSAShape, append_compressed, cache_keys, nsa_decode_step, nsa_forward
 
 __all__ = [
     "NSAShape",
+    "append_compressed",
+    "cache_keys",
     "compressed_attention",
-    "compressed_attention_reference",
-    "nsa_reference",
+    "nsa_attention",
+    "nsa_decode_step",
+    "nsa_forward",
     "select_attention",
-    "select_attention_reference",
     "sliding_window_attention",
 ]

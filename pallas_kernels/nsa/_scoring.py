@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.nsa._band import Band
-from pallas_kernels.nsa.reference import NSAShape, eq9_weight
+from pallas_kernels.nsa.xla import NSAShape, eq9_weight
 
 
 @dataclasses.dataclass(frozen=True)

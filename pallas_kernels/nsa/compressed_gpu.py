@@ -30,9 +30,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.nsa import compressed_mgpu
 from pallas_kernels.nsa._band import Band, band_attention
 from pallas_kernels.nsa._scoring import Scoring, eq9_tile_weights, group_selector
-from pallas_kernels.nsa.reference import NSAShape
 from pallas_kernels.nsa.select_gpu import MIN_DOT_ROWS, _pow2
 from pallas_kernels.nsa.window_gpu import _backward, _forward, _layout, _params
+from pallas_kernels.nsa.xla import NSAShape
 
 
 @dataclasses.dataclass(frozen=True)

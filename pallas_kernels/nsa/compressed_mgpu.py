@@ -31,7 +31,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.nsa._band import Band, band_attention
 from pallas_kernels.nsa._scoring import Scoring, eq9_tile_weights, group_selector
-from pallas_kernels.nsa.reference import NSAShape
 from pallas_kernels.nsa.select_mgpu import (
     ROWS,
     SMEM_BYTES,
@@ -50,6 +49,7 @@ from pallas_kernels.nsa.select_mgpu import (
     mosaic_band,
     supports,
 )
+from pallas_kernels.nsa.xla import NSAShape
 
 # Compressed keys' inverted lists are long (every later tile sees a key block), so a dK/dV program
 # walks more tiles than a selection's before its partial sum is cut off.

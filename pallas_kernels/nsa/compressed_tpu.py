@@ -25,7 +25,6 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.nsa._band import Band, band_attention
 from pallas_kernels.nsa._scoring import Scoring, eq9_tile_weights, group_selector
-from pallas_kernels.nsa.reference import NSAShape
 from pallas_kernels.nsa.select_tpu import _interpret
 from pallas_kernels.nsa.window_tpu import (
     _backward,
@@ -35,6 +34,7 @@ from pallas_kernels.nsa.window_tpu import (
     _params,
     _tiles,
 )
+from pallas_kernels.nsa.xla import NSAShape
 
 
 @dataclasses.dataclass(frozen=True)

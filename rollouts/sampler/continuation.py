@@ -114,7 +114,7 @@ class Continuation:
             return self.prefill()
         tokens, segment_ids, positions = left_pad(self.pending, chunk, self.batch, self.positions)
         cache = reserve(self.cache, self.used, chunk, s.config, s.cache_bucket)
-        logits, self.cache = _extend(s.graphdef, s.params, cache, tokens, segment_ids, positions)
+        logits, self.cache = s.run(_extend, cache, tokens, segment_ids, positions)
         self.used += chunk
         self.positions += np.asarray(lengths, np.int32)
         self.pending = [[] for _ in range(self.batch)]

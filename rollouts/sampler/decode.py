@@ -154,9 +154,9 @@ def decode(sampler: Sampler, sampling: Sampling, key, cache: KVCache, logits, ro
         # decode step k writes the token sampled at step k - 1 at the cache's next slot
         state["cache"] = reserve(state["cache"], used + step - 1, n, sampler.config,
                                  sampler.cache_bucket)
-        state = _decode_segment(sampler.graphdef, sampler.params, state, jnp.int32(step + n),
-                                jnp.int32(sampling.max_new_tokens), key, sampling.temperature,
-                                sampling.top_p, sampling.stop_ids, mode=sampling.mode)
+        state = sampler.run(_decode_segment, state, jnp.int32(step + n),
+                            jnp.int32(sampling.max_new_tokens), key, sampling.temperature,
+                            sampling.top_p, sampling.stop_ids, mode=sampling.mode)
         new_step = int(state["step"])
         row_steps += (new_step - step) * state["done"].shape[0]
         step = new_step

@@ -13,7 +13,8 @@ from rollouts.sampler.programs import _documents_cache, _extend, _prefill, _stac
 
 
 class DocumentPrompts:
-    """`Sampler`'s document prompts (its config, weights, buckets, `kv_store`, `_pad_prompts`)."""
+    """`Sampler`'s document prompts (its config, weights, buckets, `kv_store`, `_pad_prompts`,
+    `run`)."""
 
     def _check_documents(self, documents, num_prompts: int) -> list[list[list[int]]]:
         if self.config.attention == "nsa":
@@ -30,7 +31,7 @@ class DocumentPrompts:
         """Prefill each (tokens, first position) alone, in one batch; [Y, 2, K, n, H] each."""
         tokens, segment_ids, positions = self._pad_prompts([t for t, _ in documents],
                                                            [s for _, s in documents])
-        _, cache = _prefill(self.graphdef, self.params, tokens, segment_ids, positions)
+        _, cache = self.run(_prefill, tokens, segment_ids, positions)
         kv = _stack_layers(cache)
         width = tokens.shape[1]
         return [kv[i, :, :, :, width - len(t):] for i, (t, _) in enumerate(documents)]
@@ -67,7 +68,7 @@ class DocumentPrompts:
             doc_segments[r, width - n:] = 1
         cache = _documents_cache(jnp.concatenate(pieces, axis=3), doc_segments,
                                  extra=tokens.shape[1])
-        logits, cache = _extend(self.graphdef, self.params, cache, tokens, segment_ids, positions)
+        logits, cache = self.run(_extend, cache, tokens, segment_ids, positions)
         next_positions = np.array([int(pos[-1]) + 1 for _, pos in layouts])
         stats = dict(prefill_rows=batch,
                      prefill_tokens=int(segment_ids.sum()) + store_stats["tokens_encoded"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -48,7 +49,8 @@ class Sampler(DocumentPrompts):
     def __init__(self, model, tokenizer=None, *, prompt_bucket: int = 64, cache_bucket: int = 64,
                  batch_bucket: int = 8, segment_steps: int = 32, prefix_sharing: bool = True,
                  compact: bool = True, kv_store: KVStore | None = None,
-                 host_threads: int | None = None):
+                 host_threads: int | None = None,
+                 activations: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.graphdef, params = nnx.split(model)
         self.params = compute_weights(params, model.config)  # sampling needs no float32 masters
         self._weights_id = next(_WEIGHTS_IDS)
@@ -64,6 +66,15 @@ class Sampler(DocumentPrompts):
         # CPU: XLA runs a small decode step's ops on one core, so a batch split across the
         # cores decodes in parallel (1.4x at batch 32 on 2 cores); None = the cores here.
         self.host_threads = host_threads
+        # The rules context the model's activations are pinned in (sharding's
+        # `Layout.sampler_activations`); None: no constraints.
+        self.activations = activations or contextlib.nullcontext
+
+    def run(self, program, *args, **kwargs):
+        """A program that runs the model (`programs.py`: its graphdef and params first), called
+        in this sampler's rules context, in whichever thread calls."""
+        with self.activations():
+            return program(self.graphdef, self.params, *args, **kwargs)
 
     def update_weights(self, model_or_params) -> None:
         params = model_or_params
@@ -145,7 +156,7 @@ class Sampler(DocumentPrompts):
         to_prefill = [p for p in prompts for _ in range(g // repeat)]
         if documents is None:
             tokens, segment_ids, positions = self._pad_prompts(to_prefill)
-            logits, cache = _prefill(self.graphdef, self.params, tokens, segment_ids, positions)
+            logits, cache = self.run(_prefill, tokens, segment_ids, positions)
             next_positions = np.array([len(p) for p in to_prefill])
             stats = dict(prefill_rows=int(tokens.shape[0]), prefill_tokens=int(segment_ids.sum()))
         else:

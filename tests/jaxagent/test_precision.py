@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxagent.config import load_config
-from jaxagent.models import compute_weights, init_model
+from jaxagent.models import init_model
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import pack, target_logprobs
 from rollouts.orchestrator import WeightStore

@@ -321,6 +321,7 @@ def test_the_saved_config_holds_the_resolved_settings(tmp_path):
                 clip_high=0.3, aggregation="token-mean", drop_zero_variance_groups=True)
     assert {key: getattr(saved.rl, key) for key in want} == want
     assert saved.rl == validate(cfg).rl and None not in dataclasses.asdict(saved.rl).values()
+    assert saved.model.attention_backend == "xla"  # `auto` for dense attention
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "dapo"])

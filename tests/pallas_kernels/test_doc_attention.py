@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent.models.attention import xla_attention
 from pallas_kernels.doc_attention import (
     BlockSizes,
     block_visibility,
@@ -13,6 +12,7 @@ from pallas_kernels.doc_attention import (
     doc_attention_reference,
     visible,
 )
+from pallas_kernels.doc_attention.xla import xla_attention
 
 BLOCKS = BlockSizes(block_q=16, block_k=16)
 

@@ -37,7 +37,8 @@ def test_sampler_mesh_gets_resharded_weights_and_samples_the_same():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 72, n).tolist() for n in (5, 9, 3)]
     kw = {"max_new_tokens": 6, "temperature": 0.0, "num_samples": 2}
-    ours = Sampler(model, prompt_bucket=16, cache_bucket=32).generate(prompts, **kw)
+    ours = Sampler(model, prompt_bucket=16, cache_bucket=32,
+                   activations=layout.sampler_activations).generate(prompts, **kw)
     ref = Sampler(reference, prompt_bucket=16, cache_bucket=32).generate(prompts, **kw)
     assert ours.tokens == ref.tokens
     for a, b in zip(ours.logprobs, ref.logprobs):

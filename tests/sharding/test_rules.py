@@ -1,7 +1,8 @@
-"""Logical-axis rules: specs, real per-device shards, and the sharded train step equal to the
-single-device one on every layout (8 fake CPU devices)."""
+"""Logical-axis rules: specs, real per-device shards, activations pinned in the rules context,
+and the sharded train step equal to the single-device one on every layout (8 fake CPU devices)."""
 
 
+import contextlib
 import dataclasses
 
 import jax
@@ -14,12 +15,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxagent.models import init_model, logical_axes
 from jaxagent.models.config import ModelConfig
+from jaxagent.models.params import logical_spec
 from jaxagent.steps import LossOptions, TrainBatch, rl_step
 from sharding.config import DEFAULT_AXIS_RULES, MeshConfig
 from sharding.mesh import build_mesh
 from sharding.rules import (
-    ActivationSharding,
-    partition_spec,
+    activation_rules,
     place,
     shard_batch,
     shardings,
@@ -46,25 +47,43 @@ def _mesh(**sizes):
     return build_mesh(MeshConfig(**sizes))
 
 
-def test_partition_spec_follows_rules_and_skips_what_cannot_split():
+def test_logical_spec_follows_rules_and_skips_what_cannot_split():
     mesh = _mesh(data=1, fsdp=4, tensor=2)
     rules = DEFAULT_AXIS_RULES
-    assert partition_spec((24, 6, 10), ("embed", "heads", "head_dim"), rules, mesh) == \
+    assert logical_spec((24, 6, 10), ("embed", "heads", "head_dim"), rules, mesh) == \
         P("fsdp", "tensor", None)
     # kv_heads 3 is not divisible by tensor 2: replicated rather than unevenly split.
-    assert partition_spec((24, 3, 10), ("embed", "kv_heads", "head_dim"), rules, mesh) == \
+    assert logical_spec((24, 3, 10), ("embed", "kv_heads", "head_dim"), rules, mesh) == \
         P("fsdp", None, None)
     # The batch takes fsdp first, so the activation's embed dimension cannot reuse it.
-    assert partition_spec((8, 5, 24), ("batch", "length", "embed"), rules, mesh) == \
+    assert logical_spec((8, 5, 24), ("batch", "length", "embed"), rules, mesh) == \
         P("fsdp", None, None)
     # Size-1 mesh axes are left out; several axes on one dimension form a tuple.
     both = _mesh(data=2, fsdp=4)
-    assert partition_spec((8, 5), ("batch", None), rules, both) == P(("data", "fsdp"), None)
-    assert partition_spec((6, 5), ("batch", None), rules, both) == P("data", None)
+    assert logical_spec((8, 5), ("batch", None), rules, both) == P(("data", "fsdp"), None)
+    assert logical_spec((6, 5), ("batch", None), rules, both) == P("data", None)
     with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
-        partition_spec((4,), ("embed",), (("embed", "model"),), mesh)
+        logical_spec((4,), ("embed",), (("embed", "model"),), mesh)
     with pytest.raises(ValueError, match="do not match the shape"):
-        partition_spec((4, 4), ("embed",), rules, mesh)
+        logical_spec((4, 4), ("embed",), rules, mesh)
+
+
+def test_activations_are_pinned_in_the_rules_context_only():
+    """The model pins its residual stream [B, T, D] and logits [B, T, V] by logical names: in
+    the rules context to the rules' layout (batch on data and fsdp, so embed stays whole;
+    vocab on tensor), outside it not at all."""
+    mesh = _mesh(data=2, fsdp=2, tensor=2)
+    graphdef, params = nnx.split(init_model(MODEL, seed=1))
+    params = place(params, mesh, DEFAULT_AXIS_RULES)
+    tokens = shard_batch(np.zeros((8, 5), np.int32), mesh, DEFAULT_AXIS_RULES)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    assert "sharding_constraint" not in forward.lower(params, tokens).as_text()
+    with activation_rules(mesh, DEFAULT_AXIS_RULES):
+        text = forward.lower(params, tokens).as_text()
+    pins = [line.split("<@mesh, ")[1].split(">")[0] for line in text.splitlines()
+            if "sdy.sharding_constraint" in line]
+    # the embeddings and each of the 2 layers' outputs, then the logits
+    assert pins == ['[{"data", "fsdp"}, {}, {}]'] * 3 + ['[{"data", "fsdp"}, {}, {"tensor"}]']
 
 
 @pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
@@ -126,8 +145,6 @@ def _train(model, batches, mesh=None, micro_batch=0, logits_chunk=0):
     # SGD with momentum: parameter differences are linear in gradient differences (Adam's
     # 1/sqrt(v) would magnify summation-order noise on near-zero gradients).
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
-    if mesh is not None:
-        model.shard_activations = ActivationSharding(mesh, DEFAULT_AXIS_RULES)
     graphdef, params = nnx.split(model)
     opt_state = tx.init(params)
     if mesh is not None:
@@ -135,11 +152,14 @@ def _train(model, batches, mesh=None, micro_batch=0, logits_chunk=0):
         batches = [shard_batch(b, mesh, DEFAULT_AXIS_RULES) for b in batches]
     options = LossOptions(kl_coef=0.0, entropy_coef=0.01)
     history = []
-    for batch in batches:
-        params, opt_state, metrics = rl_step(graphdef, tx, params, opt_state, batch,
-                                             options=options, micro_batch=micro_batch,
-                                             logits_chunk=logits_chunk)
-        history.append({k: float(v) for k, v in metrics.items()})
+    # rl_step traces in the rules context: activations pinned to the mesh's layout
+    rules = contextlib.nullcontext() if mesh is None else activation_rules(mesh, DEFAULT_AXIS_RULES)
+    with rules:
+        for batch in batches:
+            params, opt_state, metrics = rl_step(graphdef, tx, params, opt_state, batch,
+                                                 options=options, micro_batch=micro_batch,
+                                                 logits_chunk=logits_chunk)
+            history.append({k: float(v) for k, v in metrics.items()})
     return params, opt_state, history
 
 

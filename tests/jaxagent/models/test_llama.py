@@ -9,9 +9,10 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from jaxagent.models import Decoder, KVCache, init_model, logical_axes
-from jaxagent.models.attention import attention_mask, xla_attention
 from jaxagent.models.config import ModelConfig, RopeScalingConfig
 from jaxagent.models.llama import rope_frequencies
+from pallas_kernels.attention import dense_attention, resolve_backend
+from pallas_kernels.doc_attention import visible
 
 CFG = ModelConfig(vocab_size=83, hidden_size=45, intermediate_size=71, num_layers=2, num_heads=6,
                   num_kv_heads=3, head_dim=14, attention_bias=True, qk_norm=True,
@@ -60,9 +61,9 @@ def test_xla_attention_matches_float64_reference(t):
     # Negative query segments ("sees all") see every positive segment as well as their own.
     q_seg = rng.integers(-2, 3, (b, t)); kv_seg = rng.integers(-2, 3, (b, s))
     q_slots = np.sort(rng.integers(0, s, (b, t))); kv_slots = np.tile(np.arange(s), (b, 1))
-    out = xla_attention(*(jnp.asarray(x, jnp.float32) for x in (q, kk, v)),
-                        q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slots,
-                        kv_slots=kv_slots)
+    out = dense_attention(*(jnp.asarray(x, jnp.float32) for x in (q, kk, v)),
+                          q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slots,
+                          kv_slots=kv_slots, backend="xla")
     ref = np.zeros((b, t, n, h))
     for bi in range(b):
         for ti in range(t):
@@ -77,7 +78,7 @@ def test_xla_attention_matches_float64_reference(t):
                 p = np.exp(scores - scores.max()); p /= p.sum()
                 ref[bi, ti, ni] = p @ v[bi, ki]
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
-    mask = attention_mask(q_seg, kv_seg, q_slots, kv_slots)
+    mask = visible(q_seg, kv_seg, q_slots, kv_slots)
     assert mask.shape == (b, t, s)
     assert not np.asarray(mask).any(-1).all()  # a query that sees nothing is covered
 
@@ -113,6 +114,16 @@ def test_unknown_attention_backend_is_named():
         init_model(dataclasses.replace(CFG, attention_backend="nope"))
 
 
+def test_attention_backend_is_picked_per_kind():
+    """`model.attention_backend: auto` is XLA for dense attention and the Pallas kernel for
+    document attention; an explicit backend wins for both."""
+    assert [resolve_backend(kind) for kind in ("dense", "doc")] == ["xla", "pallas"]
+    assert [resolve_backend(kind, "xla") for kind in ("dense", "doc")] == ["xla", "xla"]
+    assert [resolve_backend(kind, "pallas") for kind in ("dense", "doc")] == ["pallas", "pallas"]
+    with pytest.raises(ValueError, match="attention 'nsa' has no backend option"):
+        resolve_backend("nsa")  # NSA picks its kernels itself (model.nsa.kernels)
+
+
 def test_heads_must_divide():
     with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of model.num_kv_heads \(4\)"):
         init_model(dataclasses.replace(CFG, num_kv_heads=4))
@@ -127,10 +138,10 @@ def test_bfloat16_params_and_compute():
 
 
 def test_document_kernel_backend_equals_dense_model():
-    """`attention_backend: doc` (the Pallas kernel, interpreted here) on a document-level row:
+    """`attention_backend: pallas` (the kernel, interpreted here) on a document-level row:
     two documents restarting their positions, then a final section that reads both."""
     dense = init_model(CFG, seed=1)
-    doc = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(CFG, attention_backend="doc"))),
+    doc = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(CFG, attention_backend="pallas"))),
                     nnx.state(dense))
     rng = np.random.default_rng(2)
     tokens = jnp.asarray(rng.integers(0, 83, (1, 23)))

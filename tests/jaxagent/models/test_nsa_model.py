@@ -51,33 +51,6 @@ def test_kernels_config_runs_the_pallas_branches():
     np.testing.assert_allclose(jax.jit(forward)(kernels, tokens), want, atol=2e-4, rtol=2e-4)
 
 
-def test_mosaic_kernels_only_from_hopper_on():
-    """`model.nsa.gpu_kernels: mosaic` needs wgmma and TMA; older GPUs and ROCm keep Triton."""
-    from types import SimpleNamespace
-
-    from jaxagent.models.llama import _is_hopper
-
-    assert [_is_hopper(SimpleNamespace(compute_capability=c)) for c in ("9.0", "10.0", "8.9", "gfx942")] == [
-        True, True, False, False]
-    assert not _is_hopper(SimpleNamespace())  # CPU devices have no compute capability
-
-
-@pytest.mark.parametrize(("capability", "want"), [("9.0", "mosaic"), ("8.0", "triton")])
-def test_gpu_kernels_reach_all_three_branches(monkeypatch, capability, want):
-    """On a GPU, `kernels: all` with `gpu_kernels: mosaic` hands each branch's kernel the Mosaic
-    backend on Hopper and Triton before it (the kernels themselves are not called here)."""
-    from types import SimpleNamespace
-
-    from jaxagent.models.llama import nsa_kernels
-
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(compute_capability=capability)])
-    branches = nsa_kernels("all", "mosaic")
-    assert [fn.keywords["block_sizes"].backend for fn in branches] == [want] * 3
-    assert not branches[2].keywords["interpret"]
-    assert nsa_kernels("select", "mosaic")[1:] == (None, None)
-
-
 @pytest.mark.slow
 def test_nsa_model_differs_from_dense_and_trains():
     model = init_model(CFG, seed=0)

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.nsa import NSAShape, compressed_attention, compressed_attention_reference
+from pallas_kernels.nsa import NSAShape, compressed_attention
 from pallas_kernels.nsa import reference as R
+from pallas_kernels.nsa import xla as X
 from pallas_kernels.nsa.compressed_gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
 from pallas_kernels.nsa.compressed_tpu import BlockSizes, compressed_attention_tpu
@@ -48,7 +49,7 @@ def _inputs(seed, b, t, n, kh, h, vd, shape):
 def _check(kernel, q, k, v, do, shape, scale=None, tol=(FWD_TOL, GRAD_TOL), score_tol=FWD_TOL):
     p = -(-q.shape[1] // shape.select_block)
     call = functools.partial(kernel, shape=shape, num_select_blocks=p, scale=scale)
-    ref = functools.partial(compressed_attention_reference, shape=shape, num_select_blocks=p, scale=scale)
+    ref = functools.partial(R.compressed_attention_reference, shape=shape, num_select_blocks=p, scale=scale)
 
     def run(fn, q, k, v, do):
         (out, score), vjp = jax.vjp(lambda q, k, v: fn(q, k, v), q, k, v)
@@ -67,7 +68,7 @@ def _check(kernel, q, k, v, do, shape, scale=None, tol=(FWD_TOL, GRAD_TOL), scor
         assert g.shape == w.shape
         assert _rel(g, w) < tol[1], (f"d{name}", _rel(g, w))
     # the selection the importance feeds: the same blocks as the reference's
-    np.testing.assert_array_equal(R.top_blocks(score, shape), R.top_blocks(jnp.asarray(want_score), shape))
+    np.testing.assert_array_equal(X.top_blocks(score, shape), X.top_blocks(jnp.asarray(want_score), shape))
 
 
 def _gpu_style(tq, bk, g):
@@ -107,7 +108,7 @@ def test_entry_point_errors_and_short_sequences():
     q, k, v, _ = _inputs(3, 1, 27, 4, 2, 16, 8, shape)
     call = functools.partial(compressed_attention, shape=shape, num_select_blocks=2, interpret=True)
     got = jax.jit(call)(q, k, v)
-    want = jax.jit(functools.partial(compressed_attention_reference, shape=shape, num_select_blocks=2))(q, k, v)
+    want = jax.jit(functools.partial(R.compressed_attention_reference, shape=shape, num_select_blocks=2))(q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
     # shorter than one compression block: no compressed key at all
@@ -154,7 +155,7 @@ def test_nsa_layer_with_all_three_kernels_equals_the_reference_layer(style):
         out, vjp = jax.vjp(lambda *a: layer(*a), q, k, v, params)
         return out, vjp(do)
 
-    got, got_grads = jax.jit(functools.partial(run, lambda *a: R.nsa_forward(*a, shape, **kernels)))(q, k, v, params, do)
+    got, got_grads = jax.jit(functools.partial(run, lambda *a: X.nsa_forward(*a, shape, **kernels)))(q, k, v, params, do)
     with jax.enable_x64(True):
         f64 = lambda x: jnp.asarray(np.asarray(x), jnp.float64)
         want, want_grads = jax.jit(functools.partial(run, lambda *a: R.nsa_reference(*a, shape)))(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.nsa import reference as R
+from pallas_kernels.nsa import xla as X
 
 
 def _softmax_attention_np(q, k, v, mask, scale):
@@ -47,11 +48,11 @@ def test_select_attention_reference_matches_loop():
 
 def test_compress_blocks_matches_loop():
     rng = np.random.default_rng(1)
-    shape = R.NSAShape(compress_block=4, compress_stride=2, select_block=4)
+    shape = X.NSAShape(compress_block=4, compress_stride=2, select_block=4)
     x = rng.normal(size=(2, 13, 3, 5))
     with jax.enable_x64(True):
         params = jax.tree.map(np.asarray, R.init_compress_params(jax.random.key(0), shape, 5, hidden=7, dtype=jnp.float64))
-        got = np.asarray(R.compress_blocks(x, params, shape))
+        got = np.asarray(X.compress_blocks(x, params, shape))
         c = (13 - 4) // 2 + 1
         assert got.shape == (2, c, 3, 5)
         for i in range(c):
@@ -65,28 +66,30 @@ def test_compress_blocks_matches_loop():
 def test_selection_scores_are_overlaps(l, d, lp):
     """Eq. 9: selection block j collects each compressed block's probability weighted by how many
     stride-d pieces of it fall inside block j."""
-    shape = R.NSAShape(compress_block=l, compress_stride=d, select_block=lp)
+    shape = X.NSAShape(compress_block=l, compress_stride=d, select_block=lp)
     rng = np.random.default_rng(l * 100 + d * 10 + lp)
     c, p = 9, 5
     p_cmp = rng.random(size=(1, 1, 1, c))
-    got = np.asarray(R.selection_scores(jnp.asarray(p_cmp, jnp.float32), p, shape))[0, 0, 0]
     want = np.zeros(p)
     for j in range(p):
         for i in range(c):
             overlap = len(set(range(i * d, i * d + l)) & set(range(j * lp, (j + 1) * lp)))
             want[j] += p_cmp[0, 0, 0, i] * overlap / d
-    if l == d == lp:
-        np.testing.assert_allclose(got, p_cmp[0, 0, 0, :p], rtol=1e-6)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # the production strided sum and the reference's literal double sum
+    for scores in (X.selection_scores, R.selection_scores_reference):
+        got = np.asarray(scores(jnp.asarray(p_cmp, jnp.float32), p, shape))[0, 0, 0]
+        if l == d == lp:
+            np.testing.assert_allclose(got, p_cmp[0, 0, 0, :p], rtol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_select_blocks_forced_causal_group_summed_ties_low():
-    shape = R.NSAShape(compress_block=4, compress_stride=4, select_block=4, num_selected=4, num_local_blocks=2)
+    shape = X.NSAShape(compress_block=4, compress_stride=4, select_block=4, num_selected=4, num_local_blocks=2)
     t, p = 30, 8
     score = np.zeros((1, t, 4, p), np.float32)
     score[0, :, 0, 3] = 1.0  # head 0 (group 0) likes block 3 ...
     score[0, :, 1, 5] = 2.0  # ... head 1 (group 0) likes block 5 more; heads 2, 3 tie everywhere
-    idx = np.asarray(R.select_blocks(jnp.asarray(score), 2, shape))
+    idx = np.asarray(X.select_blocks(jnp.asarray(score), 2, shape))
     for ti in range(t):
         own = ti // 4
         for g in range(2):
@@ -101,7 +104,7 @@ def test_select_blocks_forced_causal_group_summed_ties_low():
 
 
 def test_nsa_reference_float64_and_gradients():
-    shape = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
+    shape = X.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
     rng = np.random.default_rng(3)
     b, t, n, kh, h, vd = 1, 29, 6, 2, 8, 5
     with jax.enable_x64(True):
@@ -116,10 +119,10 @@ def test_nsa_reference_float64_and_gradients():
         @jax.jit
         def gated_sum(q, k, v, params):
             g = jax.nn.sigmoid(jnp.einsum("btnh,nhc->btnc", q, params["gate"]))
-            win = R.attend(q, k, v, R.sliding_window_mask(t, t, 6), 1 / math.sqrt(h))
-            k_cmp = R.compress_blocks(k, params["compress_k"], shape)
-            v_cmp = R.compress_blocks(v, params["compress_v"], shape)
-            cmp = R.attend(q, k_cmp, v_cmp, R.compressed_mask(t, k_cmp.shape[1], shape), 1 / math.sqrt(h))
+            win = X.attend(q, k, v, R.sliding_window_mask(t, t, 6), 1 / math.sqrt(h))
+            k_cmp = X.compress_blocks(k, params["compress_k"], shape)
+            v_cmp = X.compress_blocks(v, params["compress_v"], shape)
+            cmp = X.attend(q, k_cmp, v_cmp, X.compressed_mask(t, k_cmp.shape[1], shape), 1 / math.sqrt(h))
             idx = R.nsa_block_idx(q, k_cmp, shape, t, 1 / math.sqrt(h))
             slc = R.select_attention_reference(q, k, v, idx, block_size=8)
             return g[..., :1] * cmp + g[..., 1:2] * slc + g[..., 2:] * win
@@ -137,7 +140,7 @@ def test_gathered_and_banded_match_masked():
     b, t, n, kh, h, vd = 2, 23, 6, 3, 4, 5
     reference = jax.jit(R.select_attention_reference, static_argnames=("block_size", "causal"))
     forms = [jax.jit(f, static_argnames=("block_size", "causal", "chunk"))
-             for f in (R.select_attention_gathered, R.select_attention_masked)]
+             for f in (X.select_attention_gathered, X.select_attention_masked)]
     with jax.enable_x64(True):
         q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
         idx = jnp.asarray(rng.integers(-1, 6, size=(b, t, kh, 4)), jnp.int32)
@@ -155,7 +158,7 @@ def test_gathered_and_banded_match_masked():
             np.testing.assert_allclose(part[1], full[1, 9:13], atol=1e-12)
             last = form(q[:, 17:18], k, v, idx[:, 17:18], block_size=4, offset=jnp.array([17, 17]))
             np.testing.assert_allclose(last, full[:, 17:18], atol=1e-12)
-        banded = jax.jit(R.sliding_window_banded, static_argnames="window")
+        banded = jax.jit(X.sliding_window_banded, static_argnames="window")
         window = jax.jit(R.sliding_window_reference, static_argnames="window")
         for w in (1, 5, 30):
             np.testing.assert_allclose(banded(q, k, v, window=w), window(q, k, v, window=w), atol=1e-12)
@@ -170,7 +173,7 @@ def test_banded_window_at_offsets_matches_the_full_sequence():
         q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
         q_off = jnp.stack([q[0, 13:], jnp.concatenate([jnp.asarray(rng.normal(size=(4, n, h))), q[1, :6]])])
         reference = jax.jit(R.sliding_window_reference, static_argnames="window")
-        banded = jax.jit(R.sliding_window_banded, static_argnames="window")
+        banded = jax.jit(X.sliding_window_banded, static_argnames="window")
         for w in (1, 4, 30):
             full = reference(q, k, v, window=w)
             got = banded(q_off, k, v, window=w, offset=jnp.array([13, -4]))
@@ -178,7 +181,7 @@ def test_banded_window_at_offsets_matches_the_full_sequence():
             np.testing.assert_allclose(got[1], jnp.concatenate([jnp.zeros((4, n, vd)), full[1, :6]]), atol=1e-12)
 
 
-SMALL = R.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
+SMALL = X.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
 
 
 def _layer_inputs(seed, b, t, n=4, kh=2, h=8, vd=6):
@@ -209,9 +212,9 @@ def test_decode_steps_match_teacher_forced_layer(scattered, over_slots):
     with jax.enable_x64(True):
         q, k, v, params = _layer_inputs(6, b, t)
         full = jax.jit(R.nsa_reference, static_argnums=4)(q, k, v, params, shape)
-        k_cmp = R.compress_blocks(k, params["compress_k"], shape)
-        v_cmp = R.compress_blocks(v, params["compress_v"], shape)
-        decode_step = jax.jit(functools.partial(R.nsa_decode_step, over_slots=over_slots), static_argnums=7)
+        k_cmp = X.compress_blocks(k, params["compress_k"], shape)
+        v_cmp = X.compress_blocks(v, params["compress_v"], shape)
+        decode_step = jax.jit(functools.partial(X.nsa_decode_step, over_slots=over_slots), static_argnums=7)
         size = 40 if scattered else t
         slot_of = _scattered_slots(np.random.default_rng(1), b, t, size) if scattered else None
         place = lambda x: _slot_cache(x, slot_of if scattered else jnp.broadcast_to(jnp.arange(t), (b, t)), size)
@@ -236,13 +239,13 @@ def test_append_compressed_builds_the_compressed_cache_chunk_by_chunk():
     params = R.init_compress_params(jax.random.key(0), shape, 8)
     slot_of = _scattered_slots(rng, b, t, 45)
     cache = _slot_cache(k, slot_of, 45)
-    want = jnp.swapaxes(R.compress_blocks(k, params, shape), 1, 2)  # [B,K,5,H]
+    want = jnp.swapaxes(X.compress_blocks(k, params, shape), 1, 2)  # [B,K,5,H]
     cmp = jnp.full((b, 2, 11, 8), -7.0)
     # prefill: row 0 has 13 real tokens, row 1 has 9, left-padded to 16
     lengths = np.array([13, 9])
     seg = (np.arange(16)[None, :] >= 16 - lengths[:, None]).astype(np.int32)
     pos = np.where(seg, np.arange(16)[None, :] - (16 - lengths[:, None]), 0)
-    append = jax.jit(R.append_compressed, static_argnums=6)
+    append = jax.jit(X.append_compressed, static_argnums=6)
     cmp = append(cmp, cache, slot_of, jnp.asarray(pos), jnp.asarray(seg), params, shape)
     for row, n in enumerate(lengths):  # blocks ending at 7 and 11 (l=8, d=4) are complete by 12
         done = (n - 8) // 4 + 1
@@ -261,13 +264,41 @@ def test_chunked_nsa_forward_matches_reference_values_and_grads():
     with jax.enable_x64(True):
         q, k, v, params = _layer_inputs(7, 1, 29)
         want = jax.jit(R.nsa_reference, static_argnums=4)(q, k, v, params, shape)
-        got = jax.jit(functools.partial(R.nsa_forward, chunk=8), static_argnums=4)(q, k, v, params, shape)
+        got = jax.jit(functools.partial(X.nsa_forward, chunk=8), static_argnums=4)(q, k, v, params, shape)
         np.testing.assert_allclose(got, want, atol=1e-12)
         loss = lambda f: lambda p, q, k, v: jnp.sum(jnp.sin(f(q, k, v, p, shape)))
-        got_g = jax.jit(jax.grad(loss(functools.partial(R.nsa_forward, chunk=8)), (0, 1, 2, 3)))(params, q, k, v)
+        got_g = jax.jit(jax.grad(loss(functools.partial(X.nsa_forward, chunk=8)), (0, 1, 2, 3)))(params, q, k, v)
         want_g = jax.jit(jax.grad(loss(R.nsa_reference), (0, 1, 2, 3)))(params, q, k, v)
         for a, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
             np.testing.assert_allclose(a, w, atol=1e-10)
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_xla_path_matches_the_reference_at_odd_sizes(seed):
+    """The production XLA path (xla.py) against the plain oracle (reference.py) on fresh inputs
+    with odd sizes: the compressed branch and its importance (at offsets), and the whole layer
+    with the selected branch in both XLA forms and the compressed branch in query chunks."""
+    rng = np.random.default_rng(seed)
+    shape = X.NSAShape(compress_block=6, compress_stride=3, select_block=9, num_selected=3,
+                       num_local_blocks=1, window=5)
+    b, t, n, kh, h, vd = 3, 31, 6, 3, 5, 7
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.normal(size=s)) for s in [(b, t, n, h), (b, t, kh, h), (b, t, kh, vd)])
+        params = R.init_nsa_params(jax.random.key(seed), shape, n, h, vd, dtype=jnp.float64)
+        k_cmp = X.compress_blocks(k, params["compress_k"], shape)
+        v_cmp = X.compress_blocks(v, params["compress_v"], shape)
+        blocks = -(-t // shape.select_block)
+        for offset in (0, 5):
+            got = X.compressed_attention_xla(q, k_cmp, v_cmp, shape=shape, num_select_blocks=blocks,
+                                             offset=offset)
+            want = R.compressed_attention_reference(q, k_cmp, v_cmp, shape=shape,
+                                                    num_select_blocks=blocks, offset=offset)
+            for a, w in zip(got, want):
+                np.testing.assert_allclose(a, w, atol=1e-12)
+        want = R.nsa_reference(q, k, v, params, shape)
+        for select_fn in (X.select_attention_masked, X.select_attention_gathered):
+            got = X.nsa_forward(q, k, v, params, shape, select_fn=select_fn, chunk=7)
+            np.testing.assert_allclose(got, want, atol=1e-12)
 
 
 @pytest.mark.slow
@@ -278,5 +309,5 @@ def test_nsa_forward_at_an_offset_matches_the_full_sequence():
         q, k, v, params = _layer_inputs(8, 2, 20)
         want = R.nsa_reference(q, k, v, params, shape)[:, 12:]
         junk = lambda x: jnp.concatenate([x, 1e3 * jnp.ones_like(x[:, :4])], axis=1)
-        got = R.nsa_forward(q[:, 12:], junk(k), junk(v), params, shape, chunk=3, offset=jnp.array([12, 12]))
+        got = X.nsa_forward(q[:, 12:], junk(k), junk(v), params, shape, chunk=3, offset=jnp.array([12, 12]))
         np.testing.assert_allclose(got, want, atol=1e-10)

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.nsa import NSAShape, select_attention, select_attention_reference
+from pallas_kernels.nsa import NSAShape, select_attention
 from pallas_kernels.nsa import reference as R
+from pallas_kernels.nsa import xla as X
 from pallas_kernels.nsa._index import clean_block_idx
 from pallas_kernels.nsa.select_gpu import BlockSizes as GpuBlockSizes
 from pallas_kernels.nsa.select_gpu import select_attention_gpu
@@ -49,7 +50,7 @@ def _check(kernel, q, k, v, do, idx, block_size, causal=True, scale=None, tol=(F
     with jax.enable_x64(True):
         f64 = [jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v, do)]
         want, vjp = jax.vjp(
-            lambda q, k, v: select_attention_reference(q, k, v, idx, block_size=block_size, causal=causal, scale=scale),
+            lambda q, k, v: R.select_attention_reference(q, k, v, idx, block_size=block_size, causal=causal, scale=scale),
             *f64[:3],
         )
         want_grads = vjp(f64[3])
@@ -91,7 +92,7 @@ def test_gpu_style_nsa_selection_with_ties_all_queries_share_blocks():
     so all queries pick the same lowest blocks (many queries per key block in dK/dV)."""
     shape = NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3)
     q, k, v, do = _inputs(2, 1, 30, 8, 1, 8, 8)
-    k_cmp = R.compress_blocks(k, R.init_compress_params(jax.random.key(3), shape, 8), shape)
+    k_cmp = X.compress_blocks(k, R.init_compress_params(jax.random.key(3), shape, 8), shape)
     idx = R.nsa_block_idx(jnp.ones_like(q), k_cmp, shape, 30, 0.35)
     assert int(jnp.sum(idx[0, :, 0] == 1)) > 10  # block 1 wins its ties for every late query
     _check(GPU_STYLE, q, k, v, do, idx, block_size=8)
@@ -101,7 +102,7 @@ def test_select_attention_entry_point_and_errors():
     q, k, v, _ = _inputs(4, 1, 9, 2, 1, 8, 8)
     idx = jnp.array(np.tile([[0, -1]], (9, 1))[None, :, None, :], jnp.int32)
     got = select_attention(q, k, v, idx, block_size=4, interpret=True)
-    np.testing.assert_allclose(got, select_attention_reference(q, k, v, idx, block_size=4), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(got, R.select_attention_reference(q, k, v, idx, block_size=4), rtol=2e-5, atol=2e-6)
     with pytest.raises(ValueError, match="block_idx"):
         select_attention(q, k, v, idx[:, :5], block_size=4, interpret=True)
     with pytest.raises(ValueError, match="Hkv"):
