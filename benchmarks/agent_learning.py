@@ -35,7 +35,7 @@ VARIANTS = {"feedback_on": [], "feedback_off": ["agent.feedback_beta=0"]}
 
 
 def train(config: str, workdir: Path, seed: int, overrides: list[str]) -> float:
-    """Minutes of wall clock for one `jaxagent train` (0 when it had finished before)."""
+    """Minutes of wall clock for one `jaxagent train` (those recorded, when it finished before)."""
     done = workdir / "done"
     if done.exists():
         return float(done.read_text())

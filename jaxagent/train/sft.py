@@ -122,6 +122,7 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
     with make_scorer(cfg) as scorer:
         make_env = tool_env_factory(cfg, tokenizer, scorer, max_turns=max(
             cfg.agent.max_turns, *(len(c) for c in scripts)))
+        bar = progress.add_task("demos", total=len(tasks), info="") if progress else None
 
         def play(task: Task, calls) -> Trajectory:
             env = make_env()
@@ -139,7 +140,6 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
                 progress.update(bar, advance=1)
             return traj
 
-        bar = progress.add_task("demos", total=len(tasks), info="") if progress else None
         with ThreadPoolExecutor(max(1, cfg.rewards.workers)) as pool:
             return list(pool.map(play, tasks, scripts))
 

@@ -21,9 +21,9 @@ def run_episodes(cont: Continuation | ThreadedContinuation, envs: Sequence[Envir
     given, gets `tools_s` added: the wall time spent in environments (resets, tool calls,
     grading) rather than sampling. `on_done(trajectory)` is called as each episode ends (a
     progress bar)."""
-    tools_s = 0.0
     if len(envs) > cont.slots:
         raise ValueError(f"{len(envs)} environments but the continuation has {cont.slots} slots")
+    tools_s = 0.0
     queue = enumerate(tasks)
     live: dict[int, tuple[int, Trajectory]] = {}  # slot -> (task index, trajectory)
     finished: dict[int, Trajectory] = {}

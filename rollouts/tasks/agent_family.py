@@ -16,9 +16,9 @@ states the behaviour incompletely:
 
 Names and constants are drawn per task (package and module names made up, so paths must be
 copied, not recalled), so tasks vary; generation is deterministic per seed.
-`metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the files a
-solver reads, in order (JSON list); no file and not the prompt
-hold a changed line of it (`answer_leaks`). Graded like the feature-deletion tasks: `python -m
+`metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the
+files a solver reads, in order (JSON list); no file and not the prompt hold a changed line of
+the reference (`answer_leaks`). Graded like the feature-deletion tasks: `python -m
 pytest tests` with edits under `tests` discarded. `agent_task_splits` holds out a fixed fifth of
 all task contents (by hash), so held-out tasks are never trained on.
 """
@@ -48,9 +48,9 @@ _SWAPS = ((" ", "_"), ("-", "_"), (" ", "-"), ("_", "."), ("-", " "), (".", "_")
 
 
 def _word(rng: random.Random, syllables: int) -> str:
-    """A made-up lower-case name (`kavo`, `midune`): drawn per task from ~10^5 (two
-    syllables) or ~10^7 (three), so a policy must copy paths from what it read rather than
-    recall the few a fixed list would give; never a keyword or a standard-library module,
+    """A made-up lower-case name (`kavo`, `midune`): drawn per task from 70^2 = 4,900 (two
+    syllables) or 70^3 = 343,000 (three), so a policy must copy paths from what it read rather
+    than recall the few a fixed list would give; never a keyword or a standard-library module,
     which a package of that name would shadow."""
     while True:
         word = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables))
@@ -227,7 +227,8 @@ def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = 
     """n tasks, templates in turn (default: all), drawn from `seed`; the first n of a longer
     list. `metadata`: reference (JSON {path: content} that passes), blind (what an edit from
     the prompt alone would write: it fails), reads (JSON list: the files a solver reads, in
-    order, from the one the prompt names to the ones it edits), family, split_key (the drawn content: equal keys,
+    order, from the one the prompt names to the ones it edits), family, split_key (the drawn
+    content: equal keys,
     equal tasks)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
