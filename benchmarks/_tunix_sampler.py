@@ -5,6 +5,7 @@ Prints one JSON line per (batch, new_tokens) setting. Called by benchmarks/sampl
 
 import argparse
 import json
+import sys
 import time
 
 import jax
@@ -20,7 +21,10 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32", help="parameters and activations")
     args = p.parse_args()
+    start = time.perf_counter()
     model, cfg = load_tunix_qwen3(args.checkpoint, args.dtype)
+    # where the time goes before the first result (stderr comes back when the worker is cut)
+    print(f"loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     rng = np.random.default_rng(0)
     for batch, prompt_len, new_tokens in json.loads(args.settings):
         sampler = Sampler(model, IdTokenizer(), CacheConfig(
@@ -31,6 +35,8 @@ def main():
         kwargs = dict(max_generation_steps=new_tokens, max_prompt_length=prompt_len,
                       temperature=0.0, eos_tokens=[-1])
         sampler(prompts, **kwargs)  # compile
+        print(f"{batch}x{prompt_len}+{new_tokens} compiled at {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
         best = float("inf")
         for _ in range(args.repeats):
             t0 = time.perf_counter()

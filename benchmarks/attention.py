@@ -98,6 +98,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128 if on_gpu else 64)
     ap.add_argument("--repeats", type=int, default=5 if on_gpu else 1)
     ap.add_argument("--skip", nargs="*", default=[], help="case names to skip")
+    ap.add_argument("--only", nargs="*", default=None, help="only these case names")
     ap.add_argument("--no-backward", action="store_true", help="forward only (CPU: dense fwd+bwd at 16k takes minutes)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -174,7 +175,7 @@ def main():
         row = {"seq": t, "dense_gflop": dense_f / 1e9, "nsa_gflop": nsa_f / 1e9, "ms": {},
                "mosaic_block_loads": block_loads(idx, n // kh, shape)}
         for name, fn in cases.items():
-            if name in args.skip:
+            if name in args.skip or (args.only is not None and name not in args.only):
                 continue
             fwd = jax.jit(fn)
             # idx is an argument, not a constant: the CSR inversion is timed, not constant-folded.

@@ -28,43 +28,51 @@ START=$SECONDS
 # time to the next, and none runs past its mark
 budget() { local left=$(( $1 - (SECONDS - START) )); echo $(( left > 10 ? left : 10 )); }
 
-# Real-size RL (9 min, one call): the sampler at the Qwen2.5-0.5B shape against Tunix and the
-# bandwidth limit (`sampler.py --gpu --sizes qwen2.5-1.5b` for the larger one), one GRPO step
-# against Tunix's GRPOLearner, and train-step MFU. Every result is
-# a JSON line in $OUT/rl.jsonl as soon as it exists, so a step cut short keeps the rest. Each
-# process takes at most 45% of the GPU's memory, so ours and Tunix's worker fit side by side.
+# Real-size RL (9 min, one call): the sampler at the Qwen2.5-0.5B shape (with a perfetto trace of
+# 32 decode steps at batch 1, and again with XLA's command buffers over the decode loop) against
+# the bandwidth limit, then Tunix's sampler alone on the same checkpoint, then one GRPO step
+# against Tunix's GRPOLearner. Every result is a JSON line in $OUT/rl.jsonl as soon as it
+# exists, so a step cut short keeps the rest.
 if [ "$STAGE" = rl ]; then
-  export XLA_PYTHON_CLIENT_MEM_FRACTION=.45
-  # 2026-11-26 (H200): Tunix's sampler worker needs over 50 s before its first setting, and
-  # one compile per setting costs ~15 s on either side, so the 0.5B settings get the time.
-  t=$(budget 200)
-  echo "== sampler qwen2.5-0.5b (${t}s)" | tee -a "$OUT/rl.log"
-  timeout $t python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 \
-    --settings '[[1,512,128],[16,512,128],[64,512,128],[16,512,1024]]' --tunix-python python3 \
-    --ours-timeout $(( t * 35 / 100 )) --tunix-timeout $(( t * 55 / 100 )) \
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=.45  # a peer worker runs beside the parent process
+  S='[[1,512,128],[16,512,128],[64,512,128]]'
+  CK=/tmp/ckpts; mkdir -p $CK
+  # 2026-11-26 (H200): one compile per setting costs ~15 s on either side; Tunix's worker did
+  # not finish its first setting in 50 s, so it now gets a step of its own.
+  t=$(budget 80)
+  echo "== sampler 0.5b ours (${t}s)" | tee -a "$OUT/rl.log"
+  timeout $t python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 --settings "$S" \
+    --peers "" --checkpoint-dir $CK --trace /tmp/trace --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
+  cp "$(find /tmp/trace -name 'perfetto_trace.json.gz' | head -1)" "$OUT/decode_trace.json.gz"
+  t=$(budget 135)
+  echo "== sampler 0.5b ours, command buffers over the while loop (${t}s)" | tee -a "$OUT/rl.log"
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL timeout $t python3 benchmarks/sampler.py \
+    --gpu --sizes qwen2.5-0.5b --repeats 2 --settings '[[1,512,128],[64,512,128]]' --peers "" \
+    --label ours-cmdbuf --checkpoint-dir $CK --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
+  t=$(budget 300)
+  echo "== sampler 0.5b tunix (${t}s)" | tee -a "$OUT/rl.log"
+  timeout $t python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 --settings "$S" \
+    --no-ours --tunix-python python3 --tunix-timeout $(( t - 15 )) --checkpoint-dir $CK \
     --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
-  t=$(budget 450)
+  t=$(budget 545)
   echo "== grpo step (${t}s)" | tee -a "$OUT/rl.log"
   timeout $t python3 benchmarks/grpo_step.py --size qwen2.5-0.5b --prompts 8 --group 8 \
-    --prompt-len 256 --new-tokens 256 --dtype bfloat16 --warmup 1 --steps 3 \
+    --prompt-len 256 --new-tokens 256 --dtype bfloat16 --warmup 1 --steps 2 \
     --tunix-python python3 --tunix-timeout $(( t * 55 / 100 )) --out "$OUT/grpo_step.json" 2>&1 \
     | quiet | tee -a "$OUT/rl.log"
-  t=$(budget 520)
-  echo "== train step (${t}s)" | tee -a "$OUT/rl.log"
-  timeout $t python3 benchmarks/train_step.py --gpu --attention-backend doc --steps 5 --micro-batch 0 \
-    --logits-chunk-mib 1024 --param-dtype bfloat16 2>&1 | quiet | tail -3 | tee -a "$OUT/rl.log"
   exit 0
 fi
 
-# NSA on hardware (5 min; NSA_SECONDS for longer): the Mosaic GPU (Hopper) kernels against
-# their float64 references (2026-11-26, H200: the compressed one failed at head dim 128; -v
-# names each result as it comes, in case the step is cut), then every branch and the whole layer at 16k and 64k,
-# Triton vs Mosaic vs XLA vs cuDNN dense, forward and forward + backward.
+# NSA on hardware (~3.5 min): the Mosaic GPU (Hopper) kernels against their float64 references
+# with each failure's message (2026-11-26, H200: the compressed one failed at head dim 128, cut
+# before pytest said why), then the whole layer and the compressed branch at 64k, forward and
+# forward + backward, against cuDNN dense.
 if [ "$STAGE" = nsa ]; then
-  JAX_PLATFORMS=cuda timeout $(budget 150) python3 -m pytest -v --tb=short -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 \
+  JAX_PLATFORMS=cuda timeout $(budget 110) python3 -m pytest -v --tb=short -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 \
     | quiet | tee "$OUT/gpu_tests_mosaic.log"
-  timeout $(budget ${NSA_SECONDS:-300}) python3 benchmarks/attention.py --seq 16384 65536 --heads 16 --kv-heads 1 \
-    --head-dim 128 --repeats 3 --out "$OUT/attention.json" 2>&1 | quiet | tee "$OUT/attention.log"
+  timeout $(budget ${NSA_SECONDS:-200}) python3 benchmarks/attention.py --seq 65536 --heads 16 --kv-heads 1 \
+    --head-dim 128 --repeats 3 --only dense_cudnn nsa_layer nsa_layer_mosaic nsa_compressed_xla nsa_compressed_mosaic nsa_selected_kernel \
+    --out "$OUT/attention.json" 2>&1 | quiet | tee "$OUT/attention.log"
   exit 0
 fi
 

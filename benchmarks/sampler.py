@@ -53,9 +53,11 @@ def prompts_for(batch, prompt_len, vocab, seed=0):
 
 
 def run_ours(ckpt: Path, settings, repeats: int, host_threads: int | None = None,
-             dtype: str = "float32", on_result=None, seconds_left: float | None = None):
+             dtype: str = "float32", on_result=None, seconds_left: float | None = None,
+             trace: Path | None = None):
     """Best seconds per setting (and the sampler); `on_result(setting, seconds, stats)` is
-    called as each setting finishes; settings not started within `seconds_left` are NaN."""
+    called as each setting finishes; settings not started within `seconds_left` are NaN.
+    `trace`: a perfetto trace of 32 new tokens at the first setting goes to that folder."""
     from jaxagent.models import from_pretrained
     from rollouts.sampler import Sampler
 
@@ -78,6 +80,10 @@ def run_ours(ckpt: Path, settings, repeats: int, host_threads: int | None = None
         if on_result is not None:
             on_result((batch, prompt_len, new), best, stats)
         out.append(best)
+        if trace is not None:
+            with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+                sampler.generate(prompts, max_new_tokens=min(new, 32), temperature=0.0)
+            trace = None
     return out, sampler, model
 
 
@@ -185,6 +191,12 @@ def main():
     p.add_argument("--ours-timeout", type=float, default=None,
                    help="seconds per size after which ours starts no further setting")
     p.add_argument("--tunix-timeout", type=float, default=None, help="seconds per size")
+    p.add_argument("--label", default="ours",
+                   help="our rows' stack name (e.g. the XLA_FLAGS variant a run tries)")
+    p.add_argument("--no-ours", action="store_true", help="time the peers only")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="keep the random checkpoints here (made once, reused by later runs)")
+    p.add_argument("--trace", type=Path, help="perfetto trace of our first setting (32 tokens)")
     p.add_argument("--out", type=Path, help="write results as JSON here")
     p.add_argument("--jsonl", type=Path, help="append one JSON line per result as it comes")
     args = p.parse_args()
@@ -210,13 +222,14 @@ def main():
     for size in sizes.split(","):
         settings = [tuple(x) for x in args.settings] if args.settings else SETTINGS[size]
         with tempfile.TemporaryDirectory() as tmp:
-            ckpt = Path(tmp) / size
-            make_checkpoint(size, ckpt, dtype)
+            ckpt = (args.checkpoint_dir or Path(tmp)) / f"{size}-{dtype}"
+            if not (ckpt / "config.json").exists():
+                make_checkpoint(size, ckpt, dtype)
             hf = json.loads((ckpt / "config.json").read_text())
 
             def ours_done(setting, seconds, stats, size=size, hf=hf):
                 batch, plen, new = setting
-                row = dict(meta, kind="sampler", stack="ours", size=size, batch=batch,
+                row = dict(meta, kind="sampler", stack=args.label, size=size, batch=batch,
                            prompt_len=plen, new_tokens=new, seconds=seconds,
                            tokens_per_s=batch * new / seconds,
                            prefill_s=stats.get("prefill_seconds"))
@@ -229,8 +242,12 @@ def main():
                 print(json.dumps(row), flush=True)
                 _append(args.jsonl, row)
 
-            ours, sampler, model = run_ours(ckpt, settings, args.repeats, dtype=dtype,
-                                            on_result=ours_done, seconds_left=args.ours_timeout)
+            if args.no_ours:
+                ours, sampler, model = [float("nan")] * len(settings), None, None
+            else:
+                ours, sampler, model = run_ours(ckpt, settings, args.repeats, dtype=dtype,
+                                                on_result=ours_done,
+                                                seconds_left=args.ours_timeout, trace=args.trace)
             peer_times = {}
             if not args.gpu:  # the same sampler on one host thread (CPU splits a batch)
                 peer_times["ours-1thread"] = run_ours(ckpt, settings, args.repeats, 1)[0]
