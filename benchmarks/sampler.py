@@ -201,7 +201,9 @@ def main():
     p.add_argument("--jsonl", type=Path, help="append one JSON line per result as it comes")
     args = p.parse_args()
     sizes = args.sizes or ("qwen2.5-0.5b,qwen2.5-1.5b" if args.gpu else "tiny,100m")
-    peers = [x for x in (args.peers or ("tunix" if args.gpu else "hf,tunix")).split(",") if x]
+    if args.peers is None:
+        args.peers = "tunix" if args.gpu else "hf,tunix"
+    peers = [x for x in args.peers.split(",") if x]  # "" or ",": ours alone
     dtype = "bfloat16" if args.gpu else "float32"
     device = jax.devices()[0]
     machine = (f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
@@ -249,7 +251,7 @@ def main():
                                                 on_result=ours_done,
                                                 seconds_left=args.ours_timeout, trace=args.trace)
             peer_times = {}
-            if not args.gpu:  # the same sampler on one host thread (CPU splits a batch)
+            if not args.gpu and not args.no_ours:  # one host thread (CPU splits a batch)
                 peer_times["ours-1thread"] = run_ours(ckpt, settings, args.repeats, 1)[0]
             if "hf" in peers:
                 peer_times["hf"] = run_hf(ckpt, settings)

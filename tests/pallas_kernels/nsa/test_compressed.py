@@ -67,8 +67,24 @@ def _check(kernel, q, k, v, do, shape, scale=None, tol=(FWD_TOL, GRAD_TOL), scor
     for name, g, w in zip(("q", "k_cmp", "v_cmp"), grads, want_grads):
         assert g.shape == w.shape
         assert _rel(g, w) < tol[1], (f"d{name}", _rel(g, w))
-    # the selection the importance feeds: the same blocks as the reference's
-    np.testing.assert_array_equal(X.top_blocks(score, shape), X.top_blocks(jnp.asarray(want_score), shape))
+    _same_selection(score, want_score, shape, tie=score_tol)
+
+
+def _same_selection(score, want_score, shape, tie):
+    """The selection the importance feeds is the reference's as a set of blocks (their order
+    does not change the selected branch), except where the reference's own scores tie within
+    `tie`: a block the kernel picked instead of one of the reference's must score, by the
+    reference, no more than `tie` (relative to the row's largest) below the reference's last
+    pick. On an H200 the bf16 Mosaic kernel swapped near-tied blocks in 1% of the rows."""
+    got = np.sort(np.asarray(X.top_blocks(score, shape)), axis=-1)
+    want = np.sort(np.asarray(X.top_blocks(jnp.asarray(want_score), shape)), axis=-1)
+    for row in zip(*np.nonzero((got != want).any(-1))):
+        ref = np.asarray(want_score[row], np.float64)
+        extra = np.setdiff1d(got[row], want[row])
+        missing = np.setdiff1d(want[row], got[row])
+        assert -1 not in extra and -1 not in missing, (row, got[row], want[row])
+        gap = ref[missing].max() - ref[extra].min()  # the worst swap
+        assert gap <= tie * np.abs(ref).max(), (row, got[row], want[row], gap)
 
 
 def _gpu_style(tq, bk, g):
