@@ -68,7 +68,7 @@ fi
 # before pytest said why), then the whole layer and the compressed branch at 64k, forward and
 # forward + backward, against cuDNN dense.
 if [ "$STAGE" = nsa ]; then
-  JAX_PLATFORMS=cuda timeout $(budget 150) python3 -m pytest -v --tb=short -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 \
+  JAX_PLATFORMS=cuda timeout $(budget 150) python3 -m pytest -n 0 -v --tb=short -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 \
     | quiet | tee "$OUT/gpu_tests_mosaic.log"
   timeout $(budget ${NSA_SECONDS:-200}) python3 benchmarks/attention.py --seq 65536 --heads 16 --kv-heads 1 \
     --head-dim 128 --repeats 3 --only dense_cudnn nsa_layer nsa_layer_mosaic nsa_compressed_xla nsa_compressed_mosaic nsa_selected_kernel \
@@ -91,9 +91,9 @@ fi
 
 # 1. every kernel compiled against its float64 reference (NSA: selected, window, compressed;
 #    document attention), forward and gradients
-JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -m gpu -k "not mosaic" -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests.log"
+JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -n 0 -q -m gpu -k "not mosaic" -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests.log"
 #    the Mosaic GPU (Hopper) kernels have never run on hardware: alone, so a fault stops nothing else
-JAX_PLATFORMS=cuda timeout 180 python3 -m pytest -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
+JAX_PLATFORMS=cuda timeout 180 python3 -m pytest -n 0 -q -m gpu -k mosaic -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
 [ "$STAGE" = tests ] && exit 0
 
 # 2. NSA vs dense at 8k-64k: each branch's kernel vs XLA/cuDNN, the layer with one and with all

@@ -146,8 +146,9 @@ def host_image(cache: Path = DEFAULT_CACHE, repository: str = "jaxagent-sandbox"
         partial = tar.with_suffix(f".{os.getpid()}.part")
         write_rootfs(files, partial)
         for stale in cache.glob("rootfs-*.tar"):  # one cached tar: the host's files changed
-            stale.unlink(missing_ok=True)
-        partial.rename(tar)
+            if stale != tar:  # another process (a test worker) may be importing this one
+                stale.unlink(missing_ok=True)
+        partial.rename(tar)  # atomic: a concurrent builder's identical tar is replaced whole
     env = "ENV PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8"
     _docker("import", "--change", env, "--change", "WORKDIR /tmp", str(tar), tag)
     return tag

@@ -263,7 +263,7 @@ def test_the_suite_holds_for_an_unprivileged_host_user(tmp_path):
     here = Path(__file__).parent
     tests = [str(here / "test_confinement.py"), str(here / "test_pytest_tasks.py")]
     run = subprocess.run(
-        [*user, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
+        [*user, sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *tests,
          "-k", "not unprivileged_host_user", "--rootdir", str(here.parents[2])],
         capture_output=True, text=True, env=env, cwd=str(here.parents[2]), timeout=600,
         check=False,
