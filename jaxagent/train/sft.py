@@ -154,7 +154,7 @@ def run_sft(cfg: Config) -> Path:
     initialize(cfg.distributed)
     layout = Layout(cfg.mesh, cfg.sampler.mesh)
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
-    model, tokenizer = load_model_and_tokenizer(cfg)
+    model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
     graphdef, weights = layout.split(model)
     params, frozen = split_trainable(weights)
     train_tasks, _ = run_tasks(cfg)  # an agent config's repository tasks, or single ones
