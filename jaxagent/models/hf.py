@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -473,8 +473,11 @@ def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: st
                     f"{file}: tensor {mapping.hf_names[-1]!r} has shape {got}, which does not "
                     f"convert to the shape {var.shape} config.json gives"
                 )
-            sharding = None if mesh is None else NamedSharding(mesh, logical_spec(
-                var.shape, var.get_metadata()["logical_axes"], rules, mesh))
+            sharding = None
+            if mesh is not None:
+                names = var.get_metadata().get("logical_axes")  # none: replicated
+                sharding = NamedSharding(mesh, PartitionSpec() if names is None
+                                         else logical_spec(var.shape, names, rules, mesh))
             var.set_value(_materialise(value, sharding, jnp.dtype(dtype)))
     finally:
         for handle in handles.values():

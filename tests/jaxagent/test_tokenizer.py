@@ -156,8 +156,8 @@ def test_llama3_task_and_agent_prompts_start_with_bos_once(llama3_dir):
 
     _, tok = load_model_and_tokenizer(load_config(None, [f"init_from={llama3_dir}"]))
     assert isinstance(tok, HFTokenizer) and tok.add_bos
-    prompt = CodeTaskEnv(tok, scorer=None).reset(Task(id="t", prompt="def add(a, b):", entry_point="add",
-                                                          tests=()))
+    task = Task(id="t", prompt="def add(a, b):", entry_point="add", tests=())
+    prompt = CodeTaskEnv(tok, scorer=None).reset(task)
     assert prompt[0] == tok.bos_id and prompt.count(tok.bos_id) == 1
     for name, fmt in FORMATS.items():
         text = fmt().prompt(tok, "add two numbers", [])

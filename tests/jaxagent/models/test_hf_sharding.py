@@ -125,7 +125,8 @@ def test_sharded_load_equals_whole_load_with_the_trainers_layout(checkpoints, na
     for path_, var in params(whole).items():
         x = ours[path_].get_value()
         assert x.sharding == expected[path_].get_value(), path_
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(var.get_value()), err_msg=str(path_))
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(var.get_value()),
+                                      err_msg=str(path_))
         shard = x.sharding.shard_shape(x.shape)
         assert all(s.data.shape == shard for s in x.addressable_shards), path_
     # The layouts that matter are sharded, not replicated.
@@ -141,7 +142,8 @@ def test_sharded_load_equals_whole_load_with_the_trainers_layout(checkpoints, na
     for tensor, blocks in reads.blocks.items():
         assert max(math.prod(b) for b in blocks) <= shard_size[tensor], tensor
     embed = reads.blocks["model.embed_tokens.weight"]
-    assert set(embed) == {(131, 33)} and len(embed) == 4  # 8 devices, 4 distinct blocks: one read each
+    # 8 devices, 4 distinct blocks (replicated over the expert axis): one read each
+    assert set(embed) == {(131, 33)} and len(embed) == 4
 
 
 def test_sharded_bfloat16_load_equals_whole_load(checkpoints):
