@@ -8,9 +8,9 @@ write) and stacked here into one [E, ...] tensor; the fused in-memory layout of
 transformers >= 5 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is read too.
 
 Loading onto a mesh reads each device's block straight from the files: a mapping is applied to
-lazy views of the checkpoint tensors (`_View`: the same transposes, head splits, slices and
-stacks, read only where asked), so every device reads the source slices its own shard needs and
-no device ever holds a whole sharded tensor. Saving copies each tensor to the host shard by
+lazy views of the checkpoint tensors (`_View` over memory maps of the safetensors files: the same
+transposes, head splits, slices and stacks, read only where asked), so every device reads the
+source slices its own shard needs and no device ever holds a whole sharded tensor. Saving copies each tensor to the host shard by
 shard (`jax.device_get`), never onto one device.
 """
 
@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxagent.errors import UserError
@@ -383,10 +382,38 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files")
+    return {name: file for file in files for name in _mapped_tensors(file)}
+
+
+# safetensors dtypes -> numpy's (ml_dtypes' bfloat16, which safetensors' numpy reader lacks)
+_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32,
+           "I64": np.int64, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+           "BF16": jnp.bfloat16}
+
+
+def _mapped_tensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only memory map: indexing one reads just
+    that block from the file. (The format: an 8-byte little-endian header size, a JSON header
+    of {name: dtype, shape, data_offsets}, then the data.)"""
+    try:
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        data = np.memmap(file, np.uint8, mode="r", offset=8 + size)
+        entries = {name: (t["dtype"], t["shape"], t["data_offsets"])
+                   for name, t in header.items() if name != "__metadata__"}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            ValueError) as e:
+        raise CheckpointError(f"{file}: not a safetensors file ({type(e).__name__}: {e})") from None
     out = {}
-    for file in files:
-        with safe_open(file, framework="numpy") as f:
-            out.update({name: file for name in f.keys()})
+    for name, (dtype, shape, (begin, end)) in entries.items():
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype}, not supported "
+                                  f"({', '.join(_DTYPES)})")
+        if end - begin != math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize:
+            raise CheckpointError(f"{file}: tensor {name!r}: data_offsets [{begin}, {end}) do "
+                                  f"not hold {dtype} of shape {shape}")
+        out[name] = data[begin:end].view(_DTYPES[dtype]).reshape(shape)
     return out
 
 
@@ -448,40 +475,37 @@ def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: st
     # Build the module without materialising random weights, then fill every parameter.
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     flat = dict(nnx.to_flat_state(state))
-    handles: dict[Path, object] = {}
-    try:
-        for mapping in _tensor_map(cfg, fused_experts=fused):
-            views = []
-            for name in mapping.hf_names:
-                file = files.get(name)
-                if file is None:
-                    raise CheckpointError(f"{path}: missing tensor {name!r}")
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="numpy").__enter__()
-                piece = handles[file].get_slice(name)
-                views.append(_View(tuple(piece.get_shape()), piece.__getitem__))
-            var = flat[mapping.path]
-            try:
-                value = mapping.to_ours(views)
-                fits = value.shape == var.shape
-            except ValueError:  # a split or stack the checkpoint's shapes do not allow
-                fits = False
-            if not fits:
-                got = ", ".join(str(v.shape) for v in views[:2]) + (", ..." if len(views) > 2
-                                                                      else "")
-                raise CheckpointError(
-                    f"{file}: tensor {mapping.hf_names[-1]!r} has shape {got}, which does not "
-                    f"convert to the shape {var.shape} config.json gives"
-                )
-            sharding = None
-            if mesh is not None:
-                names = var.get_metadata().get("logical_axes")  # none: replicated
-                sharding = NamedSharding(mesh, PartitionSpec() if names is None
-                                         else logical_spec(var.shape, names, rules, mesh))
-            var.set_value(_materialise(value, sharding, jnp.dtype(dtype)))
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+    mapped: dict[Path, dict[str, np.ndarray]] = {}
+    for mapping in _tensor_map(cfg, fused_experts=fused):
+        views = []
+        for name in mapping.hf_names:
+            file = files.get(name)
+            if file is None:
+                raise CheckpointError(f"{path}: missing tensor {name!r}")
+            if file not in mapped:
+                mapped[file] = _mapped_tensors(file)
+            if name not in mapped[file]:
+                raise CheckpointError(f"{file}: missing tensor {name!r} (the index names it)")
+            tensor = mapped[file][name]
+            views.append(_View(tuple(tensor.shape), lambda block, t=tensor: np.array(t[block])))
+        var = flat[mapping.path]
+        try:
+            value = mapping.to_ours(views)
+            fits = value.shape == var.shape
+        except ValueError:  # a split or stack the checkpoint's shapes do not allow
+            fits = False
+        if not fits:
+            got = ", ".join(str(v.shape) for v in views[:2]) + (", ..." if len(views) > 2 else "")
+            raise CheckpointError(
+                f"{file}: tensor {mapping.hf_names[-1]!r} has shape {got}, which does not "
+                f"convert to the shape {var.shape} config.json gives"
+            )
+        sharding = None
+        if mesh is not None:
+            names = var.get_metadata().get("logical_axes")  # none: replicated
+            sharding = NamedSharding(mesh, PartitionSpec() if names is None
+                                     else logical_spec(var.shape, names, rules, mesh))
+        var.set_value(_materialise(value, sharding, jnp.dtype(dtype)))
     return nnx.merge(graphdef, state)
 
 

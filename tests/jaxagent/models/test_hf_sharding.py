@@ -71,43 +71,24 @@ def params(model):
 
 
 class Reads:
-    """Wraps the checkpoint files' slices (the real ones) and records every block read."""
+    """Wraps the checkpoint files' tensors (the real memory maps) and records every block read."""
 
     def __init__(self, monkeypatch):
         self.blocks: dict[str, list[tuple[int, ...]]] = {}
-        real = hf.safe_open
+        real = hf._mapped_tensors
         reads = self
 
-        class Slice:
-            def __init__(self, piece, name):
-                self.piece, self.name = piece, name
-
-            def get_shape(self):
-                return self.piece.get_shape()
+        class Recorded:
+            def __init__(self, name, tensor):
+                self.name, self.tensor, self.shape = name, tensor, tensor.shape
 
             def __getitem__(self, index):
-                block = self.piece[index]
+                block = self.tensor[index]
                 reads.blocks.setdefault(self.name, []).append(block.shape)
                 return block
 
-        class File:
-            def __init__(self, *args, **kwargs):
-                self.file = real(*args, **kwargs)
-
-            def __enter__(self):
-                self.handle = self.file.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return self.file.__exit__(*exc)
-
-            def keys(self):
-                return self.handle.keys()
-
-            def get_slice(self, name):
-                return Slice(self.handle.get_slice(name), name)
-
-        monkeypatch.setattr(hf, "safe_open", File)
+        monkeypatch.setattr(hf, "_mapped_tensors", lambda file: {
+            name: Recorded(name, tensor) for name, tensor in real(file).items()})
 
 
 @pytest.mark.parametrize("name", ["qwen2-bias-untied", "qwen3moe-dense-layer",
@@ -146,14 +127,24 @@ def test_sharded_load_equals_whole_load_with_the_trainers_layout(checkpoints, na
     assert set(embed) == {(131, 33)} and len(embed) == 4
 
 
-def test_sharded_bfloat16_load_equals_whole_load(checkpoints):
-    path = checkpoints["qwen2-bias-untied"]
-    whole = params(from_pretrained(path))
-    sharded = params(from_pretrained(path, mesh=build_mesh(MESH), rules=DEFAULT_AXIS_RULES))
+def test_bfloat16_checkpoint_loads_exactly_whole_and_sharded(tmp_path):
+    """Released checkpoints are bfloat16 (which safetensors' numpy reader cannot read)."""
+    model = make_hf("qwen2-bias-untied", tmp_path / "f32").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    torch_weights = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    whole = params(from_pretrained(tmp_path / "bf16"))
+    sharded = params(from_pretrained(tmp_path / "bf16", mesh=build_mesh(MESH),
+                                     rules=DEFAULT_AXIS_RULES))
     for p, var in whole.items():
         assert sharded[p].get_value().dtype == np.dtype("bfloat16")
         np.testing.assert_array_equal(np.asarray(sharded[p].get_value()),
                                       np.asarray(var.get_value()), err_msg=str(p))
+    d, k, h = BASE["hidden_size"], BASE["num_key_value_heads"], BASE["head_dim"]
+    np.testing.assert_array_equal(np.asarray(whole[("embed",)].get_value(), np.float32),
+                                  torch_weights["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(whole[("layers", 1, "attn", "wk")].get_value(), np.float32),
+        torch_weights["model.layers.1.self_attn.k_proj.weight"].T.reshape(d, k, h))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -170,6 +161,14 @@ def test_sharded_model_saves_the_checkpoint_it_loaded(checkpoints, name, tmp_pat
 def test_mesh_without_rules_is_refused(checkpoints):
     with pytest.raises(ValueError, match="mesh and rules together"):
         from_pretrained(checkpoints["qwen2-bias-untied"], mesh=build_mesh(MESH))
+
+
+def test_not_a_safetensors_file_is_named(checkpoints, tmp_path):
+    (tmp_path / "config.json").write_text(
+        (checkpoints["qwen2-bias-untied"] / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(hf.CheckpointError, match=r"model.safetensors: not a safetensors file"):
+        from_pretrained(tmp_path)
 
 
 def test_wrong_tensor_shape_is_named(checkpoints, tmp_path):
