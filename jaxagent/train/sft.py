@@ -161,8 +161,8 @@ def run_sft(cfg: Config) -> Path:
     with make_progress() as progress:
         params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress,
                               chunk=logits_chunk(cfg, model), frozen=frozen)
-    # every process joins; only process 0 writes
-    params, frozen = layout.gather(params), layout.gather(frozen)
+    # every process joins (one array at a time, into host memory); only process 0 writes
+    params, frozen = layout.host_copy(params), layout.host_copy(frozen)
     out = Path(cfg.workdir) / "sft"
     if is_leader():
         save_policy(merged_model(graphdef, params, frozen), out, base_checkpoint(cfg.init_from))
