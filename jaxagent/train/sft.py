@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxagent.config import Config, ConfigError
 from jaxagent.models.adapters import save_policy, split_trainable
@@ -169,4 +170,6 @@ def run_sft(cfg: Config) -> Path:
         if isinstance(tokenizer, HFTokenizer):  # reloads tokenize, stop and chat as before
             tokenizer.save(out)
         (out / "sft_metrics.json").write_text(json.dumps(metrics))
+    if jax.process_count() > 1:  # the others return the directory process 0 is writing
+        multihost_utils.sync_global_devices("sft checkpoint written")
     return out
