@@ -171,10 +171,12 @@ def base_checkpoint(checkpoint: str | None) -> str | None:
     return str(Path(checkpoint).absolute())
 
 
-def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
+def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,
+                             layout: Layout | None = None):
     """The HF checkpoint (with its tokenizer) if one is given, else `cfg.model` at random init
     with the byte tokenizer. A PEFT directory loads its base under its adapters; with
-    `model.lora.rank` set, any other model gets fresh adapters."""
+    `model.lora.rank` set, any other model gets fresh adapters. With `layout` the checkpoint's
+    weights are read straight onto the trainer's mesh, each device its own shards."""
     checkpoint = checkpoint or cfg.init_from
     if checkpoint is None:
         return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
@@ -186,7 +188,8 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
                                   "not set (the adapters' base model is unknown)")
     checkpoint = resolve_checkpoint(checkpoint)  # a directory, or a hub id through the HF cache
     m = cfg.model  # the architecture comes from the checkpoint; how to run it from here
-    model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype,
+    on_mesh = {} if layout is None else {"mesh": layout.mesh, "rules": layout.rules}
+    model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype, **on_mesh,
                             attention_backend=m.attention_backend, remat=m.remat,
                             moe_dispatch=m.moe_dispatch, capacity_factor=m.capacity_factor)
     if adapter is not None:

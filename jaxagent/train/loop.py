@@ -87,7 +87,7 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
     workdir, t = Path(cfg.workdir), cfg.train
     check_resume_config(cfg, workdir)
     save_config(cfg, workdir / "config.yaml")
-    model, tokenizer = load_model_and_tokenizer(cfg)
+    model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
     learner, state = Learner.create(cfg, model, tokenizer, layout)
     train_tasks, eval_tasks = run_tasks(cfg)
     task_iter = task_stream(cfg, train_tasks) if task_iter is None else task_iter
