@@ -56,17 +56,46 @@ def expand_algorithm(r: RLConfig) -> RLConfig:
         r.algorithm, {key: getattr(r, key) for key in algorithms.SETTINGS}))
 
 
-def resolve_attention(m: ModelConfig) -> ModelConfig:
-    """`m` with `attention_backend: auto` resolved for its kind (dense: xla, doc: pallas), so
-    the saved config names the backend the run used (NSA's kernels are `model.nsa.kernels`)."""
-    return m if m.attention == "nsa" else dataclasses.replace(m, attention_backend=backend_name(m))
+def run_rows(cfg: Config) -> set[str]:
+    """The row layouts (`pallas_kernels.attention.ROWS`) this run's model attends over: the
+    RL rows (segments when groups share a prompt), the SFT warm-up's, the feedback term's
+    (right-padded) and the sampler's cached calls."""
+    shared = cfg.train.share_prompt and sees_all_segments(cfg.model)
+    rows = {"cached", "segments" if shared else "causal"}
+    if cfg.sft.steps:
+        rows.add("segments" if cfg.sft.data == "documents" else "causal")
+    if cfg.agent.feedback_beta:
+        rows.add("causal")
+    return rows
+
+
+def resolve_attention(cfg: Config) -> ModelConfig:
+    """`cfg.model`, its attention backend checked on every row layout of the run (a clear
+    error now, not at the first step), and `auto` replaced by the one backend that runs what
+    `auto` runs on each of them, so the saved config names it; `auto` stays where the layouts
+    need different ones (cudnn for causal rows and pallas for shared-prompt rows on a GPU).
+    NSA's kernels are `model.nsa.kernels`."""
+    m = cfg.model
+    if m.attention == "nsa":
+        return m
+    picked = {rows: backend_name(m, rows) for rows in run_rows(cfg)}
+    if m.attention_backend != "auto":
+        return m
+    for name in sorted(set(picked.values())):
+        named = dataclasses.replace(m, attention_backend=name)
+        try:
+            if all(backend_name(named, rows) == b for rows, b in picked.items()):
+                return named
+        except ValueError:  # `name` cannot run one of the layouts
+            continue
+    return m
 
 
 def validate(cfg: Config) -> Config:
     """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`) and the
     attention backend resolved (`resolve_attention`), after the semantic checks that types
     alone cannot express. Run before any compute."""
-    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl), model=resolve_attention(cfg.model))
+    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl), model=resolve_attention(cfg))
     t, r = cfg.train, cfg.rl
     checks = [
         (t.steps >= 1, "train.steps", "must be >= 1"),
