@@ -169,6 +169,33 @@ def test_document_attention_config_is_valid():
     validate(cfg)
 
 
+def test_attention_backend_is_checked_on_the_runs_rows_and_named_when_one_fits():
+    """validate() tries `model.attention_backend` on every row layout the run attends over
+    (RL rows, SFT rows, the sampler's cached calls) and saves `auto` as the one backend that
+    does what auto does on all of them, or as auto where they need different ones."""
+    from jaxagent.train.build import resolve_attention, validate
+
+    with pytest.raises(ValueError, match="model.attention_backend: splash runs causal rows only"):
+        validate(apply_overrides(Config(), ["model.attention_backend=splash"]))  # shared prompts
+    unshared = ["train.share_prompt=false"]
+    assert validate(apply_overrides(Config(), ["model.attention_backend=splash", *unshared])
+                    ).model.attention_backend == "splash"
+    with pytest.raises(ValueError, match="model.attention_backend: cudnn runs on gpu, not cpu"):
+        validate(apply_overrides(Config(), ["model.attention_backend=cudnn", *unshared]))
+
+    def on_gpu(*overrides):
+        return resolve_attention(apply_overrides(Config(), list(overrides)), "gpu").attention_backend
+
+    bf16 = "model.dtype=bfloat16"
+    assert on_gpu(bf16, *unshared) == "cudnn"  # causal rows; cached calls run XLA under both
+    assert on_gpu(bf16) == "auto"  # shared-prompt rows: pallas; cached calls: XLA
+    assert on_gpu(*unshared) == "auto"  # float32 causal rows: pallas; cached calls: XLA
+    assert on_gpu("model.attention=doc") == "pallas"
+    assert on_gpu(bf16, *unshared, "sft.steps=1", "sft.data=documents") == "auto"
+    with pytest.raises(ValueError, match="model.attention_backend: cudnn runs causal rows only"):
+        on_gpu(bf16, "model.attention_backend=cudnn")
+
+
 def test_one_rollout_temperature_and_no_kl_across_truncated_supports():
     """train.temperature sets the rollouts' temperature; a sampler.temperature that says
     otherwise, or a KL penalty with top-k / top-p, is an error naming the keys."""
