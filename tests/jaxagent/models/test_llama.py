@@ -115,8 +115,9 @@ def test_unknown_attention_backend_is_named():
 
 
 def test_attention_backend_is_picked_per_kind():
-    """`model.attention_backend: auto` is XLA for dense attention and the Pallas kernel for
-    document attention; an explicit backend wins for both."""
+    """On CPU `model.attention_backend: auto` is XLA for dense attention and the Pallas kernel
+    for document attention; an explicit backend wins for both (every platform and row layout:
+    tests/pallas_kernels/test_attention.py)."""
     assert [resolve_backend(kind) for kind in ("dense", "doc")] == ["xla", "pallas"]
     assert [resolve_backend(kind, "xla") for kind in ("dense", "doc")] == ["xla", "xla"]
     assert [resolve_backend(kind, "pallas") for kind in ("dense", "doc")] == ["pallas", "pallas"]
