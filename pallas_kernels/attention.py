@@ -30,7 +30,8 @@ Backends of dense and document attention (``resolve_backend`` picks one per call
           interpreted.
   auto    per platform and rows. Dense attention: GPU cudnn for causal rows (pallas in
           float32), pallas for segments, xla for cached rows; TPU splash for causal rows, else
-          xla; CPU xla. Document attention: pallas, xla on TPU.
+          xla (splash on one chip only: jax cannot partition a Mosaic kernel over a mesh); CPU xla.
+          Document attention: pallas, xla on TPU.
 
 Rows (``ROWS``), known where the model is called, not from the segment ids' values:
 "causal" one sequence per row from slot 0, then padding; "segments" any ids (packed documents,
@@ -62,10 +63,11 @@ __all__ = ["BACKENDS", "ROWS", "dense_attention", "document_attention", "nsa_att
 
 
 def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",
-                    platform: str | None = None, dtype=None) -> str:
+                    platform: str | None = None, dtype=None, devices: int | None = None) -> str:
     """The backend ("xla", "pallas", "cudnn" or "splash") that attention of `kind` ("dense" or
     "doc") runs on `rows` (one of ``ROWS``) for the option `backend` (one of ``BACKENDS``), on
-    `platform` (default: JAX's) in compute `dtype` (default: any the backend takes)."""
+    `platform` (default: JAX's) in compute `dtype` (default: any the backend takes), under a
+    mesh of `devices` (default: the abstract mesh's, if one is set)."""
     if kind not in ("dense", "doc"):
         raise ValueError(f"attention {kind!r} has no backend option")
     if backend not in BACKENDS:
@@ -74,27 +76,31 @@ def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",
         raise ValueError(f"unknown rows {rows!r}; known: {', '.join(ROWS)}")
     platform = platform or jax.default_backend()
     dtype = None if dtype is None else jnp.dtype(dtype).name
+    devices = devices or max(jax.sharding.get_abstract_mesh().size, 1)
     if backend == "auto":
-        return _auto(kind, rows, platform, dtype)
+        return _auto(kind, rows, platform, dtype, devices)
     if platform not in _PLATFORMS.get(backend, (platform,)):
         raise ValueError(f"{backend} runs on {' or '.join(_PLATFORMS[backend])}, not {platform}")
     if backend == "cudnn" and dtype not in (None, *_CUDNN_DTYPES):
         raise ValueError(f"cudnn needs model.dtype bfloat16 (cuDNN's flash attention takes "
                          f"{' or '.join(_CUDNN_DTYPES)}), not {dtype}")
+    if backend == "splash" and platform == "tpu" and devices > 1:
+        raise ValueError(f"splash is a Mosaic kernel, which jax cannot partition over a mesh of "
+                         f"{devices} devices (it would need a shard_map); use auto or xla")
     if rows in _RUNS[backend]:
         return backend
     if rows == "cached":  # the sampler's steps under a training-pass kernel
-        return _auto(kind, rows, platform, dtype)
+        return _auto(kind, rows, platform, dtype, devices)
     raise ValueError(f"{backend} runs causal rows only (one sequence per row, then padding), "
                      f"not rows with packed or shared-prompt segments (train.share_prompt, "
                      f"sft.data: documents, model.attention: doc); use auto, pallas or xla")
 
 
-def _auto(kind, rows, platform, dtype):
+def _auto(kind, rows, platform, dtype, devices):
     if kind == "dense" and rows == "causal":
         if platform == "gpu":
             return "cudnn" if dtype in _CUDNN_DTYPES else "pallas"
-        return "splash" if platform == "tpu" else "xla"
+        return "splash" if platform == "tpu" and devices == 1 else "xla"
     if platform == "tpu":
         return "xla"  # the doc kernel is written and tested for GPU (and CPU, interpreted)
     if kind == "doc":

@@ -456,12 +456,14 @@ def _remat(run, remat: str, training: bool):
     return nnx.remat(run, policy=_REMAT_POLICIES[remat])
 
 
-def backend_name(cfg: ModelConfig, rows: str, platform: str | None = None) -> str:
+def backend_name(cfg: ModelConfig, rows: str, platform: str | None = None,
+                 devices: int | None = None) -> str:
     """The backend ("xla", "pallas", "cudnn" or "splash") a dense or document-attention model
-    runs on `rows` (``pallas_kernels.attention.ROWS``) on `platform` (default: JAX's)."""
+    runs on `rows` (``pallas_kernels.attention.ROWS``) on `platform` (default: JAX's) over
+    `devices` (default: the abstract mesh's)."""
     try:
         return resolve_backend(cfg.attention, cfg.attention_backend, rows=rows, platform=platform,
-                               dtype=cfg.dtype)
+                               dtype=cfg.dtype, devices=devices)
     except ValueError as e:
         raise ValueError(f"model.attention_backend: {e}") from None
 

@@ -69,22 +69,26 @@ def run_rows(cfg: Config) -> set[str]:
     return rows
 
 
-def resolve_attention(cfg: Config, platform: str | None = None) -> ModelConfig:
+def resolve_attention(cfg: Config, platform: str | None = None,
+                      devices: int | None = None) -> ModelConfig:
     """`cfg.model`, its attention backend checked on every row layout of the run (a clear
     error now, not at the first step), and `auto` replaced by the one backend that runs what
     `auto` runs on each of them, so the saved config names it; `auto` stays where the layouts
     need different ones (cudnn for causal rows and pallas for shared-prompt rows on a GPU).
-    `platform`: where the run will be (default: JAX's). NSA's kernels are `model.nsa.kernels`."""
+    `platform` and `devices`: where the run will be (default: JAX's, all its devices in one
+    mesh). NSA's kernels are `model.nsa.kernels`."""
     m = cfg.model
     if m.attention == "nsa":
         return m
-    picked = {rows: backend_name(m, rows, platform) for rows in run_rows(cfg)}
+    devices = devices or jax.device_count()
+    picked = {rows: backend_name(m, rows, platform, devices) for rows in run_rows(cfg)}
     if m.attention_backend != "auto":
         return m
     for name in sorted(set(picked.values())):
         named = dataclasses.replace(m, attention_backend=name)
         try:
-            if all(backend_name(named, rows, platform) == b for rows, b in picked.items()):
+            if all(backend_name(named, rows, platform, devices) == b
+                   for rows, b in picked.items()):
                 return named
         except ValueError:  # `name` cannot run one of the layouts
             continue

@@ -194,6 +194,9 @@ def test_attention_backend_is_checked_on_the_runs_rows_and_named_when_one_fits()
     assert on_gpu(bf16, *unshared, "sft.steps=1", "sft.data=documents") == "auto"
     with pytest.raises(ValueError, match="model.attention_backend: cudnn runs causal rows only"):
         on_gpu(bf16, "model.attention_backend=cudnn")
+    on_tpu = lambda devices: resolve_attention(  # noqa: E731
+        apply_overrides(Config(), unshared), "tpu", devices).attention_backend
+    assert (on_tpu(1), on_tpu(4)) == ("splash", "xla")  # splash runs on one chip only
 
 
 def test_one_rollout_temperature_and_no_kl_across_truncated_supports():

@@ -71,7 +71,19 @@ def _assert_same(attend, q, k, v, do, seg, tol):
     ("cpu", "doc", "segments", "float32", "pallas"),
 ])
 def test_auto_picks_per_platform_and_rows(platform, kind, rows, dtype, want):
-    assert resolve_backend(kind, "auto", rows=rows, platform=platform, dtype=dtype) == want
+    assert resolve_backend(kind, "auto", rows=rows, platform=platform, dtype=dtype,
+                           devices=1) == want
+
+
+def test_splash_runs_on_one_tpu_chip_only():
+    """jax cannot partition a Mosaic kernel over a mesh: auto falls back to XLA there, and an
+    explicit splash says why."""
+    resolve = lambda backend, devices: resolve_backend(  # noqa: E731
+        "dense", backend, rows="causal", platform="tpu", devices=devices)
+    assert resolve("auto", 1) == resolve("splash", 1) == "splash"
+    assert resolve("auto", 4) == "xla"
+    with pytest.raises(ValueError, match="splash is a Mosaic kernel.*mesh of 4 devices"):
+        resolve("splash", 4)
 
 
 def test_explicit_backend_runs_where_it_can_or_says_why():
