@@ -84,16 +84,16 @@ def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",
     if backend == "cudnn" and dtype not in (None, *_CUDNN_DTYPES):
         raise ValueError(f"cudnn needs model.dtype bfloat16 (cuDNN's flash attention takes "
                          f"{' or '.join(_CUDNN_DTYPES)}), not {dtype}")
+    if rows == "cached" and rows not in _RUNS[backend]:  # the sampler under a training kernel
+        return _auto(kind, rows, platform, dtype, devices)
+    if rows not in _RUNS[backend]:
+        raise ValueError(f"{backend} runs causal rows only (one sequence per row, then padding), "
+                         f"not rows with packed or shared-prompt segments (train.share_prompt, "
+                         f"sft.data: documents, model.attention: doc); use auto, pallas or xla")
     if backend == "splash" and platform == "tpu" and devices > 1:
         raise ValueError(f"splash is a Mosaic kernel, which jax cannot partition over a mesh of "
                          f"{devices} devices (it would need a shard_map); use auto or xla")
-    if rows in _RUNS[backend]:
-        return backend
-    if rows == "cached":  # the sampler's steps under a training-pass kernel
-        return _auto(kind, rows, platform, dtype, devices)
-    raise ValueError(f"{backend} runs causal rows only (one sequence per row, then padding), "
-                     f"not rows with packed or shared-prompt segments (train.share_prompt, "
-                     f"sft.data: documents, model.attention: doc); use auto, pallas or xla")
+    return backend
 
 
 def _auto(kind, rows, platform, dtype, devices):

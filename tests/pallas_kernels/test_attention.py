@@ -84,6 +84,7 @@ def test_splash_runs_on_one_tpu_chip_only():
     assert resolve("auto", 4) == "xla"
     with pytest.raises(ValueError, match="splash is a Mosaic kernel.*mesh of 4 devices"):
         resolve("splash", 4)
+    assert resolve_backend("dense", "splash", rows="cached", platform="tpu", devices=4) == "xla"
 
 
 def test_explicit_backend_runs_where_it_can_or_says_why():
