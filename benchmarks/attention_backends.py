@@ -89,7 +89,6 @@ def main():
     common = {"device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
               "jax": jax.__version__, "batch": b, "heads": n, "kv_heads": kh, "head_dim": h,
               "dtype": dtype.name}
-    out_file = open(args.out, "a") if args.out else None
     runs = {backend: programs(backend) for backend in args.backends}
     times = {}
     for t in args.seq:
@@ -108,7 +107,7 @@ def main():
                     inputs = (q, k, v, seg, slots) + ((do,) if which == "fwd+bwd" else ())
                     try:
                         out, seconds = timed(runs[backend][which], *inputs, repeats=args.repeats)
-                    except Exception as e:  # out of memory at a size the estimate let through
+                    except jax.errors.JaxRuntimeError as e:  # out of memory the estimate let through
                         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 if reason is not None:
                     row["skipped"] = reason
@@ -123,9 +122,9 @@ def main():
                         row["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(
                             out.astype(jnp.float32) - reference.astype(jnp.float32))))
                 print(json.dumps(row), flush=True)
-                if out_file:
-                    out_file.write(json.dumps(row) + "\n")
-                    out_file.flush()
+                if args.out:  # line by line: a run cut short keeps what it measured
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
     print("\nms (x the baseline: cudnn where it ran, else xla)")
     for t in args.seq:
         for which in PASSES:
