@@ -58,8 +58,22 @@ _RUNS = {"xla": ROWS, "pallas": ROWS, "cudnn": ("causal",), "splash": ("causal",
 _PLATFORMS = {"cudnn": ("gpu",), "splash": ("tpu", "cpu")}
 _CUDNN_DTYPES = ("bfloat16", "float16")
 
-__all__ = ["BACKENDS", "ROWS", "dense_attention", "document_attention", "nsa_attention",
-           "resolve_backend"]
+__all__ = ["BACKENDS", "ROWS", "check_rows", "dense_attention", "document_attention",
+           "nsa_attention", "resolve_backend"]
+
+
+def check_rows(backend: str, rows: str) -> None:
+    """Raise unless the option `backend` can run `rows` on some platform (cached rows always:
+    the training-pass kernels leave them to auto). Asks JAX nothing, so a config can be
+    checked before ``jax.distributed`` starts."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    if rows not in ROWS:
+        raise ValueError(f"unknown rows {rows!r}; known: {', '.join(ROWS)}")
+    if backend != "auto" and rows not in (*_RUNS[backend], "cached"):
+        raise ValueError(f"{backend} runs causal rows only (one sequence per row, then padding), "
+                         f"not rows with packed or shared-prompt segments (train.share_prompt, "
+                         f"sft.data: documents, model.attention: doc); use auto, pallas or xla")
 
 
 def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",
@@ -70,10 +84,7 @@ def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",
     mesh of `devices` (default: the abstract mesh's, if one is set)."""
     if kind not in ("dense", "doc"):
         raise ValueError(f"attention {kind!r} has no backend option")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    if rows not in ROWS:
-        raise ValueError(f"unknown rows {rows!r}; known: {', '.join(ROWS)}")
+    check_rows(backend, rows)
     platform = platform or jax.default_backend()
     dtype = None if dtype is None else jnp.dtype(dtype).name
     devices = devices or max(jax.sharding.get_abstract_mesh().size, 1)
@@ -84,12 +95,8 @@ def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",
     if backend == "cudnn" and dtype not in (None, *_CUDNN_DTYPES):
         raise ValueError(f"cudnn needs model.dtype bfloat16 (cuDNN's flash attention takes "
                          f"{' or '.join(_CUDNN_DTYPES)}), not {dtype}")
-    if rows == "cached" and rows not in _RUNS[backend]:  # the sampler under a training kernel
+    if rows not in _RUNS[backend]:  # cached rows (check_rows): the sampler under a training kernel
         return _auto(kind, rows, platform, dtype, devices)
-    if rows not in _RUNS[backend]:
-        raise ValueError(f"{backend} runs causal rows only (one sequence per row, then padding), "
-                         f"not rows with packed or shared-prompt segments (train.share_prompt, "
-                         f"sft.data: documents, model.attention: doc); use auto, pallas or xla")
     if backend == "splash" and platform == "tpu" and devices > 1:
         raise ValueError(f"splash is a Mosaic kernel, which jax cannot partition over a mesh of "
                          f"{devices} devices (it would need a shard_map); use auto or xla")
