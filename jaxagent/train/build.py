@@ -24,7 +24,6 @@ from jaxagent.metrics import LogProgress
 from jaxagent.models import from_pretrained, init_model, sees_all_segments
 from jaxagent.models.adapters import (init_adapters, is_adapter_dir, load_adapter,
                                       read_adapter_config, with_adapters)
-from jaxagent.models.config import ModelConfig
 from jaxagent.models.hf import CheckpointError, resolve_checkpoint
 from jaxagent.models.llama import backend_name
 from jaxagent.models.lora import check_lora
@@ -32,6 +31,7 @@ from jaxagent.rl import algorithms
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import LossOptions, logits_chunk_tokens
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
+from pallas_kernels.attention import check_rows
 from rollouts.agent import ToolEnvironment
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.producer import RolloutProducer
@@ -56,17 +56,62 @@ def expand_algorithm(r: RLConfig) -> RLConfig:
         r.algorithm, {key: getattr(r, key) for key in algorithms.SETTINGS}))
 
 
-def resolve_attention(m: ModelConfig) -> ModelConfig:
-    """`m` with `attention_backend: auto` resolved for its kind (dense: xla, doc: pallas), so
-    the saved config names the backend the run used (NSA's kernels are `model.nsa.kernels`)."""
-    return m if m.attention == "nsa" else dataclasses.replace(m, attention_backend=backend_name(m))
+def run_rows(cfg: Config) -> set[str]:
+    """The row layouts (`pallas_kernels.attention.ROWS`) this run's model attends over: the
+    RL rows (segments when groups share a prompt), the SFT warm-up's, the feedback term's
+    (right-padded) and the sampler's cached calls."""
+    shared = cfg.train.share_prompt and sees_all_segments(cfg.model)
+    rows = {"cached", "segments" if shared else "causal"}
+    if cfg.sft.steps:
+        rows.add("segments" if cfg.sft.data == "documents" else "causal")
+    if cfg.agent.feedback_beta:
+        rows.add("causal")
+    return rows
+
+
+def check_attention(cfg: Config) -> None:
+    """`model.attention_backend` tried on every row layout of the run (a clear error before
+    anything starts, not at the first step; the platform's own checks come when the model is
+    built, after `jax.distributed` starts). NSA's kernels are `model.nsa.kernels`."""
+    if cfg.model.attention == "nsa":
+        return
+    for rows in sorted(run_rows(cfg)):
+        try:
+            check_rows(cfg.model.attention_backend, rows)
+        except ValueError as e:
+            raise ValueError(f"model.attention_backend: {e}") from None
+
+
+def resolve_attention(cfg: Config, platform: str | None = None,
+                      devices: int | None = None) -> Config:
+    """`cfg` with `model.attention_backend: auto` replaced by the one backend that runs what
+    `auto` runs on each row layout of the run, so the saved config names it; `auto` stays
+    where the layouts need different ones (cudnn for causal rows and pallas for shared-prompt
+    rows on a GPU). `platform` and `devices`: where the run will be (default: JAX's, all its
+    devices in one mesh), so call it after `jax.distributed` starts."""
+    m = cfg.model
+    if m.attention == "nsa" or m.attention_backend != "auto":
+        return cfg
+    devices = devices or jax.device_count()
+    picked = {rows: backend_name(m, rows, platform, devices) for rows in run_rows(cfg)}
+    for name in sorted(set(picked.values())):
+        named = dataclasses.replace(m, attention_backend=name)
+        try:
+            if all(backend_name(named, rows, platform, devices) == b
+                   for rows, b in picked.items()):
+                return dataclasses.replace(cfg, model=named)
+        except ValueError:  # `name` cannot run one of the layouts
+            continue
+    return cfg
 
 
 def validate(cfg: Config) -> Config:
-    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`) and the
-    attention backend resolved (`resolve_attention`), after the semantic checks that types
-    alone cannot express. Run before any compute."""
-    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl), model=resolve_attention(cfg.model))
+    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`), after
+    the semantic checks that types alone cannot express, the attention backend's on the run's
+    row layouts among them (`check_attention`; `resolve_attention` names `auto`'s choice once
+    JAX has started). Run before any compute."""
+    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl))
+    check_attention(cfg)
     t, r = cfg.train, cfg.rl
     checks = [
         (t.steps >= 1, "train.steps", "must be >= 1"),

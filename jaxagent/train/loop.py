@@ -46,7 +46,8 @@ from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_f
                             pack_shared, ppo_update, split_rows)
 from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_options,
                                   make_producer, make_progress, make_sampler, make_scorer,
-                                  rl_layout, run_tasks, task_stream, validate)
+                                  resolve_attention, rl_layout, run_tasks, task_stream,
+                                  validate)
 from jaxagent.train.evaluate import agent_held_out, held_out_pass_at_k
 from jaxagent.train.sft import sft
 from jaxagent.train.sync import SamplerWeights
@@ -67,6 +68,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     (default: grain over the config's training split)."""
     cfg = validate(cfg)
     layout = rl_layout(cfg)
+    cfg = resolve_attention(cfg)  # asks JAX for the platform: after rl_layout starts it
     console = console or Console(stderr=True)
     with workdir_lock(cfg.workdir, jax.process_index(), jax.process_count(), console.print):
         try:

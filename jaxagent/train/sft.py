@@ -23,6 +23,7 @@ from jaxagent.train.build import (
     logits_chunk,
     make_progress,
     make_scorer,
+    resolve_attention,
     run_tasks,
     tool_env_factory,
     validate,
@@ -153,6 +154,7 @@ def run_sft(cfg: Config) -> Path:
         raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
     cfg = validate(cfg)
     initialize(cfg.distributed)
+    cfg = resolve_attention(cfg)  # asks JAX for the platform: after jax.distributed starts
     layout = Layout(cfg.mesh, cfg.sampler.mesh)
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
