@@ -103,6 +103,45 @@ def deleted_bodies(files: dict[str, str | bytes], feature: Sequence[Target]) -> 
     return out
 
 
+def _enclosing(source: str, line: int) -> str | None:
+    """The function or method (as `_functions` names them) whose body holds `line`."""
+    try:
+        funcs = _functions(ast.parse(source))
+    except SyntaxError:
+        return None
+    for name, node in funcs.items():
+        body = node.body[1:] if ast.get_docstring(node) else node.body
+        if body and body[0].lineno <= line <= node.end_lineno:
+            return name
+    return None
+
+
+def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target],
+                         test_paths: Sequence[str]) -> tuple[Target, ...]:
+    """`feature` and every function outside the tests whose body holds a copy of a deleted
+    body (a vendored duplicate, which tests may import): its body is deleted too, so the
+    answer is not in the task, and its tests fail until it is written again. A copy anywhere
+    else (module level, the tests, a non-Python file) is left for the leak check to refuse."""
+    feature = list(feature)
+    while True:
+        deleted = dict(files)
+        for path in {t.path for t in feature}:
+            deleted[path] = delete_bodies(files[path], [t.qualname for t in feature if t.path == path])
+        extra = []
+        for leak in find_leaks(deleted_bodies(files, feature), deleted):
+            text = deleted.get(leak.path)
+            if (not isinstance(text, str) or not leak.path.endswith(".py")
+                    or any(leak.path.startswith(p.rstrip("/") + "/") for p in test_paths)):
+                continue
+            name = _enclosing(text, leak.line)
+            target = Target(leak.path, name) if name else None
+            if target and target not in feature and target not in extra:
+                extra.append(target)
+        if not extra:
+            return tuple(feature)
+        feature += extra
+
+
 def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]:
     """Every documented function or method outside the tests whose body can be deleted."""
     out = []
@@ -177,8 +216,11 @@ def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
                     bodies: Sequence[Body]) -> str | None:
     """Re-create `source`'s first-parent history at `dest` with the feature deleted in every
     commit (names a commit does not have yet are left alone) and generated artefacts dropped.
-    Returns where a commit still holds a copy of a deleted body (and stops), else None."""
+    Only these commits reach the task: no other branch, tag, stash, note or reflog. Returns
+    where a commit (its files or its message) still holds a copy of a deleted body (and
+    stops), else None."""
     git(dest, "init", "-q", "-b", "main")
+    seen: dict = {}  # what each file content held (most are unchanged between commits)
     for sha in git(source, "rev-list", "--reverse", "--first-parent", "HEAD").split():
         for old in dest.iterdir():
             if old.name != ".git":
@@ -188,14 +230,16 @@ def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
             if generated(path):
                 continue
             content = _show(source, sha, path)
+            if generated(path, content):  # bytecode under another name, archived artefacts
+                continue
             names = [t.qualname for t in feature if t.path == path]
             if names and isinstance(content, str):
                 content = delete_bodies(content, names, strict=False)
             files[path] = content
-        if leaks := find_leaks(bodies, files):
+        an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
+        if leaks := find_leaks(bodies, {**files, "its message": msg}, seen):
             return f"commit {sha[:12]}: {leaks[0]}"
         _write(dest, files)
-        an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
         git(dest, "add", "-A")
         git(dest, "commit", "-q", "--allow-empty", "-m", msg.strip(),
             env={"GIT_AUTHOR_NAME": an, "GIT_AUTHOR_EMAIL": ae, "GIT_AUTHOR_DATE": ad,
@@ -223,7 +267,7 @@ def make_deletion_tasks(
     repo, out = Path(repo).resolve(), Path(out).resolve()
     limits = limits or Limits(wall_s=60, cpu_s=60)
     base = load_repo_task(repo, list(test_command), test_paths=tuple(test_paths))
-    files = {path: c for path, c in base.files.items() if not generated(path)}
+    files = {path: c for path, c in base.files.items() if not generated(path, c)}
     original = _outcomes(files, test_command, backend, limits)
     bad = sorted(t for t, kind in original.items() if kind not in ("passed", "skipped"))
     if not original or bad:
@@ -235,12 +279,14 @@ def make_deletion_tasks(
     # one sandbox grades every feature's reference (it starts on the first run)
     with Sandbox(backend, workers=1, limits=limits) as sandbox:
         for feature in features or [[t] for t in candidates(files, test_paths)]:
-            feature = tuple(feature)
-            task_id = f"{repo.name}-" + "+".join(t.qualname for t in feature).replace(".", "-").lower()
-            by_path: dict[str, list[str]] = {}
-            for t in feature:
+            asked = tuple(feature)
+            task_id = f"{repo.name}-" + "+".join(t.qualname for t in asked).replace(".", "-").lower()
+            for t in asked:
                 if t.path not in files:
                     raise TaskFormatError(f"{repo}: feature target {t}: no such file")
+            feature = with_vendored_copies(files, asked, test_paths)
+            by_path: dict[str, list[str]] = {}
+            for t in feature:
                 by_path.setdefault(t.path, []).append(t.qualname)
             deleted = dict(files)
             for path, names in by_path.items():
@@ -248,7 +294,7 @@ def make_deletion_tasks(
             after = _outcomes(deleted, test_command, backend, limits)
             targets = tuple(sorted(t for t, kind in original.items()
                                    if kind == "passed" and after.get(t) != "passed"))
-            name = "+".join(map(str, feature))
+            name = "+".join(map(str, asked))
             if not targets:
                 skipped.append(f"{name}: no test fails once it is deleted")
                 continue
@@ -278,6 +324,7 @@ def make_deletion_tasks(
                 "test_paths": list(test_paths),
                 "target_tests": list(targets),
                 "feature": [str(t) for t in feature],
+                "vendored": [str(t) for t in feature[len(asked):]],  # copies deleted too
                 "repo_key": repo.name,
                 "reference": reference,
                 "grading": grading,

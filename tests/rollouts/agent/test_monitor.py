@@ -33,8 +33,9 @@ LOOKUPS = {  # (tool, args) -> the kinds it must raise
                     ["artefact", "disassembly"]),
     "getsource": (("shell", {"command": "python -c 'import inspect, textkit.stats as s; "
                                         "print(inspect.getsource(s))'"}), ["disassembly"]),
+    # an installed copy is outside the task, and an artefact (site-/dist-packages are dropped)
     "installed_copy": (("shell", {"command": "ls /usr/lib/python3/dist-packages/textkit"}),
-                       ["outside"]),
+                       ["artefact", "outside"]),
     "pip": (("shell", {"command": "pip download textkit"}), ["outside"]),
     "home": (("shell", {"command": "cat ~/src/textkit/stats.py"}), ["outside"]),
 }

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import gzip
 import html
+import io
+import json
 import subprocess
+import tarfile
+import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -57,17 +64,128 @@ def test_copies_are_found_however_they_are_dressed():
     rendered = f"<html><body>\n<pre>\n{spans}\n</pre></body></html>"
     renamed = PERIMETER.replace("total", "acc").replace("side", "s").replace("width", "w")
     files = {"a.py": "x = 1\n" + reformatted, "b.html": rendered, "c.py": "import os\n",
-             "d.py": renamed, "e.bin": AREA_BODY.encode()}
+             "d.py": renamed, "e.bin": b"\x00\xff" + AREA_BODY.encode()}
     leaks = find_leaks([body, Body("perimeter", PERIMETER.split('"""\n', 1)[1])], files)
     assert [(leak.path, leak.line, leak.name) for leak in leaks] == [
         ("a.py", 3, "geom/area.py::area"), ("b.html", 3, "geom/area.py::area"),
-        ("d.py", 3, "perimeter")]
+        ("d.py", 3, "perimeter"), ("e.bin", 1, "geom/area.py::area")]
 
 
 def test_short_and_unrelated_bodies_are_not_copies():
     assert find_leaks([Body("f", "    return x\n")], {"a.py": "def g(x):\n    return x\n"}) == []
     body = Body("area", AREA_BODY)
     assert find_leaks([body], {"a.py": "if width < 0:\n    raise ValueError('x')\n"}) == []
+
+
+# A body with a comment, a string and enough words for every reading (words, renamed).
+SPLIT_BODY = """    # walk the text once, cutting at each separator outside brackets
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char in '([{':
+            depth += 1
+        elif char in ')]}':
+            depth -= 1
+        elif char == sep and depth == 0:
+            parts.append(text[start:index].strip())
+            start = index + 1
+    parts.append(text[start:].strip())
+    return parts
+"""
+CLAMP_BODY = """    if low > high:
+        raise ValueError(f"empty range [{low}, {high}]")
+    return min(max(value, low), high)
+"""
+SPLIT_CODE = [line for line in SPLIT_BODY.splitlines() if not line.lstrip().startswith("#")]
+
+
+def _archive(kind: str, members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    if kind == "zip":
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            for name, data in members.items():
+                z.writestr(name, data)
+    else:
+        with tarfile.open(fileobj=buf, mode=f"w:{kind}") as tar:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _dressed_copies() -> dict[str, str | bytes]:
+    """One file per way a copy can be dressed (each must be found)."""
+    code = "\n".join(SPLIT_CODE) + "\n"
+    notebook = {"cells": [{"cell_type": "code", "source": [line + "\n" for line in SPLIT_CODE],
+                           "outputs": []}], "nbformat": 4}
+    rendered = {"cells": [{"cell_type": "code", "source": ["import inspect\n"], "outputs": [
+        {"data": {"text/html": [f"<pre>{html.escape(line)}</pre>\n" for line in SPLIT_CODE]}}]}]}
+    return {
+        "comment.py": "".join(f"# {line}\n" for line in SPLIT_CODE),
+        "doctest.py": '"""\n>>> def f(text, sep):\n' + "".join(f"...     {line.strip()}\n"
+                                                         for line in SPLIT_CODE) + '"""\n',
+        "nb.ipynb": json.dumps(notebook, indent=1),
+        "out.ipynb": json.dumps(rendered, indent=1),
+        "msgs.po": 'msgid ""\n' + "".join(f'"{line}\\n"\n' for line in SPLIT_CODE),
+        "notes.md": "Like this:\n\n```python\n" + code + "```\n",
+        "fix.patch": "--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,12 @@\n" + "".join(
+            f"+{line}\n" for line in SPLIT_CODE),
+        # renamed, one statement a line where Python allows it, no spaces
+        "minified.py": ("def f(a,b):\n c,d,e=[],0,0\n for g,h in enumerate(a):\n"
+                        "  if h in'([{':d+=1\n  elif h in')]}':d-=1\n"
+                        "  elif h==b and d==0:c.append(a[e:g].strip());e=g+1\n"
+                        " c.append(a[e:].strip());return c\n"),
+        "black.py": code.replace("'([{'", '"([{"').replace("')]}'", '")]}"').replace(
+            "parts.append(text[start:].strip())", "parts.append(\n        text[start:].strip(),\n    )"),
+        "literal.py": "SNIPPET = " + json.dumps(code) + "\n",
+        "hex.js": "var s = '" + "".join(f"\\x{ord(ch):02x}" for ch in code) + "';\n",
+        "blob.txt": "data:\n" + "\n".join(textwrap.wrap(base64.b64encode(code.encode()).decode(), 76)) + "\n",
+        "bundle.zip": _archive("zip", {"pkg/split.py": code.encode()}),
+        "sdist.tar.gz": _archive("gz", {"x-1.0/src/split.py": code.encode()}),
+        "nested.tar.xz": _archive("xz", {"inner.zip": _archive("zip", {"s.py": code.encode()})}),
+        "single.gz": gzip.compress(code.encode()),
+        "db.sqlite": b"SQLite format 3\x00\x10\x00" + bytes(100) + code.encode() + b"\x00\x07",
+    }
+
+
+def test_every_dressing_of_a_copy_is_found():
+    body = Body("split", SPLIT_BODY)
+    files = _dressed_copies()
+    found = {leak.path.split("!")[0] for leak in find_leaks([body], files)}
+    assert found == set(files)
+    # as renamed or reformatted, the copy without its comment still matches the body with it
+    assert Body("split", "\n".join(SPLIT_CODE)).find(SPLIT_BODY) == 2
+    where = {leak.path: leak.line for leak in find_leaks([body], files)}
+    assert where["notes.md"] == 4 and where["bundle.zip!pkg/split.py"] == 1
+    assert where["nested.tar.xz!inner.zip!s.py"] == 1 and where["blob.txt"] == 2
+
+
+def test_readings_do_not_invent_copies():
+    body = Body("split", SPLIT_BODY)
+    unrelated = {
+        "other.py": "def join(parts, sep):\n    out = []\n    for part in parts:\n"
+                    "        out.append(part.strip())\n    return sep.join(out)\n",
+        "logo.png": PNG, "words.txt": " ".join(["parts depth start index char text"] * 2),
+        "notes.ipynb": json.dumps({"cells": [{"source": ["for index, char in enumerate(text):\n"]}]}),
+        "key.txt": base64.b64encode(bytes(range(256))).decode(),
+        "data.zip": _archive("zip", {"a.csv": b"1,2,3\n", "b.bin": bytes(range(256))}),
+    }
+    assert find_leaks([body], unrelated) == []
+
+
+def test_archives_of_artefacts_and_bytecode_are_generated():
+    code = "\n".join(SPLIT_CODE).encode()
+    pyc = b"\xa7\r\r\n" + bytes(12) + b"\xe3" + code
+    assert generated("x/cached.bin", pyc) and not generated("x/cached.bin", PNG)
+    assert generated("libs/pkg.zip", _archive("zip", {"pkg/__pycache__/m.cpython-311.pyc": pyc}))
+    assert generated("vendor/x-1.0.tar.gz", _archive("gz", {"x-1.0/PKG-INFO": b"Name: x\n",
+                                                            "x-1.0/x.py": code}))
+    assert generated("docs.zip", _archive("zip", {"_build/html/index.html": b"<p>hi</p>"}))
+    assert not generated("tests/data/fixture.zip", _archive("zip", {"a.csv": b"1,2\n"}))
+    for path in [".svn/pristine/ab/abcd.svn-base", ".hg/store/data/x.i", ".idea/shelf/x.patch",
+                 "lib/python3.11/site-packages/geom/area.py", "geom/area.py,cover",
+                 "geom/area.py.cover", "dist.egg", "app.pyz", "coverage.json", "lcov.info"]:
+        assert generated(path), path
 
 
 def _commit(repo: Path, message: str, files: dict[str, str | bytes], remove=()):
@@ -80,9 +198,30 @@ def _commit(repo: Path, message: str, files: dict[str, str | bytes], remove=()):
     git(repo, "commit", "-q", "-m", message)
 
 
+TEXT = f"""def split(text, sep):
+    \"\"\"Split at `sep` outside brackets.\"\"\"
+{SPLIT_BODY}
+
+def clamp(value, low, high):
+    \"\"\"`value` within [low, high].\"\"\"
+{CLAMP_BODY}"""
+TEXT_TESTS = """from geom.text import clamp, split
+
+
+def test_split():
+    assert split("a, f(b, c), d", ",") == ["a", "f(b, c)", "d"]
+
+
+def test_clamp():
+    assert clamp(5, 0, 3) == 3 and clamp(-1, 0, 3) == 0 and clamp(2, 0, 3) == 2
+"""
+
+
 @pytest.fixture(scope="module")
 def leaky(tmp_path_factory):
-    """A repository with every kind of leftover copy, binary assets and a moved function."""
+    """A repository with every kind of leftover copy (build copies, rendered docs, coverage
+    HTML, patch leftovers, bytecode under any name, archived bytecode, a vendored duplicate, a
+    notebook's output, a commit message, other refs), binary assets and a moved function."""
     root = tmp_path_factory.mktemp("leaky")
     repo = root / "geom"
     repo.mkdir()
@@ -94,50 +233,90 @@ def leaky(tmp_path_factory):
     assets = ("from pathlib import Path\n\n\ndef test_logo_is_a_png():\n"
               "    data = (Path(__file__).parent / 'data' / 'logo.png').read_bytes()\n"
               f"    assert data == {PNG!r}\n")
+    vendored = ("from geom.vendor.copy import _perimeter\n\n\n"
+                "def test_vendored():\n    assert _perimeter(1, 2) == 6\n")
     # The first commit keeps volume in geom/old.py: the history holds a copy under another name.
     _commit(repo, "start", {"geom/__init__.py": "", "geom/old.py": "from geom.shapes import area\n\n\n" + VOLUME,
                             "geom/shapes.py": AREA + "\n\n" + PERIMETER + "\n\nfrom geom.old import volume\n",
-                            "tests/test_shapes.py": tests})
+                            "tests/test_shapes.py": tests, "README.md": "geom\n"})
     rendered = "".join(f'<span class="n">{html.escape(line)}</span>\n' for line in AREA.splitlines())
+    notebook = {"cells": [{"cell_type": "code", "source": ["import inspect, geom.text\n",
+                                                           "inspect.getsource(geom.text.split)"],
+                           "outputs": [{"data": {"text/html": [
+                               f"<pre>{html.escape(line)}</pre>\n" for line in TEXT.split("def clamp")[0].splitlines()]}}]}]}
+    pyc = b"\xa7\r\r\n" + bytes(12) + b"\xe3" + AREA.encode()
     _commit(repo, "move volume; assets", {
         "geom/shapes.py": AREA + "\n\n" + PERIMETER + "\n\n" + VOLUME,
         "tests/test_assets.py": assets, "tests/data/logo.png": PNG,
         "build/lib/geom/shapes.py": AREA, "docs/_build/html/_modules/geom/shapes.html": rendered,
         "htmlcov/geom_shapes_py.html": f"<pre>{html.escape(AREA)}</pre>",
-        "geom/shapes.py.orig": AREA, "geom/__pycache__/shapes.cpython-311.pyc": b"\x00\xff" + AREA.encode(),
-        # a vendored duplicate of perimeter that is not generated: the task must be refused
-        "geom/vendor/copy.py": PERIMETER.replace("def perimeter", "def _perimeter")},
+        "geom/shapes.py.orig": AREA, "geom/__pycache__/shapes.cpython-311.pyc": pyc,
+        "geom/_cache.dat": pyc, "vendor/cache.zip": _archive("zip", {"__pycache__/s.pyc": pyc}),
+        # a vendored duplicate of perimeter, which a test imports: deleted too
+        "geom/vendor/__init__.py": "", "tests/test_vendor.py": vendored,
+        "geom/vendor/copy.py": PERIMETER.replace("def perimeter", "def _perimeter"),
+        "geom/text.py": TEXT, "tests/test_text.py": TEXT_TESTS,
+        "docs/demo.ipynb": json.dumps(notebook, indent=1)},
         remove=["geom/old.py"])
+    _commit(repo, "clamp, as first written:\n\n" + CLAMP_BODY, {"README.md": "geom: shapes\n"})
+    # Other refs hold copies of area; none of them reaches a task.
+    git(repo, "checkout", "-q", "-b", "old")
+    _commit(repo, "legacy", {"geom/legacy.py": AREA.replace("def area", "def legacy_area")})
+    git(repo, "tag", "v0")
+    git(repo, "checkout", "-q", "main")
+    (repo / "README.md").write_text(AREA)
+    git(repo, "stash", "-q")
+    git(repo, "notes", "add", "-m", AREA)
     out = root / "out"
-    features = [[Target.parse("geom/shapes.py::area")], [Target.parse("geom/shapes.py::perimeter")],
-                [Target.parse("geom/shapes.py::volume")]]
+    features = [[Target.parse(f"geom/{spec}")] for spec in
+                ["shapes.py::area", "shapes.py::perimeter", "shapes.py::volume", "text.py::split",
+                 "text.py::clamp"]]
     made, skipped = make_deletion_tasks(repo, out, features=features)
     return out, made, skipped
 
 
-def test_generated_copies_dropped_and_other_copies_refused(leaky):
+def test_generated_copies_dropped_vendored_deleted_and_other_copies_refused(leaky):
     out, made, skipped = leaky
-    assert [m.task_id for m in made] == ["geom-area"]
-    assert len(skipped) == 2
-    assert skipped[0].startswith("geom/shapes.py::perimeter: refused: geom/vendor/copy.py:3 holds")
-    assert skipped[1].startswith("geom/shapes.py::volume: refused: commit ")
-    assert "geom/old.py:6 holds a copy of the deleted body of geom/shapes.py::volume" in skipped[1]
+    assert [m.task_id for m in made] == ["geom-area", "geom-perimeter"]
+    vendored = made[1]
+    assert [str(t) for t in vendored.feature] == ["geom/shapes.py::perimeter",
+                                                  "geom/vendor/copy.py::_perimeter"]
+    assert vendored.targets == ("tests/test_shapes.py::test_perimeter",
+                                "tests/test_vendor.py::test_vendored")
+    task = load_deletion_task(out / "geom-perimeter")
+    assert "- geom/vendor/copy.py: _perimeter(width, height)" in task.prompt
+    assert "raise NotImplementedError" in task.files["geom/vendor/copy.py"]
+    assert find_leaks([Body("p", PERIMETER.split('"""\n', 1)[1])], task.files) == []
+    assert len(skipped) == 3
+    assert skipped[0].startswith("geom/shapes.py::volume: refused: commit ")
+    assert "geom/old.py:6 holds a copy of the deleted body of geom/shapes.py::volume" in skipped[0]
+    assert skipped[1].startswith("geom/text.py::split: refused: docs/demo.ipynb:")
+    assert skipped[2].startswith("geom/text.py::clamp: refused: commit ")
+    assert "its message:3 holds a copy of the deleted body of geom/text.py::clamp" in skipped[2]
 
 
 def test_task_and_history_hold_no_copy_and_keep_binaries(leaky, tmp_path):
-    out, made, _ = leaky
+    out, _, _ = leaky
     task = load_deletion_task(out / "geom-area")
     body = Body("area", AREA_BODY)
     assert find_leaks([body], task.files) == []
-    assert not any(generated(p) for p in task.files)
+    assert not any(generated(p, c) for p, c in task.files.items())
+    assert {"geom/_cache.dat", "vendor/cache.zip"} <= set(json.loads(
+        (out / "geom-area" / "task.json").read_text())["dropped"])
     assert task.files["tests/data/logo.png"] == PNG  # carried byte for byte
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", task.metadata["git_source"], str(clone)], check=True)
+    assert git(clone, "ls-remote", task.metadata["git_source"]).split()[1::2] == [
+        "HEAD", "refs/heads/main"]  # no tag, other branch, stash or notes
     for sha in git(clone, "rev-list", "HEAD").split():
         paths = git(clone, "ls-tree", "-r", "--name-only", sha).split()
         assert not any(generated(p) for p in paths)
         text = {p: git(clone, "show", f"{sha}:{p}") for p in paths if not p.endswith(".png")}
         assert find_leaks([body], text) == [] and all("ndigits)" not in t for t in text.values())
+    # every object the bundle carries, whatever points to it
+    objects = subprocess.run(["git", "-C", str(clone), "cat-file", "--batch-all-objects", "--batch"],
+                             check=True, capture_output=True).stdout
+    assert b"ndigits)" not in objects and find_leaks([body], {"objects": objects}) == []
 
 
 def test_shipped_tasks_hold_no_copy():
