@@ -107,6 +107,15 @@ class RolloutBatch:
         rewards, valid = self.rewards(), self.valid()
         return np.asarray([v.sum() >= 2 and np.ptp(r[v]) > 1e-6 for r, v in zip(rewards, valid)])
 
+    def group_outcomes(self) -> list[tuple[str, bool]]:
+        """(task id, whether every scored rollout of the group passed) per group; a group
+        with no scored rollout is not solved."""
+        g, valid = self.group_size, self.valid()
+        return [(self.rollouts[i * g].task_id,
+                 bool(ok.any()) and all(r.status == "passed"
+                                        for r, v in zip(self.rollouts[i * g:(i + 1) * g], ok) if v))
+                for i, ok in enumerate(valid)]
+
     def to_json(self) -> dict:
         return {"version": self.version, "group_size": self.group_size, "stats": self.stats,
                 "rollouts": [r.to_json() for r in self.rollouts]}

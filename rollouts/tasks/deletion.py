@@ -9,9 +9,10 @@ shows real commits but never the deleted code.
 
 No copy of a deleted body may survive: generated artefacts (build copies, bytecode, rendered
 docs, coverage reports, patch leftovers: `leaks.generated`) are dropped from the repository and
-from every commit, and a feature whose body is still found anywhere else (the other files, the
-prompt, any commit: `leaks.find_leaks`) is refused, naming the file and line. Binary files are
-carried byte for byte.
+from every commit, a function elsewhere whose body is a copy (a vendored duplicate) has its
+body deleted too (`with_vendored_copies`), and a feature whose body is still found anywhere
+else (the other files, the prompt, any commit or commit message: `leaks.find_leaks`) is
+refused, naming the file and line. Binary files are carried byte for byte.
 
 On disk a task is `DIR/ID/task.json`, `DIR/ID/repo/` (the deleted repository) and, when the
 source has git history, `DIR/ID/history.bundle`.
