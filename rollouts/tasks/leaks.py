@@ -28,10 +28,14 @@ import lzma
 import re
 import tarfile
 import tokenize
+import urllib.parse
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+
+import numpy as np
 
 # Directories anywhere in the tree whose content is generated from the sources (or, for version
 # control and IDE folders, pristine copies and local history of them).
@@ -46,6 +50,10 @@ _GENERATED_DIRS = {
 # annotation leftovers.
 _GENERATED_SUFFIXES = (".pyc", ".pyo", ".pyd", ".so", ".orig", ".rej", ".bak", ".swp", ".swo",
                        "~", ".whl", ".egg", ".pyz", ".cover", ",cover")
+# A copy of a git repository under another name (`backup.git`, `.git.bak`): its objects hold
+# every version; so do git's packs, their indexes and bundles, under any name.
+_GIT_DIR = re.compile(r"^(.+\.git|\.git[-._~].*)$")
+_GIT_DATA = (b"PACK\x00\x00\x00", b"\xfftOc", b"# v2 git bundle", b"# v3 git bundle")
 _GENERATED_NAMES = re.compile(r"^(\.coverage(\..*)?|coverage\.(xml|json|lcov)|lcov\.info|"
                               r"nosetests\.xml|\.dmypy\.json|#.*#|\..*\.sw[a-p])$")
 
@@ -62,14 +70,24 @@ ARCHIVE_BYTES = 64 << 20
 
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|\S")
 _WORD = re.compile(r"[A-Za-z_0-9]")
-_TAG = re.compile(r"<[^<>]*>")
-_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[nrt\"'\\/])")
+# A tag names itself right after "<" (so `a < b > c` is not one); comments too.
+_TAG = re.compile(r"<!--.*?-->|</?([A-Za-z][\w:-]*)(?:\s[^<>]*)?/?>", re.DOTALL)
+# Tags inside a line of rendered code (Pygments, coverage, pydoc): they may split a token.
+_INLINE = {"span", "a", "b", "i", "em", "strong", "code", "tt", "font", "mark", "var", "kbd",
+           "samp", "small", "big", "u", "s", "sub", "sup", "wbr", "ins", "del"}
+_PERCENT = re.compile(r"%[0-9A-Fa-f]{2}")
+# Backslash escapes of strings (\n, \", \uXXXX, \xNN) and of Markdown/LaTeX (\_, \*, ...).
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[nrt\"'\\/_*`#\[\](){}<>|~.!+-])")
+_COMMENT = re.compile(r"#[^\n]*")
+_LINE_NUMBER = re.compile(r"(?m)^[ \t]*\d+[ \t]*[|:]?(?=[ \t]|$)")
 # Where one quoted line ends and the next begins: notebooks' JSON lists, .po files, C strings.
 _JOIN = re.compile(r"(?:\\n)?\"[ \t]*,?[ \t]*(\r?\n)[ \t]*\"")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{24,}={0,2}(?:[ \t]*\r?\n[ \t]*[A-Za-z0-9+/]{4,}={0,2})*")
 _PRINTABLE_RUNS = re.compile(rb"[^\t\n\r\x20-\x7e]+")
 # Statement separators, line continuations and trailing commas formatters add or remove.
 _DROPPED = {";", "\\"}
+_QUOTES = {"'": '"', "`": '"'}
+_NEWLINE = re.compile("\n")
 _CLOSING = {")", "]", "}"}
 _KEEP = set(keyword.kwlist) | set(dir(builtins)) | {"self", "cls"}
 
@@ -78,29 +96,35 @@ def generated(path: str, content: str | bytes | None = None) -> bool:
     """Whether `path` (relative, POSIX) is a generated or cached artefact, not a source; with
     its `content`, also bytecode under any name and an archive holding an artefact (a zip of
     `__pycache__`, a source distribution: a tarball with PKG-INFO)."""
-    parts = PurePosixPath(path).parts
-    if any(p in _GENERATED_DIRS or p.endswith((".egg-info", ".dist-info")) for p in parts[:-1]):
+    parts = PurePosixPath(path).parts or ("",)
+    if any(p in _GENERATED_DIRS or p.endswith((".egg-info", ".dist-info")) or _GIT_DIR.match(p)
+           for p in parts[:-1]):
         return True
-    name = parts[-1]
-    if name.endswith(_GENERATED_SUFFIXES) or _GENERATED_NAMES.match(name):
+    if parts[-1].endswith(_GENERATED_SUFFIXES) or _GENERATED_NAMES.match(parts[-1]):
         return True
-    if not isinstance(content, bytes):
-        return False
-    if _is_bytecode(content):
+    return isinstance(content, bytes) and _artefact_content(content)
+
+
+def _artefact_content(data: bytes, depth: int = 0) -> bool:
+    """Bytecode, git's packed data, or an archive (ARCHIVE_DEPTH levels) holding an artefact
+    or a PKG-INFO."""
+    if _is_bytecode(data) or data.startswith(_GIT_DATA):
         return True
-    members = _members(content)
+    members = _members(data) if depth < ARCHIVE_DEPTH else None
     return members is not None and any(
-        generated(m, data) or PurePosixPath(m).name == "PKG-INFO" for m, data in members)
+        generated(name) or PurePosixPath(name).name == "PKG-INFO"
+        or _artefact_content(blob, depth + 1) for name, blob in members)
 
 
 def _is_bytecode(data: bytes) -> bool:
-    """A .pyc header: a two-byte magic number of CPython 3 followed by \\r\\n."""
-    return len(data) >= 16 and data[2:4] == b"\r\n" and 3000 <= int.from_bytes(data[:2], "little") < 4000
+    """A .pyc header: a two-byte magic number of CPython 3 (or 2) followed by \\r\\n."""
+    magic = int.from_bytes(data[:2], "little")
+    return len(data) >= 8 and data[2:4] == b"\r\n" and (3000 <= magic < 4000 or 20000 <= magic < 63000)
 
 
 def _members(data: bytes) -> list[tuple[str, bytes]] | None:
-    """An archive's files as (name, bytes) (a compressed single file is one member named ''),
-    or None if `data` is not an archive; at most ARCHIVE_BYTES in all."""
+    """An archive's files as (name, bytes) (a compressed single file or a zlib stream is one
+    member named ''), or None if `data` is not an archive; at most ARCHIVE_BYTES in all."""
     out, total = [], 0
 
     def add(name: str, blob: bytes) -> bool:
@@ -128,6 +152,11 @@ def _members(data: bytes) -> list[tuple[str, bytes]] | None:
         return out
     except (tarfile.TarError, OSError, EOFError, lzma.LZMAError, ValueError):
         pass
+    if data[:1] == b"x" and int.from_bytes(data[:2], "big") % 31 == 0:  # a zlib stream
+        try:  # (git's loose objects: "blob SIZE\0" and the content)
+            return [("", zlib.decompressobj().decompress(data, ARCHIVE_BYTES))]
+        except zlib.error:
+            return None
     for magic, module in ((b"\x1f\x8b", gzip), (b"BZh", bz2), (b"\xfd7zXZ\x00", lzma)):
         if data.startswith(magic):
             try:
@@ -156,27 +185,25 @@ def texts(path: str, content: str | bytes, depth: int = 0) -> Iterator[tuple[str
             yield from texts(where, data, depth + 1)
 
 
-def _tokens(text: str) -> tuple[list[str], list[int]]:
+def _tokens(text: str) -> tuple[list[str], np.ndarray]:
     """Normalised tokens of `text` and the line each starts on: one kind of quote, no
     statement separators, line continuations or trailing commas."""
-    toks, lines, line, last = [], [], 1, 0
+    toks, starts = [], []
     for m in _TOKEN.finditer(text):
         tok = m.group()
         if tok in _DROPPED:
             continue
-        line += text.count("\n", last, m.start())
-        last = m.start()
         if tok in _CLOSING and toks and toks[-1] == ",":
             toks.pop()
-            lines.pop()
-        toks.append('"' if tok in ("'", "`") else tok)
-        lines.append(line)
-    return toks, lines
+            starts.pop()
+        toks.append(_QUOTES.get(tok, tok))
+        starts.append(m.start())
+    newlines = [m.start() for m in _NEWLINE.finditer(text)]
+    return toks, np.searchsorted(np.asarray(newlines, np.int64), starts).astype(np.int32) + 1
 
 
-def _words(toks: list[str], lines: list[int]) -> tuple[list[str], list[int]]:
-    keep = [i for i, t in enumerate(toks) if _WORD.match(t)]
-    return [toks[i] for i in keep], [lines[i] for i in keep]
+def _words(toks: list[str]) -> list[str]:
+    return [t for t in toks if _WORD.match(t)]
 
 
 def _renamed(toks: list[str]) -> list[str]:
@@ -197,8 +224,51 @@ def _without_comments(source: str) -> str:
     return "".join(lines)
 
 
-def _windows(toks: list[str], size: int) -> set[tuple[str, ...]]:
-    return {tuple(toks[i:i + size]) for i in range(max(1, len(toks) - size + 1))}
+# Polynomial hashing of token runs, modulo 2**64 (numpy's unsigned arithmetic wraps): an odd
+# base is invertible, so the hash of any run is a difference of prefix sums.
+_BASE = 0x9E3779B97F4A7C15
+_BASE_INV = pow(_BASE, -1, 1 << 64)
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    p = np.full(n, base, np.uint64)
+    p[:1] = 1
+    return np.cumprod(p, dtype=np.uint64)
+
+
+class _Runs:
+    """The hash of every run of a token stream: run i..i+L-1 hashes to
+    B^(i+L-1) * (S[i+L] - S[i]), S the prefix sums of id_j * B^-j."""
+
+    def __init__(self, toks: Sequence[str]):
+        ids = np.fromiter((hash(t) for t in toks), np.int64, len(toks)).view(np.uint64)
+        self.n = len(ids)
+        self._sums = np.concatenate([np.zeros(1, np.uint64),
+                                     np.cumsum(ids * _powers(_BASE_INV, self.n), dtype=np.uint64)])
+        self._runs: dict[int, np.ndarray] = {}
+
+    def of_length(self, length: int) -> np.ndarray:
+        """[n - length + 1] hashes of the runs of `length` tokens, by start."""
+        if length not in self._runs:
+            if length > self.n:
+                self._runs[length] = np.zeros(0, np.uint64)
+            else:
+                s = self._sums
+                self._runs[length] = _powers(_BASE, self.n)[length - 1:] * (s[length:] - s[:-length])
+        return self._runs[length]
+
+
+def _patterns(toks: Sequence[str], window: int | None) -> dict[int, np.ndarray]:
+    """length -> hashes: every run of `window` tokens, or the whole stream if `window` is
+    None or longer than it."""
+    runs = _Runs(toks)
+    length = len(toks) if window is None else min(window, len(toks))
+    return {length: np.unique(runs.of_length(length))}
+
+
+def _merge(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    return {n: np.union1d(a.get(n, np.zeros(0, np.uint64)), b.get(n, np.zeros(0, np.uint64)))
+            for n in a.keys() | b.keys()}
 
 
 @dataclass(frozen=True)
@@ -213,30 +283,27 @@ class Leak:
 
 class Body:
     """The token patterns of one deleted body (as written and without its comments): every
-    run of WINDOW tokens and of WINDOW words, and the whole body renamed."""
+    run of WINDOW tokens (the whole body when shorter) and of WINDOW words, and the whole body
+    renamed; each as hashes by length."""
 
     def __init__(self, name: str, source: str):
         self.name = name
         self.lines = sum(1 for line in source.splitlines() if line.strip())  # of code, for stats
-        self.exact: set[tuple[str, ...]] = set()
-        self.words: set[tuple[str, ...]] = set()
-        self.renamed: set[tuple[str, ...]] = set()
+        self.patterns: dict[str, dict[int, np.ndarray]] = {"exact": {}, "words": {}, "renamed": {}}
         for text in {source, _without_comments(source)}:
-            toks, lines = _tokens(text)
-            if len(toks) >= MIN_TOKENS:
-                self.exact |= _windows(toks, WINDOW)
-            words, _ = _words(toks, lines)
-            if len(words) >= WINDOW:
-                self.words |= _windows(words, WINDOW)
-            if len(toks) >= MIN_RENAMED:
-                self.renamed.add(tuple(_renamed(toks)))
+            toks, _ = _tokens(text)
+            words = _words(toks)
+            for kind, stream, window, least in (("exact", toks, WINDOW, MIN_TOKENS),
+                                                ("words", words, WINDOW, WINDOW),
+                                                ("renamed", _renamed(toks), None, MIN_RENAMED)):
+                if len(stream) >= least:
+                    self.patterns[kind] = _merge(self.patterns[kind], _patterns(stream, window))
 
     def find(self, text: str | Scanned) -> int | None:
         """The line where the first copy starts in `text`, or None."""
         scanned = text if isinstance(text, Scanned) else Scanned(text)
         for view in scanned.views:
-            found = [line for kind, patterns in (("exact", self.exact), ("words", self.words),
-                                                 ("renamed", self.renamed))
+            found = [line for kind, patterns in self.patterns.items()
                      if patterns and (line := view.find(kind, patterns)) is not None]
             if found:
                 return min(found)
@@ -244,53 +311,62 @@ class Body:
 
 
 class _View:
-    """One reading of a text: its tokens, its words and its renamed tokens, with the windows
-    of each length asked for hashed once."""
+    """One reading of a text: the runs of its tokens, of its words and of its renamed tokens
+    (hashed on first use), and the line each token starts on."""
 
-    def __init__(self, toks: list[str], lines: list[int]):
-        words, word_lines = _words(toks, lines)
-        self._streams = {"exact": (toks, lines), "words": (words, word_lines)}
-        self._index: dict[tuple[str, int], dict[int, list[int]]] = {}
+    def __init__(self, toks: list[str], lines: np.ndarray):
+        self._toks = toks
+        self._lines = {"exact": lines, "renamed": lines}
+        self._runs: dict[str, _Runs] = {}
 
-    def _stream(self, kind: str) -> tuple[list[str], list[int]]:
-        if kind == "renamed" and kind not in self._streams:
-            toks, lines = self._streams["exact"]
-            self._streams[kind] = (_renamed(toks), lines)
-        return self._streams[kind]
+    def _stream(self, kind: str) -> _Runs:
+        if kind not in self._runs:
+            toks = self._toks
+            if kind == "words":
+                keep = [i for i, t in enumerate(toks) if _WORD.match(t)]
+                self._lines["words"] = self._lines["exact"][np.asarray(keep, np.int64)]
+                toks = [toks[i] for i in keep]
+            self._runs[kind] = _Runs(_renamed(toks) if kind == "renamed" else toks)
+        return self._runs[kind]
 
-    def find(self, kind: str, patterns: set[tuple[str, ...]]) -> int | None:
-        """The line of the earliest run of `kind` tokens that is one of `patterns`."""
-        toks, lines = self._stream(kind)
-        found = []
-        for size in sorted({len(p) for p in patterns}):
-            index = self._index.get((kind, size))
-            if index is None:
-                index = {}
-                for i in range(len(toks) - size + 1):
-                    index.setdefault(hash(tuple(toks[i:i + size])), []).append(i)
-                self._index[(kind, size)] = index
-            found += [i for p in patterns if len(p) == size for i in index.get(hash(p), ())
-                      if tuple(toks[i:i + size]) == p]
-        return lines[min(found)] if found else None
+    def find(self, kind: str, patterns: dict[int, np.ndarray]) -> int | None:
+        """The line of the earliest run of `kind` tokens whose hash is one of `patterns`."""
+        runs = self._stream(kind)
+        starts = [int(hits[0]) for length, hashes in patterns.items()
+                  if (hits := np.flatnonzero(np.isin(runs.of_length(length), hashes))).size]
+        return int(self._lines[kind][min(starts)]) if starts else None
 
 
-def _decoded(text: str) -> str:
-    """`text` with HTML tags stripped (their line breaks kept), entities unescaped, quoted
-    lines joined and backslash escapes undone (line breaks as spaces: line numbers hold)."""
-    if "<" in text:
-        text = _TAG.sub(lambda m: "\n" * m.group().count("\n") or " ", text)
+def _decoded(text: str, tags: bool) -> str:
+    """`text` with (if `tags`) HTML tags stripped (inline ones joined, others a space, their
+    line breaks kept), entities and %XX unescaped, quoted lines joined and backslash escapes
+    undone (line breaks as spaces: line numbers hold)."""
+    if tags and "<" in text:
+        text = _TAG.sub(_untag, text)
     if "&" in text:
         text = html.unescape(text)
+    if _PERCENT.search(text):
+        text = urllib.parse.unquote(text)
     if "\\" in text:
         text = _JOIN.sub(lambda m: m.group(1), text)
         text = _ESCAPE.sub(lambda m: _unescape(m.group(1)), text)
     return text
 
 
+def _untag(m: re.Match) -> str:
+    breaks = "\n" * m.group().count("\n")
+    return breaks or ("" if (m.group(1) or "").lower() in _INLINE else " ")
+
+
 def _unescape(code: str) -> str:
-    if code[0] in "ux":
+    if code[0] in "ux" and len(code) > 1:
         return chr(int(code[1:], 16))
     return {"n": " ", "r": " ", "t": " "}.get(code, code)
+
+
+def _bare(text: str) -> str:
+    """`text` without `#` comments and without the line numbers of a numbered listing."""
+    return _LINE_NUMBER.sub("", _COMMENT.sub("", text))
 
 
 def _base64_texts(text: str) -> Iterator[tuple[str, int]]:
@@ -306,19 +382,19 @@ def _base64_texts(text: str) -> Iterator[tuple[str, int]]:
 
 class Scanned:
     """A text's readings, made once for all the bodies searched in it: as written, decoded
-    (`_decoded`) and each base64 run decoded."""
+    (`_decoded`: escapes, then also HTML tags), decoded and bare (`_bare`: a copy with
+    comments added, or a numbered listing), and each base64 run decoded."""
 
     def __init__(self, text: str):
-        readings = [(text, 0)]
-        if (decoded := _decoded(text)) != text:
-            readings.append((decoded, 0))
+        decoded = [_decoded(text, tags=False), _decoded(text, tags=True)]
+        readings = [(t, 0) for t in dict.fromkeys([text, *decoded, _bare(decoded[-1])])]
         for reading, _ in list(readings):
             for run, line in _base64_texts(reading):
-                readings += [(run, line)] + ([(d, line)] if (d := _decoded(run)) != run else [])
+                readings += [(t, line) for t in dict.fromkeys([run, _decoded(run, tags=True)])]
         self.views = []
         for reading, line in readings:
             toks, lines = _tokens(reading)
-            self.views.append(_View(toks, [line] * len(toks) if line else lines))
+            self.views.append(_View(toks, np.full(len(toks), line, np.int32) if line else lines))
 
 
 def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],

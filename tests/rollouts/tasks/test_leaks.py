@@ -7,17 +7,21 @@ import gzip
 import html
 import io
 import json
+import random
+import re
 import subprocess
 import tarfile
 import textwrap
+import urllib.parse
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
 
 from rollouts.tasks.deletion import Target, load_deletion_task, make_deletion_tasks
 from rollouts.tasks.embedded import git
-from rollouts.tasks.leaks import Body, find_leaks, generated
+from rollouts.tasks.leaks import _BASE, Body, _Runs, find_leaks, generated
 
 AREA_BODY = '''    if width < 0 or height < 0:
         raise ValueError("negative side")
@@ -71,6 +75,22 @@ def test_copies_are_found_however_they_are_dressed():
         ("d.py", 3, "perimeter"), ("e.bin", 1, "geom/area.py::area")]
 
 
+def test_run_hashes_match_the_polynomial_they_stand_for():
+    """_Runs' prefix-sum hashes against the polynomial sum of the token ids, mod 2**64."""
+    rng = random.Random(7)
+    toks = [rng.choice(["a", "b", "c", "(", ")", "x1", "return"]) for _ in range(203)]
+    runs = _Runs(toks)
+    for length in (1, 5, 13, 17, 203):
+        want = [sum((hash(t) % (1 << 64)) * pow(_BASE, length - 1 - j, 1 << 64)
+                    for j, t in enumerate(toks[i:i + length])) % (1 << 64)
+                for i in range(len(toks) - length + 1)]
+        assert runs.of_length(length).tolist() == want
+        seen = {}  # the same run, the same hash; different runs, different hashes
+        for i, h in enumerate(want):
+            assert seen.setdefault(h, tuple(toks[i:i + length])) == tuple(toks[i:i + length])
+    assert runs.of_length(204).size == 0
+
+
 def test_short_and_unrelated_bodies_are_not_copies():
     assert find_leaks([Body("f", "    return x\n")], {"a.py": "def g(x):\n    return x\n"}) == []
     body = Body("area", AREA_BODY)
@@ -113,6 +133,13 @@ def _archive(kind: str, members: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
+def _spans(line: str) -> str:
+    """A line as a highlighter renders it: each token in a span, escaped, the first
+    identifier split over two spans."""
+    out = re.sub(r"\w+|[^\w\s]+", lambda m: f'<span class="x">{html.escape(m.group())}</span>', line)
+    return re.sub(r'<span class="x">(\w)(\w+)</span>', r'<span class="x">\1</span><span>\2</span>', out, count=1)
+
+
 def _dressed_copies() -> dict[str, str | bytes]:
     """One file per way a copy can be dressed (each must be found)."""
     code = "\n".join(SPLIT_CODE) + "\n"
@@ -144,6 +171,18 @@ def _dressed_copies() -> dict[str, str | bytes]:
         "sdist.tar.gz": _archive("gz", {"x-1.0/src/split.py": code.encode()}),
         "nested.tar.xz": _archive("xz", {"inner.zip": _archive("zip", {"s.py": code.encode()})}),
         "single.gz": gzip.compress(code.encode()),
+        # coverage.py-style page: numbered lines, every token in its own span, one split
+        "report.html": "".join(
+            f'<p class="pln"><span class="n"><a id="t{n}" href="#t{n}">{n}</a></span>'
+            f'<span class="t">{_spans(line)}&nbsp;</span></p>\n'
+            for n, line in enumerate(SPLIT_CODE, 1)),
+        "numbered.txt": "".join(f"{n:6}\t{line}\n" for n, line in enumerate(SPLIT_CODE, 1)),
+        "commented.py": "def f(text, sep):\n" + "".join(
+            f"{line}  # step {n}\n" for n, line in enumerate(SPLIT_CODE)),
+        "link.md": "[run it](https://play.example/?code=" + urllib.parse.quote(code) + ")\n",
+        "escaped.md": code.replace("[", "\\[").replace("]", "\\]").replace("*", "\\*"),
+        # a git loose object (zlib) and a repository copied under another name's objects
+        "objects/ab/cdef01": zlib.compress(b"blob %d\0" % len(code) + code.encode()),
         "db.sqlite": b"SQLite format 3\x00\x10\x00" + bytes(100) + code.encode() + b"\x00\x07",
     }
 
@@ -158,6 +197,12 @@ def test_every_dressing_of_a_copy_is_found():
     where = {leak.path: leak.line for leak in find_leaks([body], files)}
     assert where["notes.md"] == 4 and where["bundle.zip!pkg/split.py"] == 1
     assert where["nested.tar.xz!inner.zip!s.py"] == 1 and where["blob.txt"] == 2
+    assert where["report.html"] == 1 and where["numbered.txt"] == 1
+    # Markdown escapes inside identifiers (`total\_sum`)
+    mean = ("    total_sum = 0\n    for item_value in values:\n"
+            "        total_sum += item_value * weight_of(item_value)\n"
+            "    return total_sum / len(values)\n")
+    assert Body("mean", mean).find("Written out:\n\n" + mean.replace("_", "\\_")) == 3
 
 
 def test_readings_do_not_invent_copies():
@@ -169,6 +214,7 @@ def test_readings_do_not_invent_copies():
         "notes.ipynb": json.dumps({"cells": [{"source": ["for index, char in enumerate(text):\n"]}]}),
         "key.txt": base64.b64encode(bytes(range(256))).decode(),
         "data.zip": _archive("zip", {"a.csv": b"1,2,3\n", "b.bin": bytes(range(256))}),
+        "listing.txt": "".join(f"{n:4} | for index, char in x\n" for n in range(40)),
     }
     assert find_leaks([body], unrelated) == []
 
@@ -181,6 +227,14 @@ def test_archives_of_artefacts_and_bytecode_are_generated():
     assert generated("vendor/x-1.0.tar.gz", _archive("gz", {"x-1.0/PKG-INFO": b"Name: x\n",
                                                             "x-1.0/x.py": code}))
     assert generated("docs.zip", _archive("zip", {"_build/html/index.html": b"<p>hi</p>"}))
+    assert generated("x.gz", gzip.compress(pyc)) and not generated("x.gz", gzip.compress(code))
+    py2 = (62211).to_bytes(2, "little") + b"\r\n" + bytes(4) + b"c" + code
+    assert generated("old/cache.bin", py2)
+    for git_data in [b"PACK\x00\x00\x00\x02" + bytes(20), b"\xfftOc\x00\x00\x00\x02",
+                     b"# v2 git bundle\n" + bytes(40)]:
+        assert generated("fixtures/history.dat", git_data)
+    assert generated("backup.git/objects/ab/cdef", b"x") and generated(".git.bak/HEAD")
+    assert not generated(".github/workflows/ci.yml") and not generated(".gitignore")
     assert not generated("tests/data/fixture.zip", _archive("zip", {"a.csv": b"1,2\n"}))
     for path in [".svn/pristine/ab/abcd.svn-base", ".hg/store/data/x.i", ".idea/shelf/x.patch",
                  "lib/python3.11/site-packages/geom/area.py", "geom/area.py,cover",
