@@ -247,6 +247,23 @@ def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
                  "GIT_COMMITTER_NAME": an, "GIT_COMMITTER_EMAIL": ae, "GIT_COMMITTER_DATE": cd})
 
 
+def history_leaks(bundle: str | Path, bodies: Sequence[Body]) -> list[str]:
+    """Where the commits of a history bundle (of every ref it holds: files and messages) copy
+    one of `bodies`, as "commit SHA: LEAK" (for `jaxagent tasks check` on made tasks)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        subprocess.run(["git", "clone", "-q", "--mirror", str(bundle), str(repo)], check=True,
+                       capture_output=True)
+        seen: dict = {}
+        out = []
+        for sha in git(repo, "rev-list", "--all").split():
+            files = {path: _show(repo, sha, path)
+                     for path in git(repo, "ls-tree", "-r", "--name-only", sha).splitlines()}
+            files["its message"] = git(repo, "log", "-1", "--format=%B", sha)
+            out += [f"commit {sha[:12]}: {leak}" for leak in find_leaks(bodies, files, seen)]
+        return out
+
+
 @dataclass(frozen=True)
 class Made:
     task_id: str

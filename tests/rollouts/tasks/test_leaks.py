@@ -373,6 +373,27 @@ def test_task_and_history_hold_no_copy_and_keep_binaries(leaky, tmp_path):
     assert b"ndigits)" not in objects and find_leaks([body], {"objects": objects}) == []
 
 
+def test_tasks_check_reads_every_commit_of_a_made_history(leaky, tmp_path):
+    from rollouts.check import check_tasks
+    from rollouts.tasks.deletion import history_leaks
+
+    out, _, _ = leaky
+    task = load_deletion_task(out / "geom-area")
+    body = Body("geom/shapes.py::area", AREA_BODY)
+    assert history_leaks(task.metadata["git_source"], [body]) == []
+    assert check_tasks([task], progress=False) == []
+    # a history tampered with after it was made: a side branch copies the body
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", task.metadata["git_source"], str(clone)], check=True)
+    git(clone, "checkout", "-q", "-b", "side")
+    _commit(clone, "notes", {"notes.txt": "old version:\n" + AREA})
+    bundle = tmp_path / "tampered.bundle"
+    git(clone, "bundle", "create", "-q", str(bundle), "--all")
+    (leak,) = history_leaks(bundle, [body])
+    sha = git(clone, "rev-parse", "HEAD").strip()
+    assert leak == f"commit {sha[:12]}: notes.txt:4 holds a copy of the deleted body of {body.name}"
+
+
 def test_shipped_tasks_hold_no_copy():
     import json
 
