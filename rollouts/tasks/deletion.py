@@ -32,7 +32,7 @@ from pathlib import Path
 from rollouts.sandbox import Limits, Sandbox
 from rollouts.sandbox.session import Session
 from rollouts.tasks.embedded import git
-from rollouts.tasks.leaks import Body, find_leaks, generated
+from rollouts.tasks.leaks import Body, Leak, find_leaks, generated
 from rollouts.tasks.repo import choose_grading, load_repo_task
 from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
@@ -118,18 +118,20 @@ def _enclosing(source: str, line: int) -> str | None:
 
 
 def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target],
-                         test_paths: Sequence[str]) -> tuple[Target, ...]:
-    """`feature` and every function outside the tests whose body holds a copy of a deleted
-    body (a vendored duplicate, which tests may import): its body is deleted too, so the
-    answer is not in the task, and its tests fail until it is written again. A copy anywhere
-    else (module level, the tests, a non-Python file) is left for the leak check to refuse."""
+                         test_paths: Sequence[str]) -> tuple[tuple[Target, ...], list[Leak]]:
+    """(`feature` and every function outside the tests whose body holds a copy of a deleted
+    body, the copies left in the files once they are all deleted). A vendored duplicate,
+    which tests may import, has its body deleted too, so the answer is not in the task, and
+    its tests fail until it is written again; a copy anywhere else (module level, the tests,
+    a non-Python file) is left for the caller to refuse."""
     feature = list(feature)
     while True:
         deleted = dict(files)
         for path in {t.path for t in feature}:
             deleted[path] = delete_bodies(files[path], [t.qualname for t in feature if t.path == path])
         extra = []
-        for leak in find_leaks(deleted_bodies(files, feature), deleted):
+        leaks = find_leaks(deleted_bodies(files, feature), deleted)
+        for leak in leaks:
             text = deleted.get(leak.path)
             if (not isinstance(text, str) or not leak.path.endswith(".py")
                     or any(leak.path.startswith(p.rstrip("/") + "/") for p in test_paths)):
@@ -139,7 +141,7 @@ def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target
             if target and target not in feature and target not in extra:
                 extra.append(target)
         if not extra:
-            return tuple(feature)
+            return tuple(feature), leaks
         feature += extra
 
 
@@ -302,7 +304,11 @@ def make_deletion_tasks(
             for t in asked:
                 if t.path not in files:
                     raise TaskFormatError(f"{repo}: feature target {t}: no such file")
-            feature = with_vendored_copies(files, asked, test_paths)
+            name = "+".join(map(str, asked))
+            feature, leaks = with_vendored_copies(files, asked, test_paths)
+            if leaks:  # refused before its tests run
+                skipped.append(f"{name}: refused: {leaks[0]}")
+                continue
             by_path: dict[str, list[str]] = {}
             for t in feature:
                 by_path.setdefault(t.path, []).append(t.qualname)
@@ -312,13 +318,12 @@ def make_deletion_tasks(
             after = _outcomes(deleted, test_command, backend, limits)
             targets = tuple(sorted(t for t, kind in original.items()
                                    if kind == "passed" and after.get(t) != "passed"))
-            name = "+".join(map(str, asked))
             if not targets:
                 skipped.append(f"{name}: no test fails once it is deleted")
                 continue
             prompt = deletion_prompt(files, feature, targets)
             bodies = deleted_bodies(files, feature)
-            if leaks := find_leaks(bodies, {**deleted, "the task's prompt": prompt}):
+            if leaks := find_leaks(bodies, {"the task's prompt": prompt}):
                 skipped.append(f"{name}: refused: {leaks[0]}")
                 continue
             task_dir = out / task_id

@@ -19,6 +19,7 @@ import base64
 import binascii
 import builtins
 import bz2
+import codecs
 import gzip
 import hashlib
 import html
@@ -92,6 +93,8 @@ _LINE_NUMBER = re.compile(r"(?m)^[ \t]*\d+[ \t]*[|:]?(?=[ \t]|$)")
 # Where one quoted line ends and the next begins: notebooks' JSON lists, .po files, C strings.
 _JOIN = re.compile(r"(?:\\n)?\"[ \t]*,?[ \t]*(\r?\n)[ \t]*\"")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{24,}={0,2}(?:[ \t]*\r?\n[ \t]*[A-Za-z0-9+/]{4,}={0,2})*")
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 _PRINTABLE_RUNS = re.compile(rb"[^\t\n\r\x20-\x7e]+")
 # Statement separators, line continuations and trailing commas formatters add or remove.
 _DROPPED = {";", "\\"}
@@ -182,14 +185,14 @@ def _members(data: bytes) -> list[tuple[str, bytes]] | None:
 
 def texts(path: str, content: str | bytes, depth: int = 0) -> Iterator[tuple[str, str]]:
     """(where, text) of everything in a file that can hold source: the file itself if it is
-    text; each member of an archive (`archive.zip!pkg/mod.py`); else a binary's printable
-    runs."""
+    text (UTF-8, or UTF-16/32 by its byte-order mark or its zero bytes); each member of an
+    archive (`archive.zip!pkg/mod.py`); else a binary's printable runs."""
     if isinstance(content, str):
         yield path, content
         return
     members = _members(content) if depth < ARCHIVE_DEPTH else None
     if members is None:
-        yield path, _PRINTABLE_RUNS.sub(b" ", content).decode("ascii")
+        yield path, _wide_text(content) or _PRINTABLE_RUNS.sub(b" ", content).decode("ascii")
         return
     for name, data in members:
         where = f"{path}!{name}" if name else f"{path}!"
@@ -197,6 +200,22 @@ def texts(path: str, content: str | bytes, depth: int = 0) -> Iterator[tuple[str
             yield where, data.decode("utf-8")
         except UnicodeDecodeError:
             yield from texts(where, data, depth + 1)
+
+
+def _wide_text(data: bytes) -> str | None:
+    """`data` as UTF-32 or UTF-16 text if it starts with their byte-order mark, or if every
+    other byte is zero (UTF-16 without one, mostly ASCII); else None."""
+    codecs_ = [c for bom, c in _BOMS if data.startswith(bom)]
+    if not codecs_ and len(data) >= 16:
+        for codec, zeros in (("utf-16-le", data[1::2]), ("utf-16-be", data[0::2])):
+            if zeros.count(0) > 0.9 * len(zeros):
+                codecs_.append(codec)
+    for codec in codecs_:
+        try:
+            return data.decode(codec)
+        except UnicodeDecodeError:
+            continue
+    return None
 
 
 def _tokens(text: str) -> tuple[list[str], np.ndarray]:

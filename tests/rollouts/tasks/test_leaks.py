@@ -184,6 +184,8 @@ def _dressed_copies() -> dict[str, str | bytes]:
         "escaped.md": code.replace("[", "\\[").replace("]", "\\]").replace("*", "\\*"),
         # a git loose object (zlib) and a repository copied under another name's objects
         "objects/ab/cdef01": zlib.compress(b"blob %d\0" % len(code) + code.encode()),
+        "utf16.txt": code.encode("utf-16"), "utf16le.txt": code.encode("utf-16-le"),
+        "utf32.txt": code.encode("utf-32"),
         "db.sqlite": b"SQLite format 3\x00\x10\x00" + bytes(100) + code.encode() + b"\x00\x07",
     }
 
