@@ -75,6 +75,11 @@ def validate(cfg: Config) -> Config:
         (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
         (cfg.tasks.pool.size >= 0, "tasks.pool.size", "must be >= 0 (0: no pool)"),
         (cfg.tasks.pool.retire_after >= 1, "tasks.pool.retire_after", "must be >= 1"),
+        # refills drop groups without signal, the solved ones among them: the pool never
+        # hears of the tasks it should retire
+        (not cfg.tasks.pool.size or not r.refill_draws, "tasks.pool.size",
+         "cannot be combined with rl.refill_draws (refills drop the solved groups a pool "
+         "retires by): use one or the other"),
         (t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1"),
         (r.group_size >= 2, "rl.group_size", "must be >= 2 (advantages compare a group)"),
         (t.micro_batch == 0 or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,

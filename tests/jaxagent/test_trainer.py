@@ -85,6 +85,8 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     (["tasks.source=jsonl"], "tasks.path: required for jsonl"),
     (["tasks.pool.size=-1"], "tasks.pool.size: must be >= 0"),
     (["tasks.pool.size=4", "tasks.pool.retire_after=0"], "tasks.pool.retire_after: must be >= 1"),
+    (["tasks.pool.size=4", "rl.algorithm=dapo", "rl.refill_draws=2"],
+     "tasks.pool.size: cannot be combined with rl.refill_draws"),
     # conftest: 8 devices
     (["mesh.data=3"], "mesh: mesh.data=3, mesh.fsdp=1, mesh.expert=1, mesh.tensor=1 makes 3 devices"),
     (["sft.batch_size=12"], "sft.batch_size: the global batch (12 rows) does not split over the 8"),
