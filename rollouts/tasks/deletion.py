@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from rollouts.sandbox import Limits, Sandbox
 from rollouts.sandbox.session import Session
@@ -37,6 +37,8 @@ from rollouts.tasks.repo import choose_grading, load_repo_task
 from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
 STUB = "raise NotImplementedError"
+# Files a solution may not edit (the grader calls it a hack), so their copies are not deleted.
+_NOT_VENDORED = {"conftest.py", "sitecustomize.py", "usercustomize.py"}
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target
         for leak in leaks:
             text = deleted.get(leak.path)
             if (not isinstance(text, str) or not leak.path.endswith(".py")
+                    or PurePosixPath(leak.path).name in _NOT_VENDORED
                     or any(leak.path.startswith(p.rstrip("/") + "/") for p in test_paths)):
                 continue
             name = _enclosing(text, leak.line)
@@ -339,7 +342,12 @@ def make_deletion_tasks(
                     git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
             reference = {path: files[path] for path in by_path}
             task = replace(base, id=task_id, files=deleted, repo=str(task_dir / "repo"))
-            grading = choose_grading(task, json.dumps(reference), sandbox)
+            try:
+                grading = choose_grading(task, json.dumps(reference), sandbox)
+            except TaskFormatError as e:  # e.g. a reference the grader will not take
+                shutil.rmtree(task_dir)
+                skipped.append(f"{name}: refused: {e}")
+                continue
             spec = {
                 "id": task_id,
                 "prompt": prompt,

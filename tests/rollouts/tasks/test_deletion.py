@@ -17,6 +17,7 @@ from rollouts.tasks.deletion import (
     delete_bodies,
     load_deletion_task,
     make_deletion_tasks,
+    with_vendored_copies,
 )
 from rollouts.tasks.embedded import build_embedded_repo, git
 
@@ -56,6 +57,25 @@ def test_delete_bodies_keeps_signatures_and_docstrings():
         Target("m.py", "f"), Target("m.py", "C.m")]  # bare has no docstring to prompt from
     with pytest.raises(ValueError, match="must look like"):
         Target.parse("m.py:f")
+
+
+def test_vendored_copies_inside_functions_join_the_feature_and_others_are_left():
+    body = ("    total = 0\n    for side in (width, height, width, height):\n"
+            "        total = total + abs(side)\n    return total\n")
+    files = {
+        "geom/shapes.py": f'def perimeter(width, height):\n    """Perimeter."""\n{body}',
+        "geom/vendor/copy.py": "import os\n\n\nclass Old:\n    def edge(self, width, height):\n"
+                               + body.replace("    ", "        "),
+        "conftest.py": f"def fixture_perimeter(width, height):\n{body}",  # the grader's to keep
+        "tests/helpers.py": f"def reference(width, height):\n{body}",
+        "scripts/demo.py": "width, height = 2, 3\n" + body.replace("    ", "", 1).replace("\n    ", "\n"),
+    }
+    feature, leaks = with_vendored_copies(files, [Target.parse("geom/shapes.py::perimeter")],
+                                          ["tests"])
+    assert feature == (Target("geom/shapes.py", "perimeter"), Target("geom/vendor/copy.py", "Old.edge"))
+    # (each copies both deleted bodies: the vendored one is the same code)
+    assert sorted({(leak.path, leak.line) for leak in leaks}) == [
+        ("conftest.py", 2), ("scripts/demo.py", 2), ("tests/helpers.py", 2)]
 
 
 @pytest.fixture(scope="module")
