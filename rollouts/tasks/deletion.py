@@ -294,9 +294,11 @@ def make_deletion_tasks(
     original = _outcomes(files, test_command, backend, limits)
     bad = sorted(t for t, kind in original.items() if kind not in ("passed", "skipped"))
     if not original or bad:
-        raise TaskFormatError(
-            f"{repo}: the tests must pass before deleting anything; failing: {bad or 'no tests ran'}"
-        )
+        dropped = sorted(set(base.files) - set(files))
+        without = (f" (they run without the {len(dropped)} generated artefacts a task drops, "
+                   f"e.g. {', '.join(dropped[:3])})" if dropped else "")
+        raise TaskFormatError(f"{repo}: the tests must pass before deleting anything{without}; "
+                              f"failing: {bad or 'no tests ran'}")
     has_git = (repo / ".git").is_dir()
     made, skipped = [], []
     # one sandbox grades every feature's reference (it starts on the first run)

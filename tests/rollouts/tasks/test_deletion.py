@@ -153,6 +153,14 @@ def test_cli_refuses_a_repository_whose_tests_fail(tmp_path, capsys):
     (repo / "tests").mkdir(parents=True)
     (repo / "tests" / "test_x.py").write_text("def test_x():\n    assert False\n")
     assert cli(["tasks", "make-deletion", str(repo), "--out", str(tmp_path / "out")]) == 2
-    assert "the tests must pass before deleting anything" in capsys.readouterr().err
+    assert "the tests must pass before deleting anything; failing" in capsys.readouterr().err
+    # a test that needs a generated artefact fails without it, and the error says so
+    (repo / "tests" / "test_x.py").write_text(
+        "from pathlib import Path\n\n\ndef test_x():\n    assert Path('build/out.txt').exists()\n")
+    (repo / "build").mkdir()
+    (repo / "build" / "out.txt").write_text("made\n")
+    assert cli(["tasks", "make-deletion", str(repo), "--out", str(tmp_path / "out")]) == 2
+    assert "(they run without the 1 generated artefacts a task drops, e.g. build/out.txt)" in (
+        capsys.readouterr().err)
     with pytest.raises(SystemExit):
         cli(["tasks", "make-deletion", str(repo)])
