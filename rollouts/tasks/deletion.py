@@ -209,6 +209,12 @@ def _show(repo: Path, sha: str, path: str) -> str | bytes:
         return data
 
 
+def _blobs(repo: Path, sha: str) -> list[str]:
+    """The files of a commit (not its submodules: their commits are not in this repository)."""
+    entries = git(repo, "ls-tree", "-r", "-z", sha).split("\0")
+    return [entry.split("\t", 1)[1] for entry in entries if entry.split(" ", 2)[1:2] == ["blob"]]
+
+
 def _write(root: Path, files: dict[str, str | bytes]) -> None:
     for path, content in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +238,7 @@ def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
             if old.name != ".git":
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
         files = {}
-        for path in git(source, "ls-tree", "-r", "--name-only", sha).splitlines():
+        for path in _blobs(source, sha):
             if generated(path):
                 continue
             content = _show(source, sha, path)
@@ -263,7 +269,7 @@ def history_leaks(bundle: str | Path, bodies: Sequence[Body]) -> list[str]:
         out = []
         for sha in git(repo, "rev-list", "--all").split():
             files = {path: _show(repo, sha, path)
-                     for path in git(repo, "ls-tree", "-r", "--name-only", sha).splitlines()}
+                     for path in _blobs(repo, sha)}
             files["its message"] = git(repo, "log", "-1", "--format=%B", sha)
             out += [f"commit {sha[:12]}: {leak}" for leak in find_leaks(bodies, files, seen)]
         return out

@@ -327,6 +327,9 @@ def leaky(tmp_path_factory):
         "docs/demo.ipynb": json.dumps(notebook, indent=1)},
         remove=["geom/old.py"])
     _commit(repo, "clamp, as first written:\n\n" + CLAMP_BODY, {"README.md": "geom: shapes\n"})
+    # a submodule (its commit is not in this repository: the history replays around it)
+    git(repo, "update-index", "--add", "--cacheinfo", f"160000,{'12345678' * 5},ext/lib")
+    git(repo, "commit", "-q", "-m", "ext/lib as a submodule")
     # Other refs hold copies of area; none of them reaches a task.
     git(repo, "checkout", "-q", "-b", "old")
     _commit(repo, "legacy", {"geom/legacy.py": AREA.replace("def area", "def legacy_area")})
