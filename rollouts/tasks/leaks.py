@@ -84,14 +84,17 @@ _WORD = re.compile(r"[A-Za-z_0-9]")
 _TAG = re.compile(r"<!--.*?-->|</?([A-Za-z][\w:-]*)(?:\s[^<>]*)?/?>", re.DOTALL)
 # Tags inside a line of rendered code (Pygments, coverage, pydoc): they may split a token.
 _INLINE = {"span", "a", "b", "i", "em", "strong", "code", "tt", "font", "mark", "var", "kbd",
-           "samp", "small", "big", "u", "s", "sub", "sup", "wbr", "ins", "del"}
+           "samp", "small", "big", "u", "s", "sub", "sup", "wbr", "ins", "del", "tspan"}
 _PERCENT = re.compile(r"%[0-9A-Fa-f]{2}")
 # Backslash escapes of strings (\n, \", \uXXXX, \xNN) and of Markdown/LaTeX (\_, \*, ...).
 _ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[nrt\"'\\/_*`#\[\](){}<>|~.!+-])")
 _COMMENT = re.compile(r"#[^\n]*")
 _LINE_NUMBER = re.compile(r"(?m)^[ \t]*\d+[ \t]*[|:]?(?=[ \t]|$)")
 # Where one quoted line ends and the next begins: notebooks' JSON lists, .po files, C strings.
-_JOIN = re.compile(r"(?:\\n)?\"[ \t]*,?[ \t]*(\r?\n)[ \t]*\"")
+# (across a line break, or after an escaped one on the same line: a repr'd list of lines)
+_JOIN = re.compile(r"(?:\\n)?[\"'][ \t]*,?[ \t]*(\r?\n)[ \t]*[\"']|\\n[\"'][ \t]*,[ \t]*[\"']()")
+# Characters that show as nothing: they would split a token.
+_INVISIBLE = re.compile("[\u00ad\u200b-\u200d\u2060\ufeff]")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{24,}={0,2}(?:[ \t]*\r?\n[ \t]*[A-Za-z0-9+/]{4,}={0,2})*")
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
          (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
@@ -372,16 +375,17 @@ class _View:
 
 def _decoded(text: str, tags: bool) -> str:
     """`text` with (if `tags`) HTML tags stripped (inline ones joined, others a space, their
-    line breaks kept), entities and %XX unescaped, quoted lines joined and backslash escapes
-    undone (line breaks as spaces: line numbers hold)."""
+    line breaks kept), invisible characters removed, entities and %XX unescaped, quoted lines
+    joined and backslash escapes undone (line breaks as spaces: line numbers hold)."""
     if tags and "<" in text:
         text = _TAG.sub(_untag, text)
+    text = _INVISIBLE.sub("", text)
     if "&" in text:
         text = html.unescape(text)
     if _PERCENT.search(text):
         text = urllib.parse.unquote(text)
     if "\\" in text:
-        text = _JOIN.sub(lambda m: m.group(1), text)
+        text = _JOIN.sub(lambda m: m.group(1) or " ", text)
         text = _ESCAPE.sub(lambda m: _unescape(m.group(1)), text)
     return text
 

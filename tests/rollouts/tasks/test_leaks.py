@@ -184,6 +184,12 @@ def _dressed_copies() -> dict[str, str | bytes]:
         "escaped.md": code.replace("[", "\\[").replace("]", "\\]").replace("*", "\\*"),
         # a git loose object (zlib) and a repository copied under another name's objects
         "objects/ab/cdef01": zlib.compress(b"blob %d\0" % len(code) + code.encode()),
+        "lines.py": "LINES = " + repr([line + "\n" for line in SPLIT_CODE]) + "\n",
+        # a zero-width space or soft hyphen inside every word; every word split over two tspans
+        "invisible.txt": re.sub(r"\b(\w)(\w+)", lambda m: m[1] + "\u200b\u00ad" + m[2], code),
+        "slide.svg": "<svg>" + "".join(
+            "<text>" + re.sub(r"\b(\w)(\w+)", r"<tspan>\1</tspan><tspan>\2</tspan>",
+                              html.escape(line)) + "</text>\n" for line in SPLIT_CODE) + "</svg>",
         "utf16.txt": code.encode("utf-16"), "utf16le.txt": code.encode("utf-16-le"),
         "utf32.txt": code.encode("utf-32"),
         "db.sqlite": b"SQLite format 3\x00\x10\x00" + bytes(100) + code.encode() + b"\x00\x07",
