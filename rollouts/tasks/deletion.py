@@ -224,13 +224,33 @@ def _write(root: Path, files: dict[str, str | bytes]) -> None:
             (root / path).write_text(content)
 
 
+def _stub_copies(files: dict[str, str | bytes], bodies: Sequence[Body], seen: dict) -> list[Leak]:
+    """Delete the body of every function in `files` (a commit of the history, which no test
+    runs) that holds a copy of one of `bodies`: an older name or place of a deleted function,
+    a vendored copy since removed. Returns the copies left (outside any function, not Python)."""
+    while True:
+        leaks = find_leaks(bodies, files, seen)
+        stubbed = False
+        for path in sorted({leak.path for leak in leaks}):
+            text = files.get(path)
+            if not isinstance(text, str) or not path.endswith(".py"):
+                continue
+            names = {_enclosing(text, leak.line) for leak in leaks if leak.path == path} - {None}
+            if names:
+                files[path] = delete_bodies(text, sorted(names), strict=False)
+                stubbed = True
+        if not stubbed:
+            return leaks
+
+
 def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
                     bodies: Sequence[Body]) -> str | None:
     """Re-create `source`'s first-parent history at `dest` with the feature deleted in every
-    commit (names a commit does not have yet are left alone) and generated artefacts dropped.
-    Only these commits reach the task: no other branch, tag, stash, note or reflog. Returns
-    where a commit (its files or its message) still holds a copy of a deleted body (and
-    stops), else None."""
+    commit (names a commit does not have yet are left alone), any other function holding a
+    copy of a deleted body deleted too (`_stub_copies`) and generated artefacts dropped. Only
+    these commits reach the task: no other branch, tag, stash, note or reflog. Returns where
+    a commit (its files or its message) still holds a copy of a deleted body (and stops),
+    else None."""
     git(dest, "init", "-q", "-b", "main")
     seen: dict = {}  # what each file content held (most are unchanged between commits)
     for sha in git(source, "rev-list", "--reverse", "--first-parent", "HEAD").split():
@@ -249,7 +269,7 @@ def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
                 content = delete_bodies(content, names, strict=False)
             files[path] = content
         an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
-        if leaks := find_leaks(bodies, {**files, "its message": msg}, seen):
+        if leaks := _stub_copies(files, bodies, seen) + find_leaks(bodies, {"its message": msg}):
             return f"commit {sha[:12]}: {leaks[0]}"
         _write(dest, files)
         git(dest, "add", "-A")

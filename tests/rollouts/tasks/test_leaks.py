@@ -112,10 +112,6 @@ SPLIT_BODY = """    # walk the text once, cutting at each separator outside brac
     parts.append(text[start:].strip())
     return parts
 """
-CLAMP_BODY = """    if low > high:
-        raise ValueError(f"empty range [{low}, {high}]")
-    return min(max(value, low), high)
-"""
 SPLIT_CODE = [line for line in SPLIT_BODY.splitlines() if not line.lstrip().startswith("#")]
 
 
@@ -274,20 +270,12 @@ def _commit(repo: Path, message: str, files: dict[str, str | bytes], remove=()):
 
 TEXT = f"""def split(text, sep):
     \"\"\"Split at `sep` outside brackets.\"\"\"
-{SPLIT_BODY}
-
-def clamp(value, low, high):
-    \"\"\"`value` within [low, high].\"\"\"
-{CLAMP_BODY}"""
-TEXT_TESTS = """from geom.text import clamp, split
+{SPLIT_BODY}"""
+TEXT_TESTS = """from geom.text import split
 
 
 def test_split():
     assert split("a, f(b, c), d", ",") == ["a", "f(b, c)", "d"]
-
-
-def test_clamp():
-    assert clamp(5, 0, 3) == 3 and clamp(-1, 0, 3) == 0 and clamp(2, 0, 3) == 2
 """
 
 
@@ -317,7 +305,7 @@ def leaky(tmp_path_factory):
     notebook = {"cells": [{"cell_type": "code", "source": ["import inspect, geom.text\n",
                                                            "inspect.getsource(geom.text.split)"],
                            "outputs": [{"data": {"text/html": [
-                               f"<pre>{html.escape(line)}</pre>\n" for line in TEXT.split("def clamp")[0].splitlines()]}}]}]}
+                               f"<pre>{html.escape(line)}</pre>\n" for line in TEXT.splitlines()]}}]}]}
     pyc = b"\xa7\r\r\n" + bytes(12) + b"\xe3" + AREA.encode()
     _commit(repo, "move volume; assets", {
         "geom/shapes.py": AREA + "\n\n" + PERIMETER + "\n\n" + VOLUME,
@@ -332,7 +320,7 @@ def leaky(tmp_path_factory):
         "geom/text.py": TEXT, "tests/test_text.py": TEXT_TESTS,
         "docs/demo.ipynb": json.dumps(notebook, indent=1)},
         remove=["geom/old.py"])
-    _commit(repo, "clamp, as first written:\n\n" + CLAMP_BODY, {"README.md": "geom: shapes\n"})
+    _commit(repo, "readme", {"README.md": "geom: shapes\n"})
     # a submodule (its commit is not in this repository: the history replays around it)
     git(repo, "update-index", "--add", "--cacheinfo", f"160000,{'12345678' * 5},ext/lib")
     git(repo, "commit", "-q", "-m", "ext/lib as a submodule")
@@ -346,15 +334,14 @@ def leaky(tmp_path_factory):
     git(repo, "notes", "add", "-m", AREA)
     out = root / "out"
     features = [[Target.parse(f"geom/{spec}")] for spec in
-                ["shapes.py::area", "shapes.py::perimeter", "shapes.py::volume", "text.py::split",
-                 "text.py::clamp"]]
+                ["shapes.py::area", "shapes.py::perimeter", "shapes.py::volume", "text.py::split"]]
     made, skipped = make_deletion_tasks(repo, out, features=features)
     return out, made, skipped
 
 
 def test_generated_copies_dropped_vendored_deleted_and_other_copies_refused(leaky):
     out, made, skipped = leaky
-    assert [m.task_id for m in made] == ["geom-area", "geom-perimeter"]
+    assert [m.task_id for m in made] == ["geom-area", "geom-perimeter", "geom-volume"]
     vendored = made[1]
     assert [str(t) for t in vendored.feature] == ["geom/shapes.py::perimeter",
                                                   "geom/vendor/copy.py::_perimeter"]
@@ -364,36 +351,74 @@ def test_generated_copies_dropped_vendored_deleted_and_other_copies_refused(leak
     assert "- geom/vendor/copy.py: _perimeter(width, height)" in task.prompt
     assert "raise NotImplementedError" in task.files["geom/vendor/copy.py"]
     assert find_leaks([Body("p", PERIMETER.split('"""\n', 1)[1])], task.files) == []
-    assert len(skipped) == 3
-    assert skipped[0].startswith("geom/shapes.py::volume: refused: commit ")
-    assert "geom/old.py:6 holds a copy of the deleted body of geom/shapes.py::volume" in skipped[0]
-    assert skipped[1].startswith("geom/text.py::split: refused: docs/demo.ipynb:")
-    assert skipped[2].startswith("geom/text.py::clamp: refused: commit ")
-    assert "its message:3 holds a copy of the deleted body of geom/text.py::clamp" in skipped[2]
+    (refused,) = skipped
+    assert refused.startswith("geom/text.py::split: refused: docs/demo.ipynb:")
+
+
+# each task's deleted body, and a piece of it to look for as plain bytes
+BODIES = {"geom-area": (AREA_BODY, "ndigits)"),
+          "geom-perimeter": (PERIMETER.split('"""\n', 1)[1], "abs(side)"),
+          "geom-volume": (VOLUME.split('"""\n', 1)[1], "(depth - int(depth))")}
 
 
 def test_task_and_history_hold_no_copy_and_keep_binaries(leaky, tmp_path):
     out, _, _ = leaky
-    task = load_deletion_task(out / "geom-area")
-    body = Body("area", AREA_BODY)
-    assert find_leaks([body], task.files) == []
-    assert not any(generated(p, c) for p, c in task.files.items())
+    area = load_deletion_task(out / "geom-area")
+    assert not any(generated(p, c) for p, c in area.files.items())
     assert {"geom/_cache.dat", "vendor/cache.zip"} <= set(json.loads(
         (out / "geom-area" / "task.json").read_text())["dropped"])
-    assert task.files["tests/data/logo.png"] == PNG  # carried byte for byte
-    clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", task.metadata["git_source"], str(clone)], check=True)
-    assert git(clone, "ls-remote", task.metadata["git_source"]).split()[1::2] == [
-        "HEAD", "refs/heads/main"]  # no tag, other branch, stash or notes
-    for sha in git(clone, "rev-list", "HEAD").split():
-        paths = git(clone, "ls-tree", "-r", "--name-only", sha).split()
-        assert not any(generated(p) for p in paths)
-        text = {p: git(clone, "show", f"{sha}:{p}") for p in paths if not p.endswith(".png")}
-        assert find_leaks([body], text) == [] and all("ndigits)" not in t for t in text.values())
-    # every object the bundle carries, whatever points to it
-    objects = subprocess.run(["git", "-C", str(clone), "cat-file", "--batch-all-objects", "--batch"],
-                             check=True, capture_output=True).stdout
-    assert b"ndigits)" not in objects and find_leaks([body], {"objects": objects}) == []
+    assert area.files["tests/data/logo.png"] == PNG  # carried byte for byte
+    for task_id, (source, piece) in BODIES.items():
+        task, body = load_deletion_task(out / task_id), Body(task_id, source)
+        assert find_leaks([body], task.files) == []
+        clone = tmp_path / task_id
+        subprocess.run(["git", "clone", "-q", task.metadata["git_source"], str(clone)], check=True)
+        assert git(clone, "ls-remote", task.metadata["git_source"]).split()[1::2] == [
+            "HEAD", "refs/heads/main"]  # no tag, other branch, stash or notes
+        for sha in git(clone, "rev-list", "HEAD").split():
+            paths = git(clone, "ls-tree", "-r", "--name-only", sha).split()
+            assert not any(generated(p) for p in paths)
+            text = {p: git(clone, "show", f"{sha}:{p}") for p in paths if not p.endswith(".png")}
+            assert find_leaks([body], text) == [] and all(piece not in t for t in text.values())
+        # every object the bundle carries, whatever points to it
+        objects = subprocess.run(["git", "-C", str(clone), "cat-file", "--batch-all-objects",
+                                  "--batch"], check=True, capture_output=True).stdout
+        assert piece.encode() not in objects and find_leaks([body], {"objects": objects}) == []
+    # volume's first home, geom/old.py, is in the history with its body deleted
+    first = git(clone, "rev-list", "--max-parents=0", "HEAD").strip()
+    assert "raise NotImplementedError" in git(clone, "show", f"{first}:geom/old.py")
+
+
+def test_history_copies_in_functions_are_deleted_and_others_refused(tmp_path):
+    from rollouts.tasks.deletion import _replay_history
+
+    helper = "def expected(width, height, ndigits=3):\n" + AREA_BODY
+    script = "width, height, ndigits = 1, 2, 3\n" + AREA_BODY.replace("    ", "", 1).replace("\n    ", "\n")
+    feature, body = [Target.parse("a.py::area")], Body("a.py::area", AREA_BODY)
+    replays = []
+    for name, first, message in [
+            ("helper", {"tests/old_test.py": helper}, "tidy"),
+            ("script", {"tests/old_test.py": helper, "scripts/demo.py": script}, "tidy"),
+            ("message", {}, "area, as first written:\n\n" + AREA_BODY)]:
+        repo, out = tmp_path / name, tmp_path / f"{name}-replay"
+        repo.mkdir()
+        out.mkdir()
+        git(repo, "init", "-q", "-b", "main")
+        _commit(repo, "start", {"a.py": AREA, **first})
+        _commit(repo, message, {"README.md": "x\n"}, remove=list(first))
+        replays.append((repo, out, _replay_history(repo, out, feature, [body])))
+    (_, helper_out, fine), (script_repo, _, refused), (message_repo, _, told) = replays
+    # a copy inside a function of an old commit: that body deleted in the replay
+    assert fine is None
+    first = git(helper_out, "rev-list", "--max-parents=0", "HEAD").strip()
+    assert git(helper_out, "show", f"{first}:tests/old_test.py") == (
+        "def expected(width, height, ndigits=3):\n    raise NotImplementedError\n")
+    # a copy at module level: refused, naming the commit
+    first = git(script_repo, "rev-list", "--max-parents=0", "HEAD").strip()
+    assert refused == f"commit {first[:12]}: scripts/demo.py:2 holds a copy of the deleted body of a.py::area"
+    # a commit message: refused
+    last = git(message_repo, "rev-parse", "HEAD").strip()
+    assert told == f"commit {last[:12]}: its message:3 holds a copy of the deleted body of a.py::area"
 
 
 def test_tasks_check_reads_every_commit_of_a_made_history(leaky, tmp_path):
