@@ -9,8 +9,9 @@ shows real commits but never the deleted code.
 
 No copy of a deleted body may survive: generated artefacts (build copies, bytecode, rendered
 docs, coverage reports, patch leftovers: `leaks.generated`) are dropped from the repository and
-from every commit, a function elsewhere whose body is a copy (a vendored duplicate) has its
-body deleted too (`with_vendored_copies`), and a feature whose body is still found anywhere
+from every commit, a function elsewhere whose body is a copy (a vendored duplicate; in old
+commits, an older name or place of the function) has its body deleted too
+(`with_vendored_copies`, `_stub_copies`), and a feature whose body is still found anywhere
 else (the other files, the prompt, any commit or commit message: `leaks.find_leaks`) is
 refused, naming the file and line. Binary files are carried byte for byte.
 

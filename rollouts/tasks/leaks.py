@@ -309,12 +309,13 @@ def _merge(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> dict[int, np.n
 
 @dataclass(frozen=True)
 class Leak:
-    path: str
+    path: str  # the file
     line: int
     name: str  # the deleted function whose body it copies
+    member: str = ""  # inside an archive: "!member" ("!inner.zip!member" nested; "!" compressed)
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line} holds a copy of the deleted body of {self.name}"
+        return f"{self.path}{self.member}:{self.line} holds a copy of the deleted body of {self.name}"
 
 
 class Body:
@@ -437,7 +438,7 @@ class Scanned:
 def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],
                cache: dict | None = None) -> list[Leak]:
     """Every place in `files` that holds a copy of one of `bodies`: text files, archive
-    members (`archive.zip!member`) and the printable runs of other binaries. `cache` (a dict
+    members (`Leak.member`) and the printable runs of other binaries. `cache` (a dict
     kept across calls with the same bodies, as for the commits of one history) remembers
     what each content held."""
     bodies = list(bodies)
@@ -454,5 +455,5 @@ def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],
                      if (line := body.find(scanned)) is not None]
             if cache is not None:
                 cache[key] = found
-        leaks += [Leak(path + suffix, line, name) for suffix, line, name in found]
+        leaks += [Leak(path, line, name, member) for member, line, name in found]
     return leaks

@@ -195,13 +195,15 @@ def _dressed_copies() -> dict[str, str | bytes]:
 def test_every_dressing_of_a_copy_is_found():
     body = Body("split", SPLIT_BODY)
     files = _dressed_copies()
-    found = {leak.path.split("!")[0] for leak in find_leaks([body], files)}
+    found = {leak.path for leak in find_leaks([body], files)}
     assert found == set(files)
     # as renamed or reformatted, the copy without its comment still matches the body with it
     assert Body("split", "\n".join(SPLIT_CODE)).find(SPLIT_BODY) == 2
-    where = {leak.path: leak.line for leak in find_leaks([body], files)}
+    where = {leak.path + leak.member: leak.line for leak in find_leaks([body], files)}
     assert where["notes.md"] == 4 and where["bundle.zip!pkg/split.py"] == 1
     assert where["nested.tar.xz!inner.zip!s.py"] == 1 and where["blob.txt"] == 2
+    (zipped,) = find_leaks([body], {"bundle.zip": files["bundle.zip"]})
+    assert str(zipped) == "bundle.zip!pkg/split.py:1 holds a copy of the deleted body of split"
     assert where["report.html"] == 1 and where["numbered.txt"] == 1
     # Markdown escapes inside identifiers (`total\_sum`)
     mean = ("    total_sum = 0\n    for item_value in values:\n"
