@@ -2,15 +2,16 @@
 copy of a deleted body.
 
 `generated(path, content)` names the build outputs, caches, rendered docs, coverage reports,
-patch leftovers, bytecode and archives holding any of them that are dropped from a task's
-repository and from every commit of its history (they hold copies of the code, often
+patch leftovers, bytecode, pickled code and archives holding any of them that are dropped from
+a task's repository and from every commit of its history (they hold copies of the code, often
 verbatim). `find_leaks` then looks for the deleted bodies in whatever is left: tokens, not
-characters, so a re-indented or reformatted copy matches; every text is also read decoded
-(HTML tags stripped and entities unescaped, backslash escapes and quoted-line joins undone as
-in notebooks and .po files, base64 runs decoded), as words only (comment markers, doctest
-prompts, diff signs and punctuation ignored), and with every identifier renamed when the body
-is long enough for that not to be chance. Archives are opened (zip, tar, gzip, bz2, xz, nested)
-and other binary files read for their printable runs.
+characters, so a re-indented or reformatted copy matches; as words only (comment markers,
+doctest prompts, diff signs and punctuation ignored); and with every identifier renamed when
+the body is long enough for that not to be chance. Every text is also read decoded (HTML tags
+stripped, entities, %XX and backslash escapes undone, quoted lines joined as in notebooks and
+.po files), bare (no comments, no line numbers) and with its base64 runs decoded. Archives are
+opened (zip, tar, gzip, bz2, xz, zlib, nested), UTF-16/32 text decoded and other binary files
+read for their printable runs. docs/tasks.md lists the classes found and those not.
 """
 
 from __future__ import annotations
