@@ -108,13 +108,14 @@ class RolloutBatch:
         return np.asarray([v.sum() >= 2 and np.ptp(r[v]) > 1e-6 for r, v in zip(rewards, valid)])
 
     def group_outcomes(self) -> list[tuple[str, bool]]:
-        """(task id, whether every scored rollout of the group passed) per group; a group
-        with no scored rollout is not solved."""
-        g, valid = self.group_size, self.valid()
-        return [(self.rollouts[i * g].task_id,
-                 bool(ok.any()) and all(r.status == "passed"
-                                        for r, v in zip(self.rollouts[i * g:(i + 1) * g], ok) if v))
-                for i, ok in enumerate(valid)]
+        """(task id, whether every rollout of the group passed) per group. An environment
+        failure does not count against it (not the policy's doing); a budget-cut episode
+        does unless it passed; a group with nothing but environment failures is not solved."""
+        g = self.group_size
+        groups = [self.rollouts[i:i + g] for i in range(0, len(self.rollouts), g)]
+        scored = [[r for r in group if r.status != INFRA_ERROR] for group in groups]
+        return [(group[0].task_id, bool(s) and all(r.status == "passed" for r in s))
+                for group, s in zip(groups, scored)]
 
     def to_json(self) -> dict:
         return {"version": self.version, "group_size": self.group_size, "stats": self.stats,

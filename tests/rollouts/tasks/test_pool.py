@@ -71,6 +71,19 @@ def test_a_report_missing_before_its_version_draws_is_an_error():
         pool.set_state({"next_index": 4})
 
 
+def test_a_group_is_solved_when_every_rollout_the_policy_played_passed():
+    def rollout(task, status, masked=False):
+        return Rollout(task, [1], [2], [True], [0.0], "", 0.0, status, "stop", 0, masked=masked)
+
+    groups = {"all": ["passed", "passed"], "one_failed": ["passed", "failed"],
+              "infra": ["infra_error", "passed"], "only_infra": ["infra_error", "infra_error"]}
+    rows = [rollout(task, status) for task, statuses in groups.items() for status in statuses]
+    rows += [rollout("cut", "passed"), rollout("cut", "failed", masked=True)]
+    batch = RolloutBatch(0, 2, rows, {})
+    assert batch.group_outcomes() == [("all", True), ("one_failed", False), ("infra", True),
+                                      ("only_infra", False), ("cut", False)]
+
+
 def solved(task_id: str, version: int) -> bool:
     """Whether the policy of `version` solves a task every time: easy tasks always, the
     rest now and then."""
