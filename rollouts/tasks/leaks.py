@@ -73,8 +73,11 @@ MIN_TOKENS = 8
 # Any run of this many consecutive tokens of a body, identifiers as written, is a copy; so is
 # any run of this many consecutive words (identifiers, keywords, numbers) of it.
 WINDOW = 16
-# A whole body at least this long, with every identifier renamed, is a copy.
+# A whole body at least this long, with every identifier renamed, is a copy, if its renamed
+# form has this many distinct keywords, builtins and symbols (`self.a = a` five times over
+# has three: the shape of any constructor, not of this one).
 MIN_RENAMED = 20
+MIN_RENAMED_KINDS = 8
 # Archives are opened this many levels deep and expanded to at most this many bytes.
 ARCHIVE_DEPTH = 3
 ARCHIVE_BYTES = 64 << 20
@@ -331,10 +334,12 @@ class Body:
         for text in {source, _without_comments(source)}:
             toks, _ = _tokens(text)
             words = _words(toks)
+            renamed = _renamed(toks)
+            distinctive = len(set(renamed) - {"N"}) >= MIN_RENAMED_KINDS
             for kind, stream, window, least in (("exact", toks, WINDOW, MIN_TOKENS),
                                                 ("words", words, WINDOW, WINDOW),
-                                                ("renamed", _renamed(toks), None, MIN_RENAMED)):
-                if len(stream) >= least:
+                                                ("renamed", renamed, None, MIN_RENAMED)):
+                if len(stream) >= least and (kind != "renamed" or distinctive):
                     self.patterns[kind] = _merge(self.patterns[kind], _patterns(stream, window))
 
     def find(self, text: str | Scanned) -> int | None:

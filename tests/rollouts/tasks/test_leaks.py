@@ -94,6 +94,12 @@ def test_run_hashes_match_the_polynomial_they_stand_for():
 
 def test_short_and_unrelated_bodies_are_not_copies():
     assert find_leaks([Body("f", "    return x\n")], {"a.py": "def g(x):\n    return x\n"}) == []
+    # a constructor's shape is every constructor's: renamed, it is not evidence
+    fields = ["width", "height", "depth", "colour", "label", "weight"]
+    init = "".join(f"        self.{f} = {f}\n" for f in fields)
+    other = "".join(f"        self.{f}_ = {f}_value\n" for f in ["a", "b", "c", "d", "e", "f"])
+    assert find_leaks([Body("Box.__init__", init)], {"point.py": other}) == []
+    assert find_leaks([Body("Box.__init__", init)], {"copy.py": init.replace("        ", "  ")})
     body = Body("area", AREA_BODY)
     assert find_leaks([body], {"a.py": "if width < 0:\n    raise ValueError('x')\n"}) == []
 
