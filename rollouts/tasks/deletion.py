@@ -120,20 +120,33 @@ def _enclosing(source: str, line: int) -> str | None:
     return None
 
 
+# A function whose body holds this share of a deleted body is a duplicate (deleted too); one
+# that shares less (a common line) leaves a leak that refuses the feature.
+VENDORED_SHARE = 0.5
+
+
+def _copies_most_of(source: str, name: str, bodies: Sequence[Body]) -> bool:
+    lines = source.splitlines(keepends=True)
+    (_, start, end, _), = _body_spans(source, [name], True)
+    return any(b.share("".join(lines[start:end])) >= VENDORED_SHARE for b in bodies)
+
+
 def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target],
                          test_paths: Sequence[str]) -> tuple[tuple[Target, ...], list[Leak]]:
-    """(`feature` and every function outside the tests whose body holds a copy of a deleted
-    body, the copies left in the files once they are all deleted). A vendored duplicate,
-    which tests may import, has its body deleted too, so the answer is not in the task, and
-    its tests fail until it is written again; a copy anywhere else (module level, the tests,
-    a non-Python file) is left for the caller to refuse."""
+    """(`feature` and every function outside the tests whose body is a copy of most of a
+    deleted body, the copies left in the files once they are all deleted). A vendored
+    duplicate, which tests may import, has its body deleted too, so the answer is not in the
+    task, and its tests fail until it is written again; a copy anywhere else (module level,
+    the tests, a non-Python file, a function sharing only a fragment) is left for the caller
+    to refuse."""
     feature = list(feature)
     while True:
         deleted = dict(files)
         for path in {t.path for t in feature}:
             deleted[path] = delete_bodies(files[path], [t.qualname for t in feature if t.path == path])
         extra = []
-        leaks = find_leaks(deleted_bodies(files, feature), deleted)
+        bodies = deleted_bodies(files, feature)
+        leaks = find_leaks(bodies, deleted)
         for leak in leaks:
             text = deleted.get(leak.path)
             if (not isinstance(text, str) or not leak.path.endswith(".py")
@@ -142,7 +155,8 @@ def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target
                 continue
             name = _enclosing(text, leak.line)
             target = Target(leak.path, name) if name else None
-            if target and target not in feature and target not in extra:
+            if (target and target not in feature and target not in extra
+                    and _copies_most_of(text, name, bodies)):
                 extra.append(target)
         if not extra:
             return tuple(feature), leaks

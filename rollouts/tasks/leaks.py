@@ -352,6 +352,17 @@ class Body:
                 return min(found)
         return None
 
+    def share(self, text: str) -> float:
+        """How much of this body `text` copies: 1 for a renamed whole copy, else the largest
+        share of its token runs (or word runs) found in any reading of `text`."""
+        best = 0.0
+        for view in Scanned(text).views:
+            for kind, patterns in self.patterns.items():
+                for length, hashes in patterns.items():
+                    found = np.isin(hashes, view.runs(kind).of_length(length)).mean()
+                    best = max(best, 1.0 if kind == "renamed" and found else float(found))
+        return best
+
 
 class _View:
     """One reading of a text: the runs of its tokens, of its words and of its renamed tokens
@@ -362,7 +373,7 @@ class _View:
         self._lines = {"exact": lines, "renamed": lines}
         self._runs: dict[str, _Runs] = {}
 
-    def _stream(self, kind: str) -> _Runs:
+    def runs(self, kind: str) -> _Runs:
         if kind not in self._runs:
             toks = self._toks
             if kind == "words":
@@ -374,7 +385,7 @@ class _View:
 
     def find(self, kind: str, patterns: dict[int, np.ndarray]) -> int | None:
         """The line of the earliest run of `kind` tokens whose hash is one of `patterns`."""
-        runs = self._stream(kind)
+        runs = self.runs(kind)
         starts = [int(hits[0]) for length, hashes in patterns.items()
                   if (hits := np.flatnonzero(np.isin(runs.of_length(length), hashes))).size]
         return int(self._lines[kind][min(starts)]) if starts else None

@@ -76,6 +76,15 @@ def test_vendored_copies_inside_functions_join_the_feature_and_others_are_left()
     # (each copies both deleted bodies: the vendored one is the same code)
     assert sorted({(leak.path, leak.line) for leak in leaks}) == [
         ("conftest.py", 2), ("scripts/demo.py", 2), ("tests/helpers.py", 2)]
+    # a function that shares one line with the body is no duplicate: it stays, and refuses
+    check = ('    if width < 0 or height < 0:\n'
+             '        raise ValueError(f"negative side: width={width!r} height={height!r} in cm")\n')
+    files = {"geom/shapes.py": f'def perimeter(width, height):\n    """Perimeter."""\n{check}{body}',
+             "geom/checks.py": f"def check(width, height):\n{check}    return True\n"}
+    feature, leaks = with_vendored_copies(files, [Target.parse("geom/shapes.py::perimeter")],
+                                          ["tests"])
+    assert feature == (Target("geom/shapes.py", "perimeter"),)
+    assert [(leak.path, leak.line) for leak in leaks] == [("geom/checks.py", 2)]
 
 
 @pytest.fixture(scope="module")
