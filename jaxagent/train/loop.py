@@ -130,8 +130,9 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                           start=start, stop=t.steps, queued=queued,
                           before_draw=pool.apply if pool else None) as orchestrator:
             for step in range(start, t.steps):
-                # Batch: scored rollouts, sampled with the weights of step - max_staleness;
-                # the pool hears which tasks it solved before the weights it trains exist.
+                # Batch: scored rollouts, sampled with the weights of step - max_staleness.
+                # The pool hears how its tasks did before the weights trained on them are
+                # published (the draw that samples with them applies it).
                 t0 = time.perf_counter()
                 batch, timing = orchestrator.get(step)
                 if pool is not None:
