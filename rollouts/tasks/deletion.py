@@ -170,7 +170,11 @@ def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]
         if (not path.endswith(".py") or isinstance(text, bytes)
                 or any(path.startswith(p.rstrip("/") + "/") for p in test_paths)):
             continue
-        for name, node in _functions(ast.parse(text)).items():
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:  # a template or another Python's file: nothing to delete from
+            continue
+        for name, node in _functions(tree).items():
             if ast.get_docstring(node) and len(node.body) > 1:
                 out.append(Target(path, name))
     return out
@@ -281,7 +285,10 @@ def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
                 continue
             names = [t.qualname for t in feature if t.path == path]
             if names and isinstance(content, str):
-                content = delete_bodies(content, names, strict=False)
+                try:
+                    content = delete_bodies(content, names, strict=False)
+                except SyntaxError:  # a broken commit: kept, and refused below if it copies
+                    pass
             files[path] = content
         an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
         if leaks := _stub_copies(files, bodies, seen) + find_leaks(bodies, {"its message": msg}):

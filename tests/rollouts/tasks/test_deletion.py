@@ -53,7 +53,8 @@ def test_delete_bodies_keeps_signatures_and_docstrings():
     with pytest.raises(ValueError, match="nope: no such function"):
         delete_bodies(SOURCE, ["nope"])
     assert delete_bodies(SOURCE, ["nope"], strict=False) == SOURCE
-    assert candidates({"m.py": SOURCE, "tests/test_m.py": SOURCE}, ["tests"]) == [
+    assert candidates({"m.py": SOURCE, "tests/test_m.py": SOURCE, "tmpl.py": "def {{ name }}():\n"},
+                      ["tests"]) == [
         Target("m.py", "f"), Target("m.py", "C.m")]  # bare has no docstring to prompt from
     with pytest.raises(ValueError, match="must look like"):
         Target.parse("m.py:f")

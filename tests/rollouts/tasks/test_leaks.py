@@ -405,7 +405,8 @@ def test_history_copies_in_functions_are_deleted_and_others_refused(tmp_path):
     feature, body = [Target.parse("a.py::area")], Body("a.py::area", AREA_BODY)
     replays = []
     for name, first, message in [
-            ("helper", {"tests/old_test.py": helper}, "tidy"),
+            # (a.py did not parse in that commit either: kept as it was, and it held no copy)
+            ("helper", {"tests/old_test.py": helper, "a.py": "def area(width, height:\n"}, "tidy"),
             ("script", {"tests/old_test.py": helper, "scripts/demo.py": script}, "tidy"),
             ("message", {}, "area, as first written:\n\n" + AREA_BODY)]:
         repo, out = tmp_path / name, tmp_path / f"{name}-replay"
@@ -413,7 +414,8 @@ def test_history_copies_in_functions_are_deleted_and_others_refused(tmp_path):
         out.mkdir()
         git(repo, "init", "-q", "-b", "main")
         _commit(repo, "start", {"a.py": AREA, **first})
-        _commit(repo, message, {"README.md": "x\n"}, remove=list(first))
+        _commit(repo, message, {"README.md": "x\n", "a.py": AREA},
+                remove=[p for p in first if p != "a.py"])
         replays.append((repo, out, _replay_history(repo, out, feature, [body])))
     (_, helper_out, fine), (script_repo, _, refused), (message_repo, _, told) = replays
     # a copy inside a function of an old commit: that body deleted in the replay
