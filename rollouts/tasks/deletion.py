@@ -33,7 +33,7 @@ from pathlib import Path, PurePosixPath
 from rollouts.sandbox import Limits, Sandbox
 from rollouts.sandbox.session import Session
 from rollouts.tasks.embedded import git
-from rollouts.tasks.leaks import Body, Leak, find_leaks, generated
+from rollouts.tasks.leaks import Body, Leak, Readings, find_leaks, generated
 from rollouts.tasks.repo import choose_grading, load_repo_task
 from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
@@ -132,7 +132,8 @@ def _copies_most_of(source: str, name: str, bodies: Sequence[Body]) -> bool:
 
 
 def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target],
-                         test_paths: Sequence[str]) -> tuple[tuple[Target, ...], list[Leak]]:
+                         test_paths: Sequence[str], readings: Readings | None = None,
+                         ) -> tuple[tuple[Target, ...], list[Leak]]:
     """(`feature` and every function outside the tests whose body is a copy of most of a
     deleted body, the copies left in the files once they are all deleted). A vendored
     duplicate, which tests may import, has its body deleted too, so the answer is not in the
@@ -146,7 +147,7 @@ def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target
             deleted[path] = delete_bodies(files[path], [t.qualname for t in feature if t.path == path])
         extra = []
         bodies = deleted_bodies(files, feature)
-        leaks = find_leaks(bodies, deleted)
+        leaks = find_leaks(bodies, deleted, readings=readings)
         for leak in leaks:
             text = deleted.get(leak.path)
             if (not isinstance(text, str) or not leak.path.endswith(".py")
@@ -349,6 +350,7 @@ def make_deletion_tasks(
                               f"failing: {bad or 'no tests ran'}")
     has_git = (repo / ".git").is_dir()
     made, skipped = [], []
+    readings = Readings()  # the files' readings, made once for every feature's scan
     # one sandbox grades every feature's reference (it starts on the first run)
     with Sandbox(backend, workers=1, limits=limits) as sandbox:
         for feature in features or [[t] for t in candidates(files, test_paths)]:
@@ -358,7 +360,7 @@ def make_deletion_tasks(
                 if t.path not in files:
                     raise TaskFormatError(f"{repo}: feature target {t}: no such file")
             name = "+".join(map(str, asked))
-            feature, leaks = with_vendored_copies(files, asked, test_paths)
+            feature, leaks = with_vendored_copies(files, asked, test_paths, readings)
             if leaks:  # refused before its tests run
                 skipped.append(f"{name}: refused: {leaks[0]}")
                 continue

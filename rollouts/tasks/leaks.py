@@ -288,14 +288,17 @@ class _Runs:
         self._runs: dict[int, np.ndarray] = {}
 
     def of_length(self, length: int) -> np.ndarray:
-        """[n - length + 1] hashes of the runs of `length` tokens, by start."""
-        if length not in self._runs:
-            if length > self.n:
-                self._runs[length] = np.zeros(0, np.uint64)
-            else:
-                s = self._sums
-                self._runs[length] = _powers(_BASE, self.n)[length - 1:] * (s[length:] - s[:-length])
-        return self._runs[length]
+        """[n - length + 1] hashes of the runs of `length` tokens, by start (kept for WINDOW,
+        the length every body asks for; others vary by body and are made again)."""
+        if length in self._runs:
+            return self._runs[length]
+        if length > self.n:
+            return np.zeros(0, np.uint64)
+        s = self._sums
+        runs = _powers(_BASE, self.n)[length - 1:] * (s[length:] - s[:-length])
+        if length == WINDOW:
+            self._runs[length] = runs
+        return runs
 
 
 def _patterns(toks: Sequence[str], window: int | None) -> dict[int, np.ndarray]:
@@ -452,12 +455,32 @@ class Scanned:
             self.views.append(_View(toks, np.full(len(toks), line, np.int32) if line else lines))
 
 
+class Readings:
+    """Each content's readings (`Scanned`, with their token runs hashed), made once and kept
+    across calls with different bodies (the features made from one repository) while the
+    text kept is under `budget` characters (about 50 bytes of memory each)."""
+
+    def __init__(self, budget: int = 8 << 20):
+        self.budget = budget
+        self._kept: dict[bytes, list[tuple[str, Scanned]]] = {}
+
+    def of(self, key: bytes, path: str, content: str | bytes) -> list[tuple[str, Scanned]]:
+        if key in self._kept:
+            return self._kept[key]
+        made = [(where[len(path):], Scanned(text)) for where, text in texts(path, content)]
+        if len(content) <= self.budget:
+            self.budget -= len(content)
+            self._kept[key] = made
+        return made
+
+
 def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],
-               cache: dict | None = None) -> list[Leak]:
+               cache: dict | None = None, readings: Readings | None = None) -> list[Leak]:
     """Every place in `files` that holds a copy of one of `bodies`: text files, archive
     members (`Leak.member`) and the printable runs of other binaries. `cache` (a dict
     kept across calls with the same bodies, as for the commits of one history) remembers
-    what each content held."""
+    what each content held; `readings` keeps what each content reads as across calls with
+    other bodies."""
     bodies = list(bodies)
     leaks = []
     if not bodies:
@@ -466,9 +489,9 @@ def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],
         key = hashlib.sha1(content if isinstance(content, bytes) else content.encode()).digest()
         found = cache.get(key) if cache is not None else None
         if found is None:
-            found = [(where[len(path):], line, body.name)
-                     for where, text in texts(path, content)
-                     for scanned in [Scanned(text)] for body in bodies
+            scans = (readings.of(key, path, content) if readings is not None else
+                     [(where[len(path):], Scanned(text)) for where, text in texts(path, content)])
+            found = [(member, line, body.name) for member, scanned in scans for body in bodies
                      if (line := body.find(scanned)) is not None]
             if cache is not None:
                 cache[key] = found

@@ -22,7 +22,7 @@ import pytest
 
 from rollouts.tasks.deletion import Target, load_deletion_task, make_deletion_tasks
 from rollouts.tasks.embedded import git
-from rollouts.tasks.leaks import _BASE, Body, _Runs, find_leaks, generated
+from rollouts.tasks.leaks import _BASE, Body, Readings, _Runs, find_leaks, generated
 
 AREA_BODY = '''    if width < 0 or height < 0:
         raise ValueError("negative side")
@@ -216,6 +216,18 @@ def test_every_dressing_of_a_copy_is_found():
             "        total_sum += item_value * weight_of(item_value)\n"
             "    return total_sum / len(values)\n")
     assert Body("mean", mean).find("Written out:\n\n" + mean.replace("_", "\\_")) == 3
+
+
+def test_readings_kept_across_bodies_find_what_fresh_ones_do():
+    files = {**_dressed_copies(), "area.py": AREA, "perimeter.html": html.escape(PERIMETER)}
+    bodies = [[Body("split", SPLIT_BODY)], [Body("area", AREA_BODY)],
+              [Body("perimeter", PERIMETER.split('"""\n', 1)[1]), Body("split", SPLIT_BODY)]]
+    kept, small = Readings(), Readings(budget=100)  # small: keeps nothing
+    for some in bodies:
+        want = find_leaks(some, files)
+        assert want and find_leaks(some, files, readings=kept) == want
+        assert find_leaks(some, files, readings=small) == want
+    assert len(kept._kept) == len(files) and not small._kept
 
 
 def test_readings_do_not_invent_copies():
