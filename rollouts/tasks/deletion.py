@@ -244,12 +244,13 @@ def _write(root: Path, files: dict[str, str | bytes]) -> None:
             (root / path).write_text(content)
 
 
-def _stub_copies(files: dict[str, str | bytes], bodies: Sequence[Body], seen: dict) -> list[Leak]:
+def _stub_copies(files: dict[str, str | bytes], bodies: Sequence[Body], seen: dict,
+                 readings: Readings | None = None) -> list[Leak]:
     """Delete the body of every function in `files` (a commit of the history, which no test
     runs) that holds a copy of one of `bodies`: an older name or place of a deleted function,
     a vendored copy since removed. Returns the copies left (outside any function, not Python)."""
     while True:
-        leaks = find_leaks(bodies, files, seen)
+        leaks = find_leaks(bodies, files, seen, readings)
         stubbed = False
         for path in sorted({leak.path for leak in leaks}):
             text = files.get(path)
@@ -264,7 +265,7 @@ def _stub_copies(files: dict[str, str | bytes], bodies: Sequence[Body], seen: di
 
 
 def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
-                    bodies: Sequence[Body]) -> str | None:
+                    bodies: Sequence[Body], readings: Readings | None = None) -> str | None:
     """Re-create `source`'s first-parent history at `dest` with the feature deleted in every
     commit (names a commit does not have yet are left alone), any other function holding a
     copy of a deleted body deleted too (`_stub_copies`) and generated artefacts dropped. Only
@@ -292,7 +293,8 @@ def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
                     pass
             files[path] = content
         an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
-        if leaks := _stub_copies(files, bodies, seen) + find_leaks(bodies, {"its message": msg}):
+        if leaks := (_stub_copies(files, bodies, seen, readings)
+                     + find_leaks(bodies, {"its message": msg})):
             return f"commit {sha[:12]}: {leaks[0]}"
         _write(dest, files)
         git(dest, "add", "-A")
@@ -383,7 +385,8 @@ def make_deletion_tasks(
                 continue
             task_dir = out / task_id
             with tempfile.TemporaryDirectory() as tmp:
-                if has_git and (leak := _replay_history(repo, Path(tmp), feature, bodies)):
+                if has_git and (leak := _replay_history(repo, Path(tmp), feature, bodies,
+                                                        readings)):
                     skipped.append(f"{name}: refused: {leak}")
                     continue
                 if task_dir.exists():
