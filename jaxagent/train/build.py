@@ -41,6 +41,7 @@ from rollouts.tasks import Task, load_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.agent_family import agent_task_splits
 from rollouts.tasks.agent_family import parse_spec as parse_agent_spec
 from rollouts.tasks.deletion import load_deletion_tasks
+from rollouts.tasks.pool import TaskPool
 from rollouts.tasks.source import ProcessShare
 from rollouts.tasks.task import TaskFormatError
 from rollouts.tools import TOOLS, MemoryStore, NgramEmbedding
@@ -117,6 +118,13 @@ def validate(cfg: Config) -> Config:
         (t.steps >= 1, "train.steps", "must be >= 1"),
         (cfg.sft.steps >= 0, "sft.steps", "must be >= 0 (0: no warm-up)"),
         (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
+        (cfg.tasks.pool.size >= 0, "tasks.pool.size", "must be >= 0 (0: no pool)"),
+        (cfg.tasks.pool.retire_after >= 1, "tasks.pool.retire_after", "must be >= 1"),
+        # refills drop groups without signal, the solved ones among them: the pool never
+        # hears of the tasks it should retire
+        (not cfg.tasks.pool.size or not r.refill_draws, "tasks.pool.size",
+         "cannot be combined with rl.refill_draws (refills drop the solved groups a pool "
+         "retires by): use one or the other"),
         (t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1"),
         (r.group_size >= 2, "rl.group_size", "must be >= 2 (advantages compare a group)"),
         (t.micro_batch == 0 or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,
@@ -351,16 +359,29 @@ def run_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     return load_agent_splits(cfg) if cfg.agent.enabled else load_task_splits(cfg)
 
 
-def task_stream(cfg: Config, train_tasks: list[Task]):
-    """This process's training tasks, with get_state/set_state. Single completions: its share
-    of one global stream, so every global batch (and, with per-row sampling keys, every
-    rollout) is the same on any number of processes. Agent episodes refill slots one task at
-    a time: a disjoint shard per process."""
+def task_pool(cfg: Config, train_tasks: list[Task]) -> TaskPool | None:
+    """The pool of training tasks `tasks.pool` configures (None when its size is 0): over
+    every task for single completions (one global stream, the same in every process), over
+    this process's shard for agent episodes."""
+    p = cfg.tasks.pool
+    if not p.size:
+        return None
+    mine = (train_tasks[jax.process_index()::jax.process_count()] if cfg.agent.enabled
+            else train_tasks)
+    return TaskPool(mine, p.size, p.retire_after, seed=cfg.seed)
+
+
+def task_stream(cfg: Config, train_tasks: list[Task], pool: TaskPool | None = None):
+    """This process's training tasks, with get_state/set_state (from `pool` if given).
+    Single completions: its share of one global stream, so every global batch (and, with
+    per-row sampling keys, every rollout) is the same on any number of processes. Agent
+    episodes refill slots one task at a time: a disjoint shard per process."""
     if cfg.agent.enabled:
-        return iter(task_dataset(train_tasks, seed=cfg.seed, shard_index=jax.process_index(),
-                                 shard_count=jax.process_count()))
-    return ProcessShare(iter(task_dataset(train_tasks, seed=cfg.seed)), jax.process_index(),
-                        jax.process_count(), cfg.train.prompts_per_step)
+        return pool or iter(task_dataset(train_tasks, seed=cfg.seed,
+                                         shard_index=jax.process_index(),
+                                         shard_count=jax.process_count()))
+    return ProcessShare(pool or iter(task_dataset(train_tasks, seed=cfg.seed)),
+                        jax.process_index(), jax.process_count(), cfg.train.prompts_per_step)
 
 
 # ---------------------------------------------------------------------------------------------
