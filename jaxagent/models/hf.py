@@ -360,6 +360,8 @@ def _tensor_map(cfg: ModelConfig, fused_experts: bool = False) -> list[_Mapping]
         if cfg.attention_bias:
             out += [m(pre + f"self_attn.{x}_proj.bias", at + (f"b{x}",), bias(num))
                     for x, num in (("q", n), ("k", k), ("v", k))]
+            if cfg.family != "qwen2":
+                out.append(m(pre + "self_attn.o_proj.bias", at + ("bo",), same))
         if cfg.qk_norm:
             out += [m(pre + f"self_attn.{x}_norm.weight", at + (f"{x}_norm", "scale"), same)
                     for x in ("q", "k")]
@@ -506,7 +508,19 @@ def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: st
             sharding = NamedSharding(mesh, PartitionSpec() if names is None
                                      else logical_spec(var.shape, names, rules, mesh))
         var.set_value(_materialise(value, sharding, jnp.dtype(dtype)))
+    used = {name for mapping in _tensor_map(cfg, fused_experts=fused) for name in mapping.hf_names}
+    unused = sorted(name for name in files if name not in used and not _ignorable(name, cfg))
+    if unused:
+        raise CheckpointError(f"{path}: {len(unused)} tensor(s) this {cfg.family} model has no "
+                              f"place for (loading would change the model): {', '.join(unused[:4])}"
+                              + (", ..." if len(unused) > 4 else ""))
     return nnx.merge(graphdef, state)
+
+
+def _ignorable(name: str, cfg) -> bool:
+    """Tensors a checkpoint may carry that define nothing: RoPE's cached frequencies (older
+    Llama files), the LM head of a tied model (a copy of the embedding)."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_embeddings)
 
 
 def _materialise(view: _View, sharding: NamedSharding | None, dtype) -> jax.Array:
