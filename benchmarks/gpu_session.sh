@@ -6,6 +6,7 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh tests      # only the compiled kernel tests
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh train      # only the ~0.5B train-step MFU runs
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh rl         # sampler and GRPO step vs Tunix, MFU
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh backends   # attention backends: cuDNN test, timings
 #
 # Needs jax with a CUDA plugin (`pip install -e .[gpu]`); wheels missing on the machine (grain,
 # google-tunix and the four of its imports the lent machines lack: clu, google-metrax, perfetto,
@@ -58,7 +59,7 @@ if [ "$STAGE" = rl ]; then
     --out "$OUT/grpo_tunix.json" 2>&1 | quiet | tee -a "$OUT/rl.log"
   t=$(budget 560)
   echo "== train step, float32 masters (${t}s)" | tee -a "$OUT/rl.log"
-  timeout $t python3 benchmarks/train_step.py --gpu --attention-backend doc --steps 5 --micro-batch 0 \
+  timeout $t python3 benchmarks/train_step.py --gpu --attention-backend pallas --steps 5 --micro-batch 0 \
     --logits-chunk-mib 1024 --param-dtype float32 2>&1 | quiet | tail -3 | tee -a "$OUT/rl.log"
   exit 0
 fi
@@ -76,6 +77,16 @@ if [ "$STAGE" = nsa ]; then
   exit 0
 fi
 
+# Attention backends on causal rows (about 2 min): the cuDNN backend against XLA (gpu tests),
+# then xla vs cudnn vs pallas at 4k-32k tokens, Qwen2.5-0.5B heads, forward and fwd+bwd.
+if [ "$STAGE" = backends ]; then
+  JAX_PLATFORMS=cuda timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_attention.py 2>&1 \
+    | quiet | tee "$OUT/gpu_tests_backends.log"
+  timeout 150 python3 benchmarks/attention_backends.py --out "$OUT/attention_backends.jsonl" 2>&1 \
+    | quiet | tee "$OUT/attention_backends.log"
+  exit 0
+fi
+
 # 3. (own call: about 4 min) MFU of the ~0.5B model, bf16 compute, doc-attention kernel:
 #    4 micro-batches (the best so far) against the whole batch with the LM head in 1 GiB
 #    chunks (train.logits_chunk_mib), fp32 and bf16 parameters
@@ -84,7 +95,7 @@ if [ "$STAGE" = train ]; then
               "--micro-batch 4 --logits-chunk-mib 1024 --param-dtype bfloat16" \
               "--micro-batch 0 --logits-chunk-mib 1024 --param-dtype bfloat16"; do
     echo "== $args" | tee -a "$OUT/train_step.log"
-    timeout 150 python3 benchmarks/train_step.py --gpu --attention-backend doc $args 2>&1 | quiet | tail -3 | tee -a "$OUT/train_step.log"
+    timeout 150 python3 benchmarks/train_step.py --gpu --attention-backend pallas $args 2>&1 | quiet | tail -3 | tee -a "$OUT/train_step.log"
   done
   exit 0
 fi

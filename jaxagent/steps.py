@@ -43,6 +43,8 @@ class TrainBatch:
     advantages: jax.Array  # [B]
     # Shared-prompt layout only (else None): tokens/segment_ids/positions are [B/G, L] group
     # rows, and gather[b, t] is the column of group row b // G whose logits predict targets[b, t].
+    # Document rows (`pack_documents`) carry positions too. Without positions the rows are
+    # causal rows (one sequence each from slot 0, right-padded), which cuDNN's kernel takes.
     positions: jax.Array | None = None  # [B/G, L] RoPE positions
     gather: jax.Array | None = None  # [B, T] int32
     # Several updates per batch (rl.ppo_epochs, rl.mini_batches): the proximal policy's
@@ -229,7 +231,7 @@ def feedback_term(model, feedback: FeedbackBatch, beta: float,
     pass carries no gradient. The LM head runs in chunks as in `target_logprobs`."""
 
     def hidden_at(tokens, segment_ids, index):
-        hidden = model(tokens, None, segment_ids, hidden_only=True)
+        hidden = model(tokens, None, segment_ids, hidden_only=True, rows="causal")  # right-padded
         return hidden[jnp.arange(index.shape[0])[:, None], index]
 
     f = feedback
@@ -268,8 +270,9 @@ def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0,
 def target_hidden(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
     """Final-normed hidden states at the target positions [B, T, D] and the MoE
     load-balancing loss (0 for a dense model)."""
+    rows = "causal" if batch.positions is None else "segments"  # see TrainBatch.positions
     hidden, aux = model(batch.tokens, batch.positions, batch.segment_ids, with_aux_loss=True,
-                        hidden_only=True)
+                        hidden_only=True, rows=rows)
     if batch.gather is not None:  # group rows [B/G, L, D] -> rollout rows [B, T, D]
         group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // hidden.shape[0])
         hidden = hidden[group[:, None], batch.gather]  # the LM head runs on targets only

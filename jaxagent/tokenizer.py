@@ -23,6 +23,8 @@ class Tokenizer(Protocol):
     vocab_size: int
     add_bos: bool  # whether a raw prompt starts with BOS (the model was trained so)
 
+    # add_bos: start with BOS exactly once (text that already does, e.g. a chat template's
+    # rendering, gets no second one)
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
 
     def decode(self, ids, *, skip_special: bool = True) -> str: ...
@@ -98,7 +100,10 @@ class HFTokenizer:
         self.eos_id = self._id(self._special["eos"])
         pad = self._id(self._special["pad"])
         self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
-        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
+        # A Llama-3 style tokenizer.json adds BOS in its post-processor and its config has no
+        # `add_bos_token`: either says the model was trained on prompts that start with BOS.
+        self.add_bos = self.bos_id is not None and (
+            bool(config.get("add_bos_token", False)) or self._post_processor_adds_bos())
         generation = _read_json(path / "generation_config.json").get("eos_token_id", [])
         extra = generation if isinstance(generation, list) else [generation]
         self._stop_ids = tuple(dict.fromkeys(
@@ -106,6 +111,11 @@ class HFTokenizer:
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+    def _post_processor_adds_bos(self) -> bool:
+        special = self._tok.encode("a", add_special_tokens=True).ids
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        return special[:1] == [self.bos_id] and plain[:1] != [self.bos_id]
 
     def save(self, directory: str | Path) -> list[str]:
         """Copy this tokenizer's files (TOKENIZER_FILES present in its directory) into
@@ -118,8 +128,11 @@ class HFTokenizer:
         return copied
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        # The post-processor's specials are never added here: BOS is ours to add, once.
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+        if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            return [self.bos_id, *ids]
+        return ids
 
     def decode(self, ids, *, skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

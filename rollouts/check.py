@@ -186,15 +186,19 @@ def _has_reference(task: Task) -> bool:
 def check_tasks(tasks: Sequence[Task], backend: str = "bwrap", workers: int | None = None,
                 limits: Limits | None = None, progress: bool = True) -> list[str]:
     """One line per problem of a task set: a task with no reference solution, one whose tests
-    do not pass its reference in the sandbox, and a deletion task whose repository or
-    prompt still hold a copy of a deleted body (`rollouts.tasks.leaks`)."""
+    do not pass its reference in the sandbox, and a deletion task whose repository, prompt or
+    history (any commit of its bundle) still hold a copy of a deleted body
+    (`rollouts.tasks.leaks`)."""
+    from rollouts.tasks.deletion import history_leaks
     from rollouts.tasks.leaks import find_leaks
 
     graded = [t for t in tasks if _has_reference(t)]
     problems = [f"{t.id}: no reference solution to check" for t in tasks if not _has_reference(t)]
     for t in graded:
-        problems += [f"{t.id}: {leak}"
-                     for leak in find_leaks(_deleted_bodies(t), {**t.files, "prompt": t.prompt})]
+        bodies = _deleted_bodies(t)
+        problems += [f"{t.id}: {leak}" for leak in find_leaks(bodies, {**t.files, "prompt": t.prompt})]
+        if bodies and t.metadata.get("git_source"):
+            problems += [f"{t.id}: {leak}" for leak in history_leaks(t.metadata["git_source"], bodies)]
     for t, r in zip(graded, _grade_references(graded, backend, workers, limits, progress)):
         if not r.passed:
             problems.append(f"{t.id}: the reference solution does not pass its tests: "

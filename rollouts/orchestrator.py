@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Self
 
@@ -105,13 +106,18 @@ class Orchestrator:
 
     `queued`: batches restored from a checkpoint, for steps `start, start + 1, ...`; one whose
     staleness would exceed `max_staleness` is dropped (and counted in `dropped_stale`).
+    `before_draw(version)`: called in the producer thread before each batch's tasks are drawn
+    (and their state recorded), with the version the batch samples with; what it returns
+    joins the batch's stats (a task pool applies the reports of the batches behind that
+    version: `rollouts.tasks.pool`).
     """
 
     def __init__(self, producer: Producer, weights: WeightStore, *, max_staleness: int,
-                 start: int, stop: int, queued: list[RolloutBatch] = ()):
+                 start: int, stop: int, queued: list[RolloutBatch] = (),
+                 before_draw: Callable[[int], dict] | None = None):
         if max_staleness < 0:
             raise ValueError(f"rollout.max_staleness: must be >= 0, got {max_staleness}")
-        self.producer, self.weights = producer, weights
+        self.producer, self.weights, self.before_draw = producer, weights, before_draw
         self.k, self.start_step, self.stop = max_staleness, start, stop
         self._cond = threading.Condition()
         self._items: dict[int, tuple[Future, float]] = {}  # index -> (future of batch, idle s)
@@ -141,8 +147,11 @@ class Orchestrator:
                 params = self.weights.take(self.version_for(index))
                 idle = time.perf_counter() - t0
                 self.producer.update_weights(params)
+                stats = self.before_draw(self.version_for(index)) if self.before_draw else {}
                 self._record_state(index)
                 future = self.producer.start(index, self.version_for(index))
+                if stats:
+                    future = _with_stats(future, stats)
                 with self._cond:
                     # The version gate already bounds the lead; this bounds memory as well.
                     self._cond.wait_for(lambda: len(self._items) <= self.k or self._closed)
@@ -215,6 +224,22 @@ class Orchestrator:
         if self._thread.is_alive():
             self._thread.join()
         self.producer.close()
+
+
+def _with_stats(future: Future, stats: dict) -> Future:
+    """A future of `future`'s batch with `stats` added to its stats (before anyone sees it)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            batch = f.result()
+            batch.stats.update(stats)
+            out.set_result(batch)
+
+    future.add_done_callback(done)
+    return out
 
 
 def _done(batch: RolloutBatch) -> Future:

@@ -107,6 +107,16 @@ class RolloutBatch:
         rewards, valid = self.rewards(), self.valid()
         return np.asarray([v.sum() >= 2 and np.ptp(r[v]) > 1e-6 for r, v in zip(rewards, valid)])
 
+    def group_outcomes(self) -> list[tuple[str, bool]]:
+        """(task id, whether every rollout of the group passed) per group. An environment
+        failure does not count against it (not the policy's doing); a budget-cut episode
+        does unless it passed; a group with nothing but environment failures is not solved."""
+        g = self.group_size
+        groups = [self.rollouts[i:i + g] for i in range(0, len(self.rollouts), g)]
+        scored = [[r for r in group if r.status != INFRA_ERROR] for group in groups]
+        return [(group[0].task_id, bool(s) and all(r.status == "passed" for r in s))
+                for group, s in zip(groups, scored)]
+
     def to_json(self) -> dict:
         return {"version": self.version, "group_size": self.group_size, "stats": self.stats,
                 "rollouts": [r.to_json() for r in self.rollouts]}

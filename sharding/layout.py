@@ -87,6 +87,14 @@ class Layout:
             lambda _: replicated, shardings(tree, self.mesh, self.rules)))(tree)
         return jax.tree.map(lambda x: x.addressable_data(0), whole)
 
+    def host_copy(self, tree: Any) -> Any:
+        """A whole copy of `tree` in this process's host memory, one array at a time (every
+        process must call): for export, where no device may hold the whole model. An array on
+        this process's devices comes over shard by shard; one spanning processes is first
+        replicated, that array alone."""
+        return jax.tree.map(lambda x: jax.device_get(x) if x.is_fully_addressable
+                            else multihost_utils.process_allgather(x, tiled=True), tree)
+
     # -- sampling -------------------------------------------------------------------------------
 
     def sampler_params(self, params: Any) -> Any:

@@ -105,10 +105,11 @@ class ModelConfig:
     # dense; nsa: Native Sparse Attention, see `nsa`; doc: document-level prompts laid out by
     # `documents` (pallas_kernels.attention: one function per kind).
     attention: Literal["dense", "nsa", "doc"] = "dense"
-    # How dense and doc attention run: auto (XLA for dense, the Pallas kernel for doc), xla, or
-    # pallas (the block-sparse kernel, pallas_kernels/doc_attention; interpreted on CPU). NSA's
-    # kernels are `nsa.kernels`.
-    attention_backend: Literal["auto", "xla", "pallas"] = "auto"
+    # How dense and doc attention run: auto (per platform and row layout), xla, pallas (the
+    # block-sparse doc kernel; interpreted on CPU), cudnn (GPU, bfloat16, causal rows) or
+    # splash (TPU; interpreted on CPU; causal rows). pallas_kernels/attention.py and
+    # docs/attention.md say what auto picks and where each runs. NSA's kernels are `nsa.kernels`.
+    attention_backend: Literal["auto", "xla", "pallas", "cudnn", "splash"] = "auto"
     documents: DocumentConfig = field(default_factory=DocumentConfig)  # when attention is "doc"
     nsa: NSAConfig = field(default_factory=NSAConfig)  # used when attention is "nsa"
     bos_token_id: int | None = 256

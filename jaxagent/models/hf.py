@@ -6,12 +6,19 @@ are stored per expert (Qwen3-MoE `mlp.experts.{j}.gate_proj.weight`, Mixtral
 `block_sparse_moe.experts.{j}.w1.weight`: what released checkpoints and `save_pretrained`
 write) and stacked here into one [E, ...] tensor; the fused in-memory layout of
 transformers >= 5 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is read too.
+
+Loading onto a mesh reads each device's block straight from the files: a mapping is applied to
+lazy views of the checkpoint tensors (`_View` over memory maps of the safetensors files: the same
+transposes, head splits, slices and stacks, read only where asked), so every device reads the
+source slices its own shard needs and no device ever holds a whole sharded tensor. Saving copies each tensor to the host shard by
+shard (`jax.device_get`), never onto one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 from typing import Callable
@@ -20,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from jaxagent.errors import UserError
 from jaxagent.models.config import ModelConfig, RopeScalingConfig
 from jaxagent.models.llama import Decoder
 from jaxagent.models.moe import is_moe_layer
+from jaxagent.models.params import logical_spec
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -203,11 +211,79 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 # Tensor name and layout mapping.
 
 
+Block = tuple[slice, ...]  # one slice(start, stop) per dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """An array read only where asked: a checkpoint tensor, or a transpose, head split, slice or
+    stack of views. `read(block)` reads just the source slices that block needs."""
+
+    shape: tuple[int, ...]
+    read: Callable[[Block], np.ndarray]
+
+    @property
+    def T(self) -> _View:
+        return self.transpose(*reversed(range(len(self.shape))))
+
+    def transpose(self, *perm: int) -> _View:
+        inverse = np.argsort(perm)  # dimension i of the result is dimension perm[i] of self
+        return _View(tuple(self.shape[p] for p in perm),
+                     lambda block: self.read(tuple(block[i] for i in inverse)).transpose(perm))
+
+    def reshape(self, *shape: int) -> _View:
+        """Only the reshapes the layouts use: one dimension split in several (heads)."""
+        k = len(shape) - len(self.shape) + 1  # the pieces the split dimension becomes
+        for a in range(len(self.shape) if k >= 1 else 0):
+            if (shape[:a] == self.shape[:a] and shape[a + k:] == self.shape[a + 1:]
+                    and math.prod(shape[a:a + k]) == self.shape[a]):
+                break
+        else:
+            raise ValueError(f"shape {self.shape} does not split into {shape}")
+        inner = math.prod(shape[a + 1:a + k])
+
+        def read(block):
+            # Whole rows of the inner pieces, then the block's part of them.
+            outer = block[a]
+            rows = self.read(block[:a] + (slice(outer.start * inner, outer.stop * inner),)
+                             + block[a + k:])
+            rows = rows.reshape(rows.shape[:a] + (outer.stop - outer.start, *shape[a + 1:a + k])
+                                + rows.shape[a + 1:])
+            return rows[(slice(None),) * (a + 1) + block[a + 1:a + k]]
+
+        return _View(tuple(shape), read)
+
+    def __getitem__(self, index) -> _View:
+        part = _block(index if isinstance(index, tuple) else (index,), self.shape)
+        return _View(tuple(s.stop - s.start for s in part), lambda block: self.read(tuple(
+            slice(p.start + b.start, p.start + b.stop) for p, b in zip(part, block))))
+
+
+def _block(index: tuple, shape: tuple[int, ...]) -> Block:
+    """`index` (basic slices, step 1, as numpy and jax write them) as explicit start:stop."""
+    index = index + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for s, n in zip(index, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"a strided index {s} of a checkpoint tensor")
+        out.append(slice(start, max(start, stop)))
+    return tuple(out)
+
+
+def _stack(views: list[_View]) -> _View:
+    """`np.stack(views)`, read lazily: a block reads only its own experts' slices."""
+    if len({v.shape for v in views}) > 1:
+        raise ValueError(f"stacked tensors differ in shape: {sorted({v.shape for v in views})}")
+    return _View((len(views), *views[0].shape), lambda block: np.stack(
+        [views[j].read(block[1:]) for j in range(block[0].start, block[0].stop)]))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Mapping:
     hf_names: tuple[str, ...]  # one tensor, or one per expert
     path: tuple  # our nnx parameter path
-    to_ours: Callable[[list[np.ndarray]], np.ndarray]
+    to_ours: Callable[[list[_View]], _View]  # on lazy views of the checkpoint's tensors
     to_hf: Callable[[np.ndarray], list[np.ndarray]] | None  # None: read-only layout
 
 
@@ -240,7 +316,7 @@ def _expert_map(layer: str, path: tuple, cfg: ModelConfig, fused: bool) -> list[
         ]
     return out + [
         _Mapping(tuple(f"{pre}experts.{j}.{name}.weight" for j in range(e)), path + (ours,),
-                 lambda ws: np.stack([w.T for w in ws]), lambda w: [x.T for x in w])
+                 lambda ws: _stack([w.T for w in ws]), lambda w: [x.T for x in w])
         for name, ours in zip(names, ("w_gate", "w_up", "w_down"))
     ]
 
@@ -284,6 +360,8 @@ def _tensor_map(cfg: ModelConfig, fused_experts: bool = False) -> list[_Mapping]
         if cfg.attention_bias:
             out += [m(pre + f"self_attn.{x}_proj.bias", at + (f"b{x}",), bias(num))
                     for x, num in (("q", n), ("k", k), ("v", k))]
+            if cfg.family != "qwen2":
+                out.append(m(pre + "self_attn.o_proj.bias", at + ("bo",), same))
         if cfg.qk_norm:
             out += [m(pre + f"self_attn.{x}_norm.weight", at + (f"{x}_norm", "scale"), same)
                     for x in ("q", "k")]
@@ -306,10 +384,38 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files")
+    return {name: file for file in files for name in _mapped_tensors(file)}
+
+
+# safetensors dtypes -> numpy's (ml_dtypes' bfloat16, which safetensors' numpy reader lacks)
+_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32,
+           "I64": np.int64, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+           "BF16": jnp.bfloat16}
+
+
+def _mapped_tensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only memory map: indexing one reads just
+    that block from the file. (The format: an 8-byte little-endian header size, a JSON header
+    of {name: dtype, shape, data_offsets}, then the data.)"""
+    try:
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        data = np.memmap(file, np.uint8, mode="r", offset=8 + size)
+        entries = {name: (t["dtype"], t["shape"], t["data_offsets"])
+                   for name, t in header.items() if name != "__metadata__"}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            ValueError) as e:
+        raise CheckpointError(f"{file}: not a safetensors file ({type(e).__name__}: {e})") from None
     out = {}
-    for file in files:
-        with safe_open(file, framework="numpy") as f:
-            out.update({name: file for name in f.keys()})
+    for name, (dtype, shape, (begin, end)) in entries.items():
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype}, not supported "
+                                  f"({', '.join(_DTYPES)})")
+        if end - begin != math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize:
+            raise CheckpointError(f"{file}: tensor {name!r}: data_offsets [{begin}, {end}) do "
+                                  f"not hold {dtype} of shape {shape}")
+        out[name] = data[begin:end].view(_DTYPES[dtype]).reshape(shape)
     return out
 
 
@@ -353,11 +459,16 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: str | None = None,
-                    **config_overrides) -> Decoder:
+                    *, mesh: Mesh | None = None, rules=None, **config_overrides) -> Decoder:
     """Load an HF Llama/Qwen2/Qwen3/Qwen3-MoE checkpoint directory as a `Decoder`.
 
-    `dtype` is the parameter dtype; activations use `compute_dtype` (default: the same).
+    `dtype` is the parameter dtype; activations use `compute_dtype` (default: the same). With
+    `mesh` and `rules` (config `mesh.rules`) every parameter is made on the mesh, laid out by
+    its logical axes as `sharding.rules.place` would: each device reads only its own block.
+    Without, each is put whole on the default device.
     """
+    if (mesh is None) != (rules is None):
+        raise ValueError("from_pretrained: give mesh and rules together (or neither)")
     path = Path(path)
     cfg = dataclasses.replace(read_config(path), param_dtype=dtype,
                               dtype=compute_dtype or dtype, **config_overrides)
@@ -366,29 +477,67 @@ def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: st
     # Build the module without materialising random weights, then fill every parameter.
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     flat = dict(nnx.to_flat_state(state))
-    handles: dict[Path, object] = {}
-    try:
-        for mapping in _tensor_map(cfg, fused_experts=fused):
-            tensors = []
-            for name in mapping.hf_names:
-                file = files.get(name)
-                if file is None:
-                    raise CheckpointError(f"{path}: missing tensor {name!r}")
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="numpy").__enter__()
-                tensors.append(handles[file].get_tensor(name))
-            value = mapping.to_ours(tensors)
-            var = flat[mapping.path]
-            if value.shape != var.shape:
-                raise CheckpointError(
-                    f"{file}: tensor {mapping.hf_names[-1]!r} has shape {value.shape} after "
-                    f"conversion, expected {var.shape} from config.json"
-                )
-            var.set_value(jnp.asarray(value, dtype=dtype))
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+    mapped: dict[Path, dict[str, np.ndarray]] = {}
+    for mapping in _tensor_map(cfg, fused_experts=fused):
+        views = []
+        for name in mapping.hf_names:
+            file = files.get(name)
+            if file is None:
+                raise CheckpointError(f"{path}: missing tensor {name!r}")
+            if file not in mapped:
+                mapped[file] = _mapped_tensors(file)
+            if name not in mapped[file]:
+                raise CheckpointError(f"{file}: missing tensor {name!r} (the index names it)")
+            tensor = mapped[file][name]
+            views.append(_View(tuple(tensor.shape), lambda block, t=tensor: np.array(t[block])))
+        var = flat[mapping.path]
+        try:
+            value = mapping.to_ours(views)
+            fits = value.shape == var.shape
+        except ValueError:  # a split or stack the checkpoint's shapes do not allow
+            fits = False
+        if not fits:
+            got = ", ".join(str(v.shape) for v in views[:2]) + (", ..." if len(views) > 2 else "")
+            raise CheckpointError(
+                f"{file}: tensor {mapping.hf_names[-1]!r} has shape {got}, which does not "
+                f"convert to the shape {var.shape} config.json gives"
+            )
+        sharding = None
+        if mesh is not None:
+            names = var.get_metadata().get("logical_axes")  # none: replicated
+            sharding = NamedSharding(mesh, PartitionSpec() if names is None
+                                     else logical_spec(var.shape, names, rules, mesh))
+        var.set_value(_materialise(value, sharding, jnp.dtype(dtype)))
+    used = {name for mapping in _tensor_map(cfg, fused_experts=fused) for name in mapping.hf_names}
+    unused = sorted(name for name in files if name not in used and not _ignorable(name, cfg))
+    if unused:
+        raise CheckpointError(f"{path}: {len(unused)} tensor(s) this {cfg.family} model has no "
+                              f"place for (loading would change the model): {', '.join(unused[:4])}"
+                              + (", ..." if len(unused) > 4 else ""))
     return nnx.merge(graphdef, state)
+
+
+def _ignorable(name: str, cfg) -> bool:
+    """Tensors a checkpoint may carry that define nothing: RoPE's cached frequencies (older
+    Llama files), the LM head of a tied model (a copy of the embedding)."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_embeddings)
+
+
+def _materialise(view: _View, sharding: NamedSharding | None, dtype) -> jax.Array:
+    """`view` as an array of `dtype`: whole on the default device (`sharding` None), or each
+    addressable device's block read on its own (devices with the same block share one read)."""
+    if sharding is None:
+        return jnp.asarray(view.read(_block((), view.shape)), dtype)
+    reads: dict[tuple, np.ndarray] = {}
+
+    def block(index) -> np.ndarray:
+        part = _block(index, view.shape)
+        key = tuple((s.start, s.stop) for s in part)
+        if key not in reads:
+            reads[key] = np.asarray(view.read(part), dtype)
+        return reads[key]
+
+    return jax.make_array_from_callback(view.shape, sharding, block)
 
 
 def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 2**31) -> Path:
@@ -400,7 +549,8 @@ def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 2**
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = {}
     for m in _tensor_map(cfg):
-        values = m.to_hf(np.asarray(jax.device_get(flat[m.path][...])))
+        # device_get copies shard by shard into host memory: no device gathers the tensor.
+        values = m.to_hf(np.asarray(jax.device_get(flat[m.path].get_value())))
         tensors.update({name: np.ascontiguousarray(v) for name, v in zip(m.hf_names, values)})
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

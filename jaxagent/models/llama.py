@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -229,8 +230,8 @@ class Attention(nnx.Module):
         d, n, k, h, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
         if n % k:
             raise ValueError(f"model.num_heads ({n}) must be a multiple of model.num_kv_heads ({k})")
-        if cfg.attention != "nsa":
-            backend_name(cfg)  # fail at construction, not at the first call
+        if cfg.attention != "nsa":  # fail at construction, not at the first call
+            backend_name(cfg, "segments" if cfg.attention == "doc" else "causal")
         self.cfg = cfg
         self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pd)
         self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
@@ -245,6 +246,8 @@ class Attention(nnx.Module):
             self.bq = _param(rngs, (n, h), ("heads", "head_dim"), pd, init="zeros")
             self.bk = _param(rngs, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
             self.bv = _param(rngs, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
+            if cfg.family != "qwen2":  # Llama and Qwen3 bias the output projection too
+                self.bo = _param(rngs, (d,), ("embed",), pd, init="zeros")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", param_dtype=pd, rngs=rngs)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", param_dtype=pd, rngs=rngs)
@@ -252,8 +255,10 @@ class Attention(nnx.Module):
             self.nsa = NSA(cfg, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, slots, cache_kv=None, cache_segment_ids=None,
-                 cache_index=None, cache_nsa=None, cache_k_t=None):
-        """-> (out [B,T,D], the layer's cache entries {"k", "v"[, "k_cmp", "v_cmp"][, "k_t"]} or None)."""
+                 cache_index=None, cache_nsa=None, cache_k_t=None, rows="segments"):
+        """-> (out [B,T,D], the layer's cache entries {"k", "v"[, "k_cmp", "v_cmp"][, "k_t"]} or None).
+        `rows`: "causal" or "segments" (``pallas_kernels.attention.ROWS``); a call with a cache
+        is "cached"."""
         cfg, dt = self.cfg, x.dtype
         q = adapted(self.lora, "q_proj", x, jnp.einsum("BTD,DNH->BTNH", x, self.wq[...].astype(dt)))
         k = adapted(self.lora, "k_proj", x, jnp.einsum("BTD,DKH->BTKH", x, self.wk[...].astype(dt)))
@@ -269,6 +274,7 @@ class Attention(nnx.Module):
         if cache_kv is None:
             kv_segment_ids, kv_slots, new_kv = segment_ids, slots, None
         else:
+            rows = "cached"
             k_cache, v_cache = cache_kv
             k_new = k
             start = (0, 0, cache_index, 0)
@@ -283,7 +289,7 @@ class Attention(nnx.Module):
             new_kv["k_t"] = k_t
             out = dense_attention(q, k_t.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
                                   kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots,
-                                  backend=cfg.attention_backend, keys_transposed=True)
+                                  backend=backend_name(cfg, rows), rows=rows, keys_transposed=True)
         elif cfg.attention == "nsa" and cache_nsa is not None:
             out, (k_cmp, v_cmp) = self.nsa(q, k.astype(dt), v.astype(dt), positions, segment_ids, cache_nsa)
             new_kv.update(k_cmp=k_cmp, v_cmp=v_cmp)
@@ -293,8 +299,10 @@ class Attention(nnx.Module):
             attend = document_attention if cfg.attention == "doc" else dense_attention
             out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
                          kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots,
-                         backend=cfg.attention_backend)
+                         backend=backend_name(cfg, rows), rows=rows)
         o = jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt))
+        if hasattr(self, "bo"):
+            o = o + self.bo[...].astype(dt)
         return adapted(self.lora, "o_proj", out, o), new_kv
 
 
@@ -329,9 +337,9 @@ class Block(nnx.Module):
         self.sparse = is_moe_layer(cfg, layer)
         self.mlp = MoE(cfg, rngs=rngs) if self.sparse else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, slots, **cache):
+    def __call__(self, x, positions, segment_ids, slots, rows="segments", **cache):
         """-> (x, new kv or None, router logits [N, E] or None)."""
-        h, new_kv = self.attn(self.attn_norm(x), positions, segment_ids, slots, **cache)
+        h, new_kv = self.attn(self.attn_norm(x), positions, segment_ids, slots, rows=rows, **cache)
         x = x + h
         if self.sparse:
             h, router_logits = self.mlp(self.mlp_norm(x), segment_ids != 0)
@@ -368,13 +376,18 @@ class Decoder(nnx.Module):
         last_only: bool = False,  # logits of the last position only (prefill)
         with_aux_loss: bool = False,  # also return the MoE load-balancing loss (training)
         hidden_only: bool = False,  # final-normed hidden states instead of logits
+        # How the rows are laid out (static; the attention kernels it allows differ):
+        # "causal": one sequence per row from slot 0, then padding (`jaxagent.steps.pack`);
+        # "segments": any segment ids (packed documents, shared prompts). A cached call is
+        # "cached"; without segment_ids the rows are causal.
+        rows: Literal["causal", "segments"] = "segments",
     ):
         cfg = self.config
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids is None:
-            segment_ids = jnp.ones((b, t), jnp.int32)
+            segment_ids, rows = jnp.ones((b, t), jnp.int32), "causal"
         slots = jnp.arange(t, dtype=jnp.int32)[None, :]
         if cache is not None:
             slots = slots + cache.index
@@ -392,7 +405,7 @@ class Decoder(nnx.Module):
             x = x + self.lora["embed_tokens"].lookup(tokens, cfg.dtype)
         x = constrain(x, _BTD)
         new_kv, router_logits = [], []
-        run = _remat(lambda layer, *args, **kw: layer(*args, **kw), cfg.remat, cache is None)
+        run = _remat(lambda layer, *args, **kw: layer(*args, rows=rows, **kw), cfg.remat, cache is None)
         for i, layer in enumerate(self.layers):
             kw = {}
             if cache is not None:
@@ -447,10 +460,14 @@ def _remat(run, remat: str, training: bool):
     return nnx.remat(run, policy=_REMAT_POLICIES[remat])
 
 
-def backend_name(cfg: ModelConfig) -> str:
-    """The backend ("xla" or "pallas") a dense or document-attention model runs."""
+def backend_name(cfg: ModelConfig, rows: str, platform: str | None = None,
+                 devices: int | None = None) -> str:
+    """The backend ("xla", "pallas", "cudnn" or "splash") a dense or document-attention model
+    runs on `rows` (``pallas_kernels.attention.ROWS``) on `platform` (default: JAX's) over
+    `devices` (default: the abstract mesh's)."""
     try:
-        return resolve_backend(cfg.attention, cfg.attention_backend)
+        return resolve_backend(cfg.attention, cfg.attention_backend, rows=rows, platform=platform,
+                               dtype=cfg.dtype, devices=devices)
     except ValueError as e:
         raise ValueError(f"model.attention_backend: {e}") from None
 

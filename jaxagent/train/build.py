@@ -24,7 +24,6 @@ from jaxagent.metrics import LogProgress
 from jaxagent.models import from_pretrained, init_model, sees_all_segments
 from jaxagent.models.adapters import (init_adapters, is_adapter_dir, load_adapter,
                                       read_adapter_config, with_adapters)
-from jaxagent.models.config import ModelConfig
 from jaxagent.models.hf import CheckpointError, resolve_checkpoint
 from jaxagent.models.llama import backend_name
 from jaxagent.models.lora import check_lora
@@ -32,6 +31,7 @@ from jaxagent.rl import algorithms
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import LossOptions, logits_chunk_tokens
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
+from pallas_kernels.attention import check_rows
 from rollouts.agent import ToolEnvironment
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.producer import RolloutProducer
@@ -41,6 +41,7 @@ from rollouts.tasks import Task, load_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.agent_family import agent_task_splits
 from rollouts.tasks.agent_family import parse_spec as parse_agent_spec
 from rollouts.tasks.deletion import load_deletion_tasks
+from rollouts.tasks.pool import TaskPool
 from rollouts.tasks.source import ProcessShare
 from rollouts.tasks.task import TaskFormatError
 from rollouts.tools import TOOLS, MemoryStore, NgramEmbedding
@@ -56,22 +57,74 @@ def expand_algorithm(r: RLConfig) -> RLConfig:
         r.algorithm, {key: getattr(r, key) for key in algorithms.SETTINGS}))
 
 
-def resolve_attention(m: ModelConfig) -> ModelConfig:
-    """`m` with `attention_backend: auto` resolved for its kind (dense: xla, doc: pallas), so
-    the saved config names the backend the run used (NSA's kernels are `model.nsa.kernels`)."""
-    return m if m.attention == "nsa" else dataclasses.replace(m, attention_backend=backend_name(m))
+def run_rows(cfg: Config) -> set[str]:
+    """The row layouts (`pallas_kernels.attention.ROWS`) this run's model attends over: the
+    RL rows (segments when groups share a prompt), the SFT warm-up's, the feedback term's
+    (right-padded) and the sampler's cached calls."""
+    shared = cfg.train.share_prompt and sees_all_segments(cfg.model)
+    rows = {"cached", "segments" if shared else "causal"}
+    if cfg.sft.steps:
+        rows.add("segments" if cfg.sft.data == "documents" else "causal")
+    if cfg.agent.feedback_beta:
+        rows.add("causal")
+    return rows
+
+
+def check_attention(cfg: Config) -> None:
+    """`model.attention_backend` tried on every row layout of the run (a clear error before
+    anything starts, not at the first step; the platform's own checks come when the model is
+    built, after `jax.distributed` starts). NSA's kernels are `model.nsa.kernels`."""
+    if cfg.model.attention == "nsa":
+        return
+    for rows in sorted(run_rows(cfg)):
+        try:
+            check_rows(cfg.model.attention_backend, rows)
+        except ValueError as e:
+            raise ValueError(f"model.attention_backend: {e}") from None
+
+
+def resolve_attention(cfg: Config, platform: str | None = None,
+                      devices: int | None = None) -> Config:
+    """`cfg` with `model.attention_backend: auto` replaced by the one backend that runs what
+    `auto` runs on each row layout of the run, so the saved config names it; `auto` stays
+    where the layouts need different ones (cudnn for causal rows and pallas for shared-prompt
+    rows on a GPU). `platform` and `devices`: where the run will be (default: JAX's, all its
+    devices in one mesh), so call it after `jax.distributed` starts."""
+    m = cfg.model
+    if m.attention == "nsa" or m.attention_backend != "auto":
+        return cfg
+    devices = devices or jax.device_count()
+    picked = {rows: backend_name(m, rows, platform, devices) for rows in run_rows(cfg)}
+    for name in sorted(set(picked.values())):
+        named = dataclasses.replace(m, attention_backend=name)
+        try:
+            if all(backend_name(named, rows, platform, devices) == b
+                   for rows, b in picked.items()):
+                return dataclasses.replace(cfg, model=named)
+        except ValueError:  # `name` cannot run one of the layouts
+            continue
+    return cfg
 
 
 def validate(cfg: Config) -> Config:
-    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`) and the
-    attention backend resolved (`resolve_attention`), after the semantic checks that types
-    alone cannot express. Run before any compute."""
-    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl), model=resolve_attention(cfg.model))
+    """The config a run uses (and saves): `rl.algorithm` expanded (`expand_algorithm`), after
+    the semantic checks that types alone cannot express, the attention backend's on the run's
+    row layouts among them (`check_attention`; `resolve_attention` names `auto`'s choice once
+    JAX has started). Run before any compute."""
+    cfg = dataclasses.replace(cfg, rl=expand_algorithm(cfg.rl))
+    check_attention(cfg)
     t, r = cfg.train, cfg.rl
     checks = [
         (t.steps >= 1, "train.steps", "must be >= 1"),
         (cfg.sft.steps >= 0, "sft.steps", "must be >= 0 (0: no warm-up)"),
         (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
+        (cfg.tasks.pool.size >= 0, "tasks.pool.size", "must be >= 0 (0: no pool)"),
+        (cfg.tasks.pool.retire_after >= 1, "tasks.pool.retire_after", "must be >= 1"),
+        # refills drop groups without signal, the solved ones among them: the pool never
+        # hears of the tasks it should retire
+        (not cfg.tasks.pool.size or not r.refill_draws, "tasks.pool.size",
+         "cannot be combined with rl.refill_draws (refills drop the solved groups a pool "
+         "retires by): use one or the other"),
         (t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1"),
         (r.group_size >= 2, "rl.group_size", "must be >= 2 (advantages compare a group)"),
         (t.micro_batch == 0 or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,
@@ -171,10 +224,12 @@ def base_checkpoint(checkpoint: str | None) -> str | None:
     return str(Path(checkpoint).absolute())
 
 
-def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
+def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,
+                             layout: Layout | None = None):
     """The HF checkpoint (with its tokenizer) if one is given, else `cfg.model` at random init
     with the byte tokenizer. A PEFT directory loads its base under its adapters; with
-    `model.lora.rank` set, any other model gets fresh adapters."""
+    `model.lora.rank` set, any other model gets fresh adapters. With `layout` the checkpoint's
+    weights are read straight onto the trainer's mesh, each device its own shards."""
     checkpoint = checkpoint or cfg.init_from
     if checkpoint is None:
         return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
@@ -186,7 +241,8 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None):
                                   "not set (the adapters' base model is unknown)")
     checkpoint = resolve_checkpoint(checkpoint)  # a directory, or a hub id through the HF cache
     m = cfg.model  # the architecture comes from the checkpoint; how to run it from here
-    model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype,
+    on_mesh = {} if layout is None else {"mesh": layout.mesh, "rules": layout.rules}
+    model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype, **on_mesh,
                             attention_backend=m.attention_backend, remat=m.remat,
                             moe_dispatch=m.moe_dispatch, capacity_factor=m.capacity_factor)
     if adapter is not None:
@@ -303,16 +359,29 @@ def run_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     return load_agent_splits(cfg) if cfg.agent.enabled else load_task_splits(cfg)
 
 
-def task_stream(cfg: Config, train_tasks: list[Task]):
-    """This process's training tasks, with get_state/set_state. Single completions: its share
-    of one global stream, so every global batch (and, with per-row sampling keys, every
-    rollout) is the same on any number of processes. Agent episodes refill slots one task at
-    a time: a disjoint shard per process."""
+def task_pool(cfg: Config, train_tasks: list[Task]) -> TaskPool | None:
+    """The pool of training tasks `tasks.pool` configures (None when its size is 0): over
+    every task for single completions (one global stream, the same in every process), over
+    this process's shard for agent episodes."""
+    p = cfg.tasks.pool
+    if not p.size:
+        return None
+    mine = (train_tasks[jax.process_index()::jax.process_count()] if cfg.agent.enabled
+            else train_tasks)
+    return TaskPool(mine, p.size, p.retire_after, seed=cfg.seed)
+
+
+def task_stream(cfg: Config, train_tasks: list[Task], pool: TaskPool | None = None):
+    """This process's training tasks, with get_state/set_state (from `pool` if given).
+    Single completions: its share of one global stream, so every global batch (and, with
+    per-row sampling keys, every rollout) is the same on any number of processes. Agent
+    episodes refill slots one task at a time: a disjoint shard per process."""
     if cfg.agent.enabled:
-        return iter(task_dataset(train_tasks, seed=cfg.seed, shard_index=jax.process_index(),
-                                 shard_count=jax.process_count()))
-    return ProcessShare(iter(task_dataset(train_tasks, seed=cfg.seed)), jax.process_index(),
-                        jax.process_count(), cfg.train.prompts_per_step)
+        return pool or iter(task_dataset(train_tasks, seed=cfg.seed,
+                                         shard_index=jax.process_index(),
+                                         shard_count=jax.process_count()))
+    return ProcessShare(pool or iter(task_dataset(train_tasks, seed=cfg.seed)),
+                        jax.process_index(), jax.process_count(), cfg.train.prompts_per_step)
 
 
 # ---------------------------------------------------------------------------------------------

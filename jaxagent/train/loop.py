@@ -31,6 +31,7 @@ from typing import Any, TextIO
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from rich.console import Console
 from rich.progress import Progress
 
@@ -46,7 +47,8 @@ from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_f
                             pack_shared, ppo_update, split_rows)
 from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_options,
                                   make_producer, make_progress, make_sampler, make_scorer,
-                                  rl_layout, run_tasks, task_stream, validate)
+                                  resolve_attention, rl_layout, run_tasks, task_pool,
+                                  task_stream, validate)
 from jaxagent.train.evaluate import agent_held_out, held_out_pass_at_k
 from jaxagent.train.sft import sft
 from jaxagent.train.sync import SamplerWeights
@@ -57,6 +59,7 @@ from rollouts.producer import RolloutBatch
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task
+from rollouts.tasks.pool import TaskPool
 from sharding.distributed import is_leader
 from sharding.layout import Layout
 
@@ -67,6 +70,7 @@ def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dic
     (default: grain over the config's training split)."""
     cfg = validate(cfg)
     layout = rl_layout(cfg)
+    cfg = resolve_attention(cfg)  # asks JAX for the platform: after rl_layout starts it
     console = console or Console(stderr=True)
     with workdir_lock(cfg.workdir, jax.process_index(), jax.process_count(), console.print):
         try:
@@ -87,10 +91,12 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
     workdir, t = Path(cfg.workdir), cfg.train
     check_resume_config(cfg, workdir)
     save_config(cfg, workdir / "config.yaml")
-    model, tokenizer = load_model_and_tokenizer(cfg)
+    model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
     learner, state = Learner.create(cfg, model, tokenizer, layout)
     train_tasks, eval_tasks = run_tasks(cfg)
-    task_iter = task_stream(cfg, train_tasks) if task_iter is None else task_iter
+    # the pool that retires solved tasks (tasks.pool), fed each batch's outcomes below
+    pool = task_pool(cfg, train_tasks) if task_iter is None else None
+    task_iter = task_stream(cfg, train_tasks, pool) if task_iter is None else task_iter
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep)
     # The newest checkpoint that restores (a damaged one is set aside, never deleted).
     resumed = ckpt.restore_newest(state.arrays(), report=console.print)
@@ -123,11 +129,16 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
         weights.publish(start, to_sampler.sent(state.params))
         bar = progress.add_task("rl", total=t.steps, completed=start, info="")
         with Orchestrator(producer, weights, max_staleness=cfg.rollout.max_staleness,
-                          start=start, stop=t.steps, queued=queued) as orchestrator:
+                          start=start, stop=t.steps, queued=queued,
+                          before_draw=pool.apply if pool else None) as orchestrator:
             for step in range(start, t.steps):
                 # Batch: scored rollouts, sampled with the weights of step - max_staleness.
+                # The pool hears how its tasks did before the weights trained on them are
+                # published (the draw that samples with them applies it).
                 t0 = time.perf_counter()
                 batch, timing = orchestrator.get(step)
+                if pool is not None:
+                    pool.record(step, pool_outcomes(batch, pool, shared=not cfg.agent.enabled))
                 # Update: advantages, then clipped policy-gradient steps; publish the weights
                 # (the sampler switches to them before its next batch).
                 with profiled(workdir / "profile", step + 1 in t.profile_steps):
@@ -255,6 +266,18 @@ def restored(state: TrainState, arrays: dict, extra: dict,
     return (dataclasses.replace(state, params=arrays["params"], opt_state=arrays["opt_state"],
                                 ref_params=arrays.get("ref_params")),
             [RolloutBatch.from_json(b) for b in extra.get("queued", [])])
+
+
+def pool_outcomes(batch: RolloutBatch, pool: TaskPool, shared: bool) -> list[tuple[str, bool]]:
+    """(task id, solved by every rollout of its group) per group of `batch`; with `shared`
+    (one global task stream, one pool in every process) the groups of every process, in
+    process order, so every process's pool hears the same."""
+    local = batch.group_outcomes()
+    if not shared or jax.process_count() == 1:
+        return local
+    rows = np.asarray([[pool.index_of(task), solved] for task, solved in local], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, 2)
+    return [(pool.tasks[i].id, bool(solved)) for i, solved in every]
 
 
 def profiled(folder: Path, on: bool):

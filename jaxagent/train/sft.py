@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxagent.config import Config, ConfigError
 from jaxagent.models.adapters import save_policy, split_trainable
@@ -22,6 +23,7 @@ from jaxagent.train.build import (
     logits_chunk,
     make_progress,
     make_scorer,
+    resolve_attention,
     run_tasks,
     tool_env_factory,
     validate,
@@ -152,21 +154,24 @@ def run_sft(cfg: Config) -> Path:
         raise ValueError("sft.steps: must be > 0 for `jaxagent sft`")
     cfg = validate(cfg)
     initialize(cfg.distributed)
+    cfg = resolve_attention(cfg)  # asks JAX for the platform: after jax.distributed starts
     layout = Layout(cfg.mesh, cfg.sampler.mesh)
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
-    model, tokenizer = load_model_and_tokenizer(cfg)
+    model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
     graphdef, weights = layout.split(model)
     params, frozen = split_trainable(weights)
     train_tasks, _ = run_tasks(cfg)  # an agent config's repository tasks, or single ones
     with make_progress() as progress:
         params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress,
                               chunk=logits_chunk(cfg, model), frozen=frozen)
-    # every process joins; only process 0 writes
-    params, frozen = layout.gather(params), layout.gather(frozen)
+    # every process joins (one array at a time, into host memory); only process 0 writes
+    params, frozen = layout.host_copy(params), layout.host_copy(frozen)
     out = Path(cfg.workdir) / "sft"
     if is_leader():
         save_policy(merged_model(graphdef, params, frozen), out, base_checkpoint(cfg.init_from))
         if isinstance(tokenizer, HFTokenizer):  # reloads tokenize, stop and chat as before
             tokenizer.save(out)
         (out / "sft_metrics.json").write_text(json.dumps(metrics))
+    if jax.process_count() > 1:  # the others return the directory process 0 is writing
+        multihost_utils.sync_global_devices("sft checkpoint written")
     return out

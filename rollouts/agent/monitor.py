@@ -6,9 +6,11 @@ package). Tasks are built to hold no such copy (`rollouts.tasks.leaks`), so a lo
 nothing; but an episode that tries is worth knowing about and, with
 `AgentConfig.zero_lookup_reward` (`agent.zero_lookup_reward`), earns nothing. Kinds:
 
-  history      `history` of a file the task deleted code from, or git digging through `shell`
+  history      `history` of a file the task deleted code from, git digging through `shell`, or
+               git's own files (`.git/...`) read
   artefact     a cached or compiled artefact (`rollouts.tasks.leaks.generated`) read or listed
-  disassembly  bytecode or source introspection through `shell` (dis, marshal, decompilers)
+  disassembly  bytecode or source introspection through `shell` (dis, marshal, decompilers,
+               strings and hex dumps, code objects)
   outside      paths outside the task's repository, installed packages, network fetches
 """
 
@@ -24,7 +26,12 @@ KINDS = ("history", "artefact", "disassembly", "outside")
 _GIT_DIG = re.compile(r"\bgit\b[^|;&]*\b(log|show|diff|blame|grep|reflog|checkout|restore|"
                       r"switch|stash|cat-file|rev-list|ls-tree|bundle|fsck|format-patch)\b")
 _DISASSEMBLY = re.compile(r"\b(dis|marshal|uncompyle6|decompyle3|pycdc|pycdas|xdis|pydisasm|xxd|"
-                          r"hexdump)\b|co_code|getsource")
+                          r"hexdump|objdump|pickletools|unpyc|pyinstxtractor)\b"
+                          r"|co_code|co_consts|__code__|getsource"
+                          # words also common in paths (textkit/strings.py): as commands only
+                          r"|(?:^|[|;&(`]\s*)(strings|od)\s")
+# git's own files read directly (objects, refs, packed refs, ORIG_HEAD, logs, stash)
+_GIT_FILES = re.compile(r"(?:^|[\s/'\"=(])\.git(?:/|\s|$|['\")])")
 _OUTSIDE = re.compile(r"site-packages|dist-packages|\bpip\b|\bcurl\b|\bwget\b|\bfind\s+/(\s|$)"
                       r"|~/|\$HOME|/root\b|/home/")
 _ABSOLUTE = re.compile(r"(?<![\w.~-])/[\w.+-]+(?:/[\w.+-]*)*")
@@ -49,13 +56,15 @@ def lookup_flags(name: str, args: Mapping, deleted_paths: Sequence[str],
     path = str(args.get("path", "") or "")
     if name == "history" and path and path.removeprefix("./") in deleted_paths:
         flags.append("history")
+    if name in ("read_file", "search", "lint") and _GIT_FILES.search(" " + path):
+        flags.append("history")
     if name in ("read_file", "search", "lint") and path and _artefact(path):
         flags.append("artefact")
     if name == "search" and _artefact(str(args.get("query", ""))):
         flags.append("artefact")
     if name == "shell":
         command = str(args.get("command", ""))
-        if _GIT_DIG.search(command):
+        if _GIT_DIG.search(command) or _GIT_FILES.search(command):
             flags.append("history")
         if _artefact(command):
             flags.append("artefact")

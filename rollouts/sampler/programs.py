@@ -44,7 +44,7 @@ def _decode_segment(graphdef, params, state, limit, max_new, key, temperature, t
     model = nnx.merge(graphdef, params)
     # On CPU a dense model's steps read a transposed copy of the keys, made once per segment
     # (XLA:CPU's q.K over the minor head dim is slow; accelerators need no second copy).
-    transposed = (model.config.attention == "dense" and backend_name(model.config) == "xla"
+    transposed = (model.config.attention == "dense" and backend_name(model.config, "cached") == "xla"
                   and jax.default_backend() == "cpu")
     if transposed:
         state = dict(state, cache=state["cache"].with_keys_transposed())

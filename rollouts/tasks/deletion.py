@@ -9,9 +9,11 @@ shows real commits but never the deleted code.
 
 No copy of a deleted body may survive: generated artefacts (build copies, bytecode, rendered
 docs, coverage reports, patch leftovers: `leaks.generated`) are dropped from the repository and
-from every commit, and a feature whose body is still found anywhere else (the other files, the
-prompt, any commit: `leaks.find_leaks`) is refused, naming the file and line. Binary files are
-carried byte for byte.
+from every commit, a function elsewhere whose body is a copy (a vendored duplicate; in old
+commits, an older name or place of the function) has its body deleted too
+(`with_vendored_copies`, `_stub_copies`), and a feature whose body is still found anywhere
+else (the other files, the prompt, any commit or commit message: `leaks.find_leaks`) is
+refused, naming the file and line. Binary files are carried byte for byte.
 
 On disk a task is `DIR/ID/task.json`, `DIR/ID/repo/` (the deleted repository) and, when the
 source has git history, `DIR/ID/history.bundle`.
@@ -26,16 +28,18 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from rollouts.sandbox import Limits, Sandbox
 from rollouts.sandbox.session import Session
 from rollouts.tasks.embedded import git
-from rollouts.tasks.leaks import Body, find_leaks, generated
+from rollouts.tasks.leaks import Body, Leak, Readings, find_leaks, generated
 from rollouts.tasks.repo import choose_grading, load_repo_task
 from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
 STUB = "raise NotImplementedError"
+# Files a solution may not edit (the grader calls it a hack), so their copies are not deleted.
+_NOT_VENDORED = {"conftest.py", "sitecustomize.py", "usercustomize.py"}
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,63 @@ def deleted_bodies(files: dict[str, str | bytes], feature: Sequence[Target]) -> 
     return out
 
 
+def _enclosing(source: str, line: int) -> str | None:
+    """The function or method (as `_functions` names them) whose body holds `line`."""
+    try:
+        funcs = _functions(ast.parse(source))
+    except SyntaxError:
+        return None
+    for name, node in funcs.items():
+        body = node.body[1:] if ast.get_docstring(node) else node.body
+        if body and body[0].lineno <= line <= node.end_lineno:
+            return name
+    return None
+
+
+# A function whose body holds this share of a deleted body is a duplicate (deleted too); one
+# that shares less (a common line) leaves a leak that refuses the feature.
+VENDORED_SHARE = 0.5
+
+
+def _copies_most_of(source: str, name: str, bodies: Sequence[Body]) -> bool:
+    lines = source.splitlines(keepends=True)
+    (_, start, end, _), = _body_spans(source, [name], True)
+    return any(b.share("".join(lines[start:end])) >= VENDORED_SHARE for b in bodies)
+
+
+def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target],
+                         test_paths: Sequence[str], readings: Readings | None = None,
+                         ) -> tuple[tuple[Target, ...], list[Leak]]:
+    """(`feature` and every function outside the tests whose body is a copy of most of a
+    deleted body, the copies left in the files once they are all deleted). A vendored
+    duplicate, which tests may import, has its body deleted too, so the answer is not in the
+    task, and its tests fail until it is written again; a copy anywhere else (module level,
+    the tests, a non-Python file, a function sharing only a fragment) is left for the caller
+    to refuse."""
+    feature = list(feature)
+    while True:
+        deleted = dict(files)
+        for path in {t.path for t in feature}:
+            deleted[path] = delete_bodies(files[path], [t.qualname for t in feature if t.path == path])
+        extra = []
+        bodies = deleted_bodies(files, feature)
+        leaks = find_leaks(bodies, deleted, readings=readings)
+        for leak in leaks:
+            text = deleted.get(leak.path)
+            if (not isinstance(text, str) or not leak.path.endswith(".py")
+                    or PurePosixPath(leak.path).name in _NOT_VENDORED
+                    or any(leak.path.startswith(p.rstrip("/") + "/") for p in test_paths)):
+                continue
+            name = _enclosing(text, leak.line)
+            target = Target(leak.path, name) if name else None
+            if (target and target not in feature and target not in extra
+                    and _copies_most_of(text, name, bodies)):
+                extra.append(target)
+        if not extra:
+            return tuple(feature), leaks
+        feature += extra
+
+
 def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]:
     """Every documented function or method outside the tests whose body can be deleted."""
     out = []
@@ -110,7 +171,11 @@ def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]
         if (not path.endswith(".py") or isinstance(text, bytes)
                 or any(path.startswith(p.rstrip("/") + "/") for p in test_paths)):
             continue
-        for name, node in _functions(ast.parse(text)).items():
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:  # a template or another Python's file: nothing to delete from
+            continue
+        for name, node in _functions(tree).items():
             if ast.get_docstring(node) and len(node.body) > 1:
                 out.append(Target(path, name))
     return out
@@ -164,6 +229,12 @@ def _show(repo: Path, sha: str, path: str) -> str | bytes:
         return data
 
 
+def _blobs(repo: Path, sha: str) -> list[str]:
+    """The files of a commit (not its submodules: their commits are not in this repository)."""
+    entries = git(repo, "ls-tree", "-r", "-z", sha).split("\0")
+    return [entry.split("\t", 1)[1] for entry in entries if entry.split(" ", 2)[1:2] == ["blob"]]
+
+
 def _write(root: Path, files: dict[str, str | bytes]) -> None:
     for path, content in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
@@ -173,33 +244,80 @@ def _write(root: Path, files: dict[str, str | bytes]) -> None:
             (root / path).write_text(content)
 
 
+def _stub_copies(files: dict[str, str | bytes], bodies: Sequence[Body], seen: dict,
+                 readings: Readings | None = None) -> list[Leak]:
+    """Delete the body of every function in `files` (a commit of the history, which no test
+    runs) that holds a copy of one of `bodies`: an older name or place of a deleted function,
+    a vendored copy since removed. Returns the copies left (outside any function, not Python)."""
+    while True:
+        leaks = find_leaks(bodies, files, seen, readings)
+        stubbed = False
+        for path in sorted({leak.path for leak in leaks}):
+            text = files.get(path)
+            if not isinstance(text, str) or not path.endswith(".py"):
+                continue
+            names = {_enclosing(text, leak.line) for leak in leaks if leak.path == path} - {None}
+            if names:
+                files[path] = delete_bodies(text, sorted(names), strict=False)
+                stubbed = True
+        if not stubbed:
+            return leaks
+
+
 def _replay_history(source: Path, dest: Path, feature: Sequence[Target],
-                    bodies: Sequence[Body]) -> str | None:
+                    bodies: Sequence[Body], readings: Readings | None = None) -> str | None:
     """Re-create `source`'s first-parent history at `dest` with the feature deleted in every
-    commit (names a commit does not have yet are left alone) and generated artefacts dropped.
-    Returns where a commit still holds a copy of a deleted body (and stops), else None."""
+    commit (names a commit does not have yet are left alone), any other function holding a
+    copy of a deleted body deleted too (`_stub_copies`) and generated artefacts dropped. Only
+    these commits reach the task: no other branch, tag, stash, note or reflog. Returns where
+    a commit (its files or its message) still holds a copy of a deleted body (and stops),
+    else None."""
     git(dest, "init", "-q", "-b", "main")
+    seen: dict = {}  # what each file content held (most are unchanged between commits)
     for sha in git(source, "rev-list", "--reverse", "--first-parent", "HEAD").split():
         for old in dest.iterdir():
             if old.name != ".git":
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
         files = {}
-        for path in git(source, "ls-tree", "-r", "--name-only", sha).splitlines():
+        for path in _blobs(source, sha):
             if generated(path):
                 continue
             content = _show(source, sha, path)
+            if generated(path, content):  # bytecode under another name, archived artefacts
+                continue
             names = [t.qualname for t in feature if t.path == path]
             if names and isinstance(content, str):
-                content = delete_bodies(content, names, strict=False)
+                try:
+                    content = delete_bodies(content, names, strict=False)
+                except SyntaxError:  # a broken commit: kept, and refused below if it copies
+                    pass
             files[path] = content
-        if leaks := find_leaks(bodies, files):
+        an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
+        if leaks := (_stub_copies(files, bodies, seen, readings)
+                     + find_leaks(bodies, {"its message": msg})):
             return f"commit {sha[:12]}: {leaks[0]}"
         _write(dest, files)
-        an, ae, ad, cd, msg = git(source, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%cI%x00%B", sha).split("\0")
         git(dest, "add", "-A")
         git(dest, "commit", "-q", "--allow-empty", "-m", msg.strip(),
             env={"GIT_AUTHOR_NAME": an, "GIT_AUTHOR_EMAIL": ae, "GIT_AUTHOR_DATE": ad,
                  "GIT_COMMITTER_NAME": an, "GIT_COMMITTER_EMAIL": ae, "GIT_COMMITTER_DATE": cd})
+
+
+def history_leaks(bundle: str | Path, bodies: Sequence[Body]) -> list[str]:
+    """Where the commits of a history bundle (of every ref it holds: files and messages) copy
+    one of `bodies`, as "commit SHA: LEAK" (for `jaxagent tasks check` on made tasks)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        subprocess.run(["git", "clone", "-q", "--mirror", str(bundle), str(repo)], check=True,
+                       capture_output=True)
+        seen: dict = {}
+        out = []
+        for sha in git(repo, "rev-list", "--all").split():
+            files = {path: _show(repo, sha, path)
+                     for path in _blobs(repo, sha)}
+            files["its message"] = git(repo, "log", "-1", "--format=%B", sha)
+            out += [f"commit {sha[:12]}: {leak}" for leak in find_leaks(bodies, files, seen)]
+        return out
 
 
 @dataclass(frozen=True)
@@ -223,24 +341,33 @@ def make_deletion_tasks(
     repo, out = Path(repo).resolve(), Path(out).resolve()
     limits = limits or Limits(wall_s=60, cpu_s=60)
     base = load_repo_task(repo, list(test_command), test_paths=tuple(test_paths))
-    files = {path: c for path, c in base.files.items() if not generated(path)}
+    files = {path: c for path, c in base.files.items() if not generated(path, c)}
     original = _outcomes(files, test_command, backend, limits)
     bad = sorted(t for t, kind in original.items() if kind not in ("passed", "skipped"))
     if not original or bad:
-        raise TaskFormatError(
-            f"{repo}: the tests must pass before deleting anything; failing: {bad or 'no tests ran'}"
-        )
+        dropped = sorted(set(base.files) - set(files))
+        without = (f" (they run without the {len(dropped)} generated artefacts a task drops, "
+                   f"e.g. {', '.join(dropped[:3])})" if dropped else "")
+        raise TaskFormatError(f"{repo}: the tests must pass before deleting anything{without}; "
+                              f"failing: {bad or 'no tests ran'}")
     has_git = (repo / ".git").is_dir()
     made, skipped = [], []
+    readings = Readings()  # the files' readings, made once for every feature's scan
     # one sandbox grades every feature's reference (it starts on the first run)
     with Sandbox(backend, workers=1, limits=limits) as sandbox:
         for feature in features or [[t] for t in candidates(files, test_paths)]:
-            feature = tuple(feature)
-            task_id = f"{repo.name}-" + "+".join(t.qualname for t in feature).replace(".", "-").lower()
-            by_path: dict[str, list[str]] = {}
-            for t in feature:
+            asked = tuple(feature)
+            task_id = f"{repo.name}-" + "+".join(t.qualname for t in asked).replace(".", "-").lower()
+            for t in asked:
                 if t.path not in files:
                     raise TaskFormatError(f"{repo}: feature target {t}: no such file")
+            name = "+".join(map(str, asked))
+            feature, leaks = with_vendored_copies(files, asked, test_paths, readings)
+            if leaks:  # refused before its tests run
+                skipped.append(f"{name}: refused: {leaks[0]}")
+                continue
+            by_path: dict[str, list[str]] = {}
+            for t in feature:
                 by_path.setdefault(t.path, []).append(t.qualname)
             deleted = dict(files)
             for path, names in by_path.items():
@@ -248,18 +375,18 @@ def make_deletion_tasks(
             after = _outcomes(deleted, test_command, backend, limits)
             targets = tuple(sorted(t for t, kind in original.items()
                                    if kind == "passed" and after.get(t) != "passed"))
-            name = "+".join(map(str, feature))
             if not targets:
                 skipped.append(f"{name}: no test fails once it is deleted")
                 continue
             prompt = deletion_prompt(files, feature, targets)
             bodies = deleted_bodies(files, feature)
-            if leaks := find_leaks(bodies, {**deleted, "the task's prompt": prompt}):
+            if leaks := find_leaks(bodies, {"the task's prompt": prompt}):
                 skipped.append(f"{name}: refused: {leaks[0]}")
                 continue
             task_dir = out / task_id
             with tempfile.TemporaryDirectory() as tmp:
-                if has_git and (leak := _replay_history(repo, Path(tmp), feature, bodies)):
+                if has_git and (leak := _replay_history(repo, Path(tmp), feature, bodies,
+                                                        readings)):
                     skipped.append(f"{name}: refused: {leak}")
                     continue
                 if task_dir.exists():
@@ -270,7 +397,12 @@ def make_deletion_tasks(
                     git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
             reference = {path: files[path] for path in by_path}
             task = replace(base, id=task_id, files=deleted, repo=str(task_dir / "repo"))
-            grading = choose_grading(task, json.dumps(reference), sandbox)
+            try:
+                grading = choose_grading(task, json.dumps(reference), sandbox)
+            except TaskFormatError as e:  # e.g. a reference the grader will not take
+                shutil.rmtree(task_dir)
+                skipped.append(f"{name}: refused: {e}")
+                continue
             spec = {
                 "id": task_id,
                 "prompt": prompt,
@@ -278,6 +410,7 @@ def make_deletion_tasks(
                 "test_paths": list(test_paths),
                 "target_tests": list(targets),
                 "feature": [str(t) for t in feature],
+                "vendored": [str(t) for t in feature[len(asked):]],  # copies deleted too
                 "repo_key": repo.name,
                 "reference": reference,
                 "grading": grading,

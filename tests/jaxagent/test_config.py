@@ -169,6 +169,48 @@ def test_document_attention_config_is_valid():
     validate(cfg)
 
 
+def test_attention_backend_is_checked_on_the_runs_rows_and_named_when_one_fits(monkeypatch):
+    """validate() tries `model.attention_backend` on every row layout the run attends over
+    (RL rows, SFT rows, the sampler's cached calls) without asking JAX anything;
+    resolve_attention() (once JAX has started) saves `auto` as the one backend that does what
+    auto does on all of them, or as auto where they need different ones."""
+    from jaxagent.train.build import resolve_attention, validate
+
+    import jax
+
+    def started(*_):
+        raise AssertionError("validate() started JAX's backends (jax.distributed could not start)")
+
+    monkeypatch.setattr(jax, "default_backend", started)
+    monkeypatch.setattr(jax, "device_count", started)
+    unshared = ["train.share_prompt=false"]
+    for backend in ("splash", "cudnn"):
+        with pytest.raises(ValueError, match=f"model.attention_backend: {backend} runs causal rows only"):
+            validate(apply_overrides(Config(), [f"model.attention_backend={backend}"]))  # shared
+        assert validate(apply_overrides(Config(), [f"model.attention_backend={backend}", *unshared])
+                        ).model.attention_backend == backend
+    with pytest.raises(ValueError, match="model.attention_backend: cudnn runs causal rows only"):
+        validate(apply_overrides(Config(), ["model.attention_backend=cudnn", *unshared,
+                                            "sft.steps=1", "sft.data=documents"]))
+
+    monkeypatch.undo()
+
+    def resolved(platform, *overrides, devices=1):
+        cfg = apply_overrides(Config(), list(overrides))
+        return resolve_attention(cfg, platform, devices).model.attention_backend
+
+    bf16 = "model.dtype=bfloat16"
+    assert resolved("cpu") == resolved("cpu", *unshared) == "xla"
+    assert resolved("gpu", bf16, *unshared) == "cudnn"  # causal rows; cached calls: XLA under both
+    assert resolved("gpu", bf16) == "auto"  # shared-prompt rows: pallas; cached calls: XLA
+    assert resolved("gpu", *unshared) == "auto"  # float32 causal rows: pallas; cached calls: XLA
+    assert resolved("gpu", "model.attention=doc") == "pallas"
+    assert resolved("gpu", bf16, *unshared, "sft.steps=1", "sft.data=documents") == "auto"
+    assert resolved("tpu", *unshared) == "splash"
+    assert resolved("tpu", *unshared, devices=4) == "xla"  # splash runs on one chip only
+    assert resolved("gpu", "model.attention_backend=xla") == "xla"  # explicit: kept
+
+
 def test_one_rollout_temperature_and_no_kl_across_truncated_supports():
     """train.temperature sets the rollouts' temperature; a sampler.temperature that says
     otherwise, or a KL penalty with top-k / top-p, is an error naming the keys."""

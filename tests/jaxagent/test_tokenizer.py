@@ -2,7 +2,7 @@ import json
 
 import pytest
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -84,3 +84,82 @@ def test_sft_export_keeps_the_tokenizer(hf_dir, tmp_path):
     assert tok.stop_ids == before.stop_ids == (before.eos_id, 0)
     messages = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(messages) == before.apply_chat_template(messages)
+
+
+# Llama-3: BOS comes from tokenizer.json's post-processor (tokenizer_config.json has no
+# add_bos_token) and again from the chat template's `{{ bos_token }}`.
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+    "'<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory):
+    """A tiny Llama-3 style tokenizer beside a tiny model."""
+    from jaxagent.models import init_model, save_pretrained
+    from jaxagent.models.config import ModelConfig
+
+    path = tmp_path_factory.mktemp("llama3")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=LLAMA3_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos = "<|begin_of_text|>"
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": bos, "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    save_pretrained(init_model(ModelConfig(vocab_size=300, num_layers=1, hidden_size=32,
+                                           intermediate_size=48, head_dim=8)), path)
+    return path
+
+
+def test_llama3_raw_prompts_start_with_bos_once_as_transformers(llama3_dir):
+    ours = HFTokenizer(llama3_dir)
+    ref = transformers.AutoTokenizer.from_pretrained(llama3_dir)
+    assert ours.add_bos and ours.bos_id == ref.bos_token_id
+    for text in ["def add(a, b):\n    return a + b", "unseen wörds ✓", ""]:
+        ids = ours.encode(text, add_bos=ours.add_bos)
+        assert ids == ref.encode(text) and ids.count(ours.bos_id) == 1
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+
+
+def test_llama3_chat_prompt_keeps_the_templates_bos_only(llama3_dir):
+    ours = HFTokenizer(llama3_dir)
+    ref = transformers.AutoTokenizer.from_pretrained(llama3_dir)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add 2+2"}]
+    text = ours.apply_chat_template(messages)
+    assert text.startswith("<|begin_of_text|>")
+    ids = ours.encode(text, add_bos=ours.add_bos)
+    expected = ref(ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"]  # how transformers tokenizes a chat
+    assert ids == expected and ids.count(ours.bos_id) == 1 and ids[0] == ours.bos_id
+
+
+def test_llama3_task_and_agent_prompts_start_with_bos_once(llama3_dir):
+    """The loaded checkpoint's tokenizer through the paths that encode prompts: a task's raw
+    prompt (training and held-out eval) and the agent formats' chat prompts."""
+    from jaxagent.config import load_config
+    from jaxagent.train.build import load_model_and_tokenizer
+    from rollouts.agent.formats import FORMATS
+    from rollouts.producer import CodeTaskEnv
+    from rollouts.tasks import Task
+
+    _, tok = load_model_and_tokenizer(load_config(None, [f"init_from={llama3_dir}"]))
+    assert isinstance(tok, HFTokenizer) and tok.add_bos
+    task = Task(id="t", prompt="def add(a, b):", entry_point="add", tests=())
+    prompt = CodeTaskEnv(tok, scorer=None).reset(task)
+    assert prompt[0] == tok.bos_id and prompt.count(tok.bos_id) == 1
+    for name, fmt in FORMATS.items():
+        text = fmt().prompt(tok, "add two numbers", [])
+        ids = tok.encode(text, add_bos=tok.add_bos)  # as ToolEnvironment.reset encodes it
+        assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1, name

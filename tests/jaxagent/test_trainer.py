@@ -83,6 +83,10 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     (["train.logits_chunk_mib=-1"], "train.logits_chunk_mib: must be >= 0"),
     (["eval.k=[1, 8]"], "eval.k: needs eval.samples >= max(k)"),
     (["tasks.source=jsonl"], "tasks.path: required for jsonl"),
+    (["tasks.pool.size=-1"], "tasks.pool.size: must be >= 0"),
+    (["tasks.pool.size=4", "tasks.pool.retire_after=0"], "tasks.pool.retire_after: must be >= 1"),
+    (["tasks.pool.size=4", "rl.algorithm=dapo", "rl.refill_draws=2"],
+     "tasks.pool.size: cannot be combined with rl.refill_draws"),
     # conftest: 8 devices
     (["mesh.data=3"], "mesh: mesh.data=3, mesh.fsdp=1, mesh.expert=1, mesh.tensor=1 makes 3 devices"),
     (["sft.batch_size=12"], "sft.batch_size: the global batch (12 rows) does not split over the 8"),
@@ -374,3 +378,40 @@ def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
     np.testing.assert_array_equal(fb.teacher_index[0, :5], np.arange(11, 16) + n)
     np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [5, 5, 0, 0])
     assert to_feedback_batch(batch, tok, rows=1).mask.sum() == 5  # capped at `rows`
+
+
+@pytest.mark.slow
+def test_task_pool_retires_solved_tasks_and_resumes_from_its_checkpoint(tmp_path):
+    """Tasks any completion solves (it lands in a comment) retire from a pool of 2, and a run
+    resumed after checkpoint 2 (the later ones lost, as a kill leaves it) logs what the
+    uninterrupted run did: the pool's state is in the checkpoint."""
+    import shutil
+
+    from jaxagent.train.loop import train
+
+    lines = [{"task_id": f"easy{i}", "prompt": f"def f():\n    return {i}\n#",
+              "entry_point": "f", "tests": [f"assert f() == {i}"], "completion_mode": "continue"}
+             for i in range(6)]
+    lines += [{"task_id": f"hard{i}", "prompt": "def f():\n", "entry_point": "f",
+               "tests": ["assert f() == 'never'"], "completion_mode": "continue"} for i in range(2)]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    small = [o for o in TINY if not o.startswith(("sft.steps", "tasks.num_eval", "train.steps"))]
+    overrides = [*small, "sft.steps=0", "tasks.num_eval=1", "train.steps=4", "tasks.source=jsonl",
+                 f"tasks.path={path}", "tasks.pool.size=2", "tasks.pool.retire_after=1",
+                 "rollout.max_staleness=1"]
+    run = tmp_path / "run"
+    train(load_config(None, [*overrides, f"workdir={run}"]))
+
+    def logged():
+        return {r["step"]: (r["train/loss"], r["rollout/pass_rate"], r["tasks/retired"],
+                            r["tasks/pool_size"], r["tasks/unseen"])
+                for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r}
+
+    straight = logged()
+    assert sorted(straight) == [1, 2, 3, 4]
+    assert straight[4][2] >= 1 and {row[3] for row in straight.values()} == {2}
+    for lost in ("3", "4"):
+        shutil.rmtree(run / "checkpoints" / lost)
+    train(load_config(None, [*overrides, f"workdir={run}"]))
+    assert logged() == straight

@@ -43,3 +43,18 @@ def test_sampler_mesh_gets_resharded_weights_and_samples_the_same():
     assert ours.tokens == ref.tokens
     for a, b in zip(ours.logprobs, ref.logprobs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_host_copy_brings_sharded_weights_to_host_memory_whole():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    layout = Layout(MeshConfig(data=1, fsdp=4, tensor=2))
+    rng = np.random.default_rng(0)
+    values = {"w": rng.normal(size=(12, 6)).astype(np.float32), "b": np.arange(5.0)}
+    specs = {"w": PartitionSpec("fsdp", "tensor"), "b": PartitionSpec()}
+    weights = {k: jax.device_put(v, NamedSharding(layout.mesh, specs[k]))
+               for k, v in values.items()}
+    host = layout.host_copy(weights)
+    for k, v in values.items():
+        assert isinstance(host[k], np.ndarray)
+        np.testing.assert_array_equal(host[k], v)

@@ -63,6 +63,10 @@ def make_hf(name, path, seed=0):
     torch.manual_seed(seed)
     config = getattr(transformers, f"{family}Config")(**{**BASE, **options})
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():  # transformers starts biases at zero: a dropped one would pass unseen
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
 
@@ -174,6 +178,19 @@ def test_missing_tensor_is_named(tmp_path, case, tensor):
     del tensors[tensor]
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=rf"missing tensor '{tensor}'"):
+        from_pretrained(tmp_path)
+
+
+def test_tensor_without_a_place_is_named(tmp_path):
+    """A checkpoint tensor the model would ignore (a bias, a head it lacks) is an error, not a
+    silently different model."""
+    from safetensors.numpy import load_file, save_file
+
+    make_hf("qwen3-qknorm-untied", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.bias"] = np.ones(BASE["hidden_size"], np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.bias"):
         from_pretrained(tmp_path)
 
 

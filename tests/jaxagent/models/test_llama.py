@@ -115,13 +115,47 @@ def test_unknown_attention_backend_is_named():
 
 
 def test_attention_backend_is_picked_per_kind():
-    """`model.attention_backend: auto` is XLA for dense attention and the Pallas kernel for
-    document attention; an explicit backend wins for both."""
+    """On CPU `model.attention_backend: auto` is XLA for dense attention and the Pallas kernel
+    for document attention; an explicit backend wins for both (every platform and row layout:
+    tests/pallas_kernels/test_attention.py)."""
     assert [resolve_backend(kind) for kind in ("dense", "doc")] == ["xla", "pallas"]
     assert [resolve_backend(kind, "xla") for kind in ("dense", "doc")] == ["xla", "xla"]
     assert [resolve_backend(kind, "pallas") for kind in ("dense", "doc")] == ["pallas", "pallas"]
     with pytest.raises(ValueError, match="attention 'nsa' has no backend option"):
         resolve_backend("nsa")  # NSA picks its kernels itself (model.nsa.kernels)
+
+
+ON_CPU = pytest.mark.skipif(jax.default_backend() != "cpu", reason="splash interpreted, no cudnn: CPU")
+
+
+def _splash_and_xla_models():
+    dense = init_model(CFG, seed=1)
+    splash = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(CFG, attention_backend="splash"))),
+                       nnx.state(dense))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 83, (3, 29)))
+    segment_ids = jnp.asarray(np.arange(29)[None, :] < np.array([[29], [17], [5]]), jnp.int32)
+    run = nnx.jit(lambda m, rows: m(tokens, None, segment_ids, rows=rows), static_argnames="rows")
+    return splash, dense, run
+
+
+@ON_CPU
+@pytest.mark.slow  # the interpreted kernel in both layers: 6-12 s here
+def test_splash_backend_model_equals_xla_on_causal_rows():
+    """`attention_backend: splash` (interpreted here) on right-padded rows the caller declares
+    causal gives the XLA model's logits."""
+    splash, dense, run = _splash_and_xla_models()
+    np.testing.assert_allclose(run(splash, "causal"), run(dense, "causal"), atol=2e-5)
+
+
+@ON_CPU
+def test_backend_errors_name_the_option():
+    """Rows a backend cannot run (any segment ids: the model's default) and a backend this
+    platform lacks are errors naming `model.attention_backend`."""
+    splash, _, run = _splash_and_xla_models()
+    with pytest.raises(ValueError, match="model.attention_backend: splash runs causal rows only"):
+        run(splash, "segments")
+    with pytest.raises(ValueError, match="model.attention_backend: cudnn runs on gpu, not cpu"):
+        init_model(dataclasses.replace(CFG, attention_backend="cudnn"))
 
 
 def test_heads_must_divide():

@@ -17,6 +17,7 @@ from rollouts.tasks.deletion import (
     delete_bodies,
     load_deletion_task,
     make_deletion_tasks,
+    with_vendored_copies,
 )
 from rollouts.tasks.embedded import build_embedded_repo, git
 
@@ -52,10 +53,39 @@ def test_delete_bodies_keeps_signatures_and_docstrings():
     with pytest.raises(ValueError, match="nope: no such function"):
         delete_bodies(SOURCE, ["nope"])
     assert delete_bodies(SOURCE, ["nope"], strict=False) == SOURCE
-    assert candidates({"m.py": SOURCE, "tests/test_m.py": SOURCE}, ["tests"]) == [
+    assert candidates({"m.py": SOURCE, "tests/test_m.py": SOURCE, "tmpl.py": "def {{ name }}():\n"},
+                      ["tests"]) == [
         Target("m.py", "f"), Target("m.py", "C.m")]  # bare has no docstring to prompt from
     with pytest.raises(ValueError, match="must look like"):
         Target.parse("m.py:f")
+
+
+def test_vendored_copies_inside_functions_join_the_feature_and_others_are_left():
+    body = ("    total = 0\n    for side in (width, height, width, height):\n"
+            "        total = total + abs(side)\n    return total\n")
+    files = {
+        "geom/shapes.py": f'def perimeter(width, height):\n    """Perimeter."""\n{body}',
+        "geom/vendor/copy.py": "import os\n\n\nclass Old:\n    def edge(self, width, height):\n"
+                               + body.replace("    ", "        "),
+        "conftest.py": f"def fixture_perimeter(width, height):\n{body}",  # the grader's to keep
+        "tests/helpers.py": f"def reference(width, height):\n{body}",
+        "scripts/demo.py": "width, height = 2, 3\n" + body.replace("    ", "", 1).replace("\n    ", "\n"),
+    }
+    feature, leaks = with_vendored_copies(files, [Target.parse("geom/shapes.py::perimeter")],
+                                          ["tests"])
+    assert feature == (Target("geom/shapes.py", "perimeter"), Target("geom/vendor/copy.py", "Old.edge"))
+    # (each copies both deleted bodies: the vendored one is the same code)
+    assert sorted({(leak.path, leak.line) for leak in leaks}) == [
+        ("conftest.py", 2), ("scripts/demo.py", 2), ("tests/helpers.py", 2)]
+    # a function that shares one line with the body is no duplicate: it stays, and refuses
+    check = ('    if width < 0 or height < 0:\n'
+             '        raise ValueError(f"negative side: width={width!r} height={height!r} in cm")\n')
+    files = {"geom/shapes.py": f'def perimeter(width, height):\n    """Perimeter."""\n{check}{body}',
+             "geom/checks.py": f"def check(width, height):\n{check}    return True\n"}
+    feature, leaks = with_vendored_copies(files, [Target.parse("geom/shapes.py::perimeter")],
+                                          ["tests"])
+    assert feature == (Target("geom/shapes.py", "perimeter"),)
+    assert [(leak.path, leak.line) for leak in leaks] == [("geom/checks.py", 2)]
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +163,14 @@ def test_cli_refuses_a_repository_whose_tests_fail(tmp_path, capsys):
     (repo / "tests").mkdir(parents=True)
     (repo / "tests" / "test_x.py").write_text("def test_x():\n    assert False\n")
     assert cli(["tasks", "make-deletion", str(repo), "--out", str(tmp_path / "out")]) == 2
-    assert "the tests must pass before deleting anything" in capsys.readouterr().err
+    assert "the tests must pass before deleting anything; failing" in capsys.readouterr().err
+    # a test that needs a generated artefact fails without it, and the error says so
+    (repo / "tests" / "test_x.py").write_text(
+        "from pathlib import Path\n\n\ndef test_x():\n    assert Path('build/out.txt').exists()\n")
+    (repo / "build").mkdir()
+    (repo / "build" / "out.txt").write_text("made\n")
+    assert cli(["tasks", "make-deletion", str(repo), "--out", str(tmp_path / "out")]) == 2
+    assert "(they run without the 1 generated artefacts a task drops, e.g. build/out.txt)" in (
+        capsys.readouterr().err)
     with pytest.raises(SystemExit):
         cli(["tasks", "make-deletion", str(repo)])

@@ -1,0 +1,139 @@
+"""The backends of `model.attention_backend` on causal rows, through the model's seam
+(`pallas_kernels.attention.dense_attention`): xla, cudnn, pallas (the doc kernel) and splash,
+forward and forward+backward, at the Qwen2.5-0.5B head layout (14 query heads, 2 kv heads, head
+dim 64), batch 1, bfloat16.
+
+    python benchmarks/attention_backends.py --out /tmp/attention_backends.jsonl   # GPU: 4k-32k
+    PYTHONPATH=. python benchmarks/attention_backends.py --seq 256                # CPU smoke run
+
+Each (backend, tokens, pass) is one JSON line in --out as soon as it exists: the best of
+--repeats timed runs after a compile run, TFLOP/s (analytic: the causal half of the matmuls; the
+backward counts 2.5x the forward, FlashAttention-2's convention with recomputation), and the
+forward's largest difference from XLA's output where XLA ran. A backend this platform lacks
+(cudnn off a GPU, splash on one) or XLA whose float32 scores would not fit in memory is a line
+with the reason it was skipped. On CPU, pallas and splash are interpreted: their times say
+nothing about the kernels. The summary gives each time over cuDNN's (XLA's where cudnn did not
+run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention import dense_attention, resolve_backend
+
+BACKENDS = ("xla", "cudnn", "pallas", "splash")
+PASSES = ("fwd", "fwd+bwd")
+# f32 [T, T] buffers per query head XLA holds at once (scores, probabilities; their gradients).
+XLA_BUFFERS = {"fwd": 3, "fwd+bwd": 6}
+
+
+def timed(fn, *args, repeats):
+    """(the output, best seconds of `repeats` runs after a compile run)."""
+    out = jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def programs(backend):
+    """(forward, forward+backward) jitted for `backend` on causal rows."""
+
+    def attend(q, k, v, seg, slots):
+        return dense_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_slots=slots,
+                               kv_slots=slots, backend=backend, rows="causal")
+
+    def forward_backward(q, k, v, seg, slots, do):
+        _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg, slots), q, k, v)
+        return vjp(do)
+
+    return {"fwd": jax.jit(attend), "fwd+bwd": jax.jit(forward_backward)}
+
+
+def why_not(backend, t, n, dtype, which):
+    """The reason `backend` cannot run here at `t` tokens, or None."""
+    try:
+        resolve_backend("dense", backend, rows="causal", dtype=dtype)
+    except ValueError as e:
+        return str(e)
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    need = XLA_BUFFERS[which] * n * t * t * 4
+    if backend == "xla" and limit and need > limit:
+        return f"XLA's float32 scores would take ~{need / 2**30:.0f} GiB of {limit / 2**30:.0f}"
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    on_cpu = jax.default_backend() == "cpu"
+    ap.add_argument("--seq", type=int, nargs="+", default=[256] if on_cpu else [4096, 8192, 16384, 32768])
+    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=14)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--repeats", type=int, default=1 if on_cpu else 5)
+    ap.add_argument("--out", default=None, help="append the results here, one JSON line each")
+    args = ap.parse_args()
+    b, n, kh, h, dtype = args.batch, args.heads, args.kv_heads, args.head_dim, jnp.dtype(args.dtype)
+    common = {"device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+              "jax": jax.__version__, "batch": b, "heads": n, "kv_heads": kh, "head_dim": h,
+              "dtype": dtype.name}
+    runs = {backend: programs(backend) for backend in args.backends}
+    times = {}
+    for t in args.seq:
+        rng = np.random.default_rng(t)
+        q, do = (jnp.asarray(rng.standard_normal((b, t, n, h)), dtype) for _ in range(2))
+        k, v = (jnp.asarray(rng.standard_normal((b, kh, t, h)), dtype) for _ in range(2))
+        seg = jnp.ones((b, t), jnp.int32)
+        slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        forward_flops = 4 * b * n * t * t * h / 2
+        reference = None
+        for which in PASSES:
+            for backend in args.backends:
+                row = dict(common, backend=backend, tokens=t, **{"pass": which})
+                reason = why_not(backend, t, n, dtype, which)
+                if reason is None:
+                    inputs = (q, k, v, seg, slots) + ((do,) if which == "fwd+bwd" else ())
+                    try:
+                        out, seconds = timed(runs[backend][which], *inputs, repeats=args.repeats)
+                    except jax.errors.JaxRuntimeError as e:  # out of memory the estimate let through
+                        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                if reason is not None:
+                    row["skipped"] = reason
+                else:
+                    flops = forward_flops * (1 if which == "fwd" else 3.5)
+                    row.update(ms=round(seconds * 1e3, 3), tflops=round(flops / seconds / 1e12, 2),
+                               interpreted=on_cpu and backend in ("pallas", "splash"))
+                    times[t, which, backend] = seconds
+                    if which == "fwd" and backend == "xla":
+                        reference = out
+                    elif which == "fwd" and reference is not None:
+                        row["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(
+                            out.astype(jnp.float32) - reference.astype(jnp.float32))))
+                print(json.dumps(row), flush=True)
+                if args.out:  # line by line: a run cut short keeps what it measured
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+    print("\nms (x the baseline: cudnn where it ran, else xla)")
+    for t in args.seq:
+        for which in PASSES:
+            ran = {bk: times[t, which, bk] for bk in args.backends if (t, which, bk) in times}
+            base = ran.get("cudnn", ran.get("xla"))
+            cells = [f"{bk} {s * 1e3:.2f}" + (f" ({s / base:.2f}x)" if base else "")
+                     for bk, s in ran.items()]
+            print(f"{t:>6} {which:<8} " + ", ".join(cells or ["nothing ran"]))
+
+
+if __name__ == "__main__":
+    main()
