@@ -80,7 +80,7 @@ fi
 # Attention backends on causal rows (about 2 min): the cuDNN backend against XLA (gpu tests),
 # then xla vs cudnn vs pallas at 4k-32k tokens, Qwen2.5-0.5B heads, forward and fwd+bwd.
 if [ "$STAGE" = backends ]; then
-  JAX_PLATFORMS=cuda timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_attention.py 2>&1 \
+  JAX_PLATFORMS=cuda timeout 60 python3 -m pytest -n 0 -q -m gpu -p no:cacheprovider tests/pallas_kernels/test_attention.py 2>&1 \
     | quiet | tee "$OUT/gpu_tests_backends.log"
   timeout 150 python3 benchmarks/attention_backends.py --out "$OUT/attention_backends.jsonl" 2>&1 \
     | quiet | tee "$OUT/attention_backends.log"
