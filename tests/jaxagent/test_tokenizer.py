@@ -13,16 +13,22 @@ CHAT_TEMPLATE = (
 CORPUS = ["def add(a, b):\n    return a + b\n", "print('hello world')", "for i in range(10): pass"] * 20
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
+def byte_level_bpe(specials: list[str]) -> Tokenizer:
+    """A byte-level BPE of 300 ids trained on CORPUS, GPT-2/Qwen/Llama-3 style."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=300, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = byte_level_bpe(specials)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHAT_TEMPLATE, "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
@@ -105,12 +111,7 @@ def llama3_dir(tmp_path_factory):
     from jaxagent.models.config import ModelConfig
 
     path = tmp_path_factory.mktemp("llama3")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=LLAMA3_SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = byte_level_bpe(LLAMA3_SPECIALS)
     bos = "<|begin_of_text|>"
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
