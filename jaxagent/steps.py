@@ -267,12 +267,13 @@ def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0,
     return jnp.mean(~(miss & (batch.loss_mask > 0)).any(-1))
 
 
-def target_hidden(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
+def target_hidden(model, batch: TrainBatch,
+                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Final-normed hidden states at the target positions [B, T, D] and the MoE
     load-balancing loss (0 for a dense model)."""
     rows = "causal" if batch.positions is None else "segments"  # see TrainBatch.positions
     hidden, aux = model(batch.tokens, batch.positions, batch.segment_ids, with_aux_loss=True,
-                        hidden_only=True, rows=rows)
+                        hidden_only=True, rows=rows, dropout_key=dropout_key)
     if batch.gather is not None:  # group rows [B/G, L, D] -> rollout rows [B, T, D]
         group = jnp.arange(batch.gather.shape[0]) // (batch.gather.shape[0] // hidden.shape[0])
         hidden = hidden[group[:, None], batch.gather]  # the LM head runs on targets only
@@ -281,7 +282,7 @@ def target_hidden(model, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
 
 def target_logprobs(model, batch: TrainBatch, logits_chunk: int = 0,
                     sampling: tuple[float, int | None, float | None] | None = None,
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the targets [B, T], each position's entropy [B, T], and the MoE
     load-balancing loss. `sampling` = (temperature, top_k, top_p): under the distribution
     the sampler drew from (`rollouts.sampler.sampling_logits`), not the plain softmax.
@@ -290,15 +291,21 @@ def target_logprobs(model, batch: TrainBatch, logits_chunk: int = 0,
     tokens at a time (all rows, a slice of positions), each chunk rematerialised in the
     backward pass, so neither pass holds the [B, T, V] float32 logits (10 GiB for 16k tokens
     of a 152k vocabulary); the price is the LM head's forward matmul once more.
-    """
-    hidden, aux = target_hidden(model, batch)
 
-    def logits(h):
-        return model.logits(h) if sampling is None else sampling_logits(model.logits(h), *sampling)
+    `dropout_key`: the LoRA dropout of a training pass (each chunk of the head its own mask).
+    """
+    hidden, aux = target_hidden(model, batch, dropout_key)
+    starts = jnp.broadcast_to(jnp.arange(hidden.shape[1]), hidden.shape[:2])  # chunk -> its key
+
+    def logits(h, start):
+        key = (None if dropout_key is None else jax.random.fold_in(
+            jax.random.fold_in(dropout_key, model.config.num_layers), start[0, 0]))
+        out = model.logits(h, key)
+        return out if sampling is None else sampling_logits(out, *sampling)
 
     logp, entropy = over_position_chunks(
-        lambda h, targets: rl.token_logprobs_and_entropy(logits(h), targets),
-        (hidden, batch.targets), logits_chunk)
+        lambda h, targets, start: rl.token_logprobs_and_entropy(logits(h, start), targets),
+        (hidden, batch.targets, starts), logits_chunk)
     return logp, entropy, aux
 
 
@@ -352,23 +359,27 @@ def _micro_batches(batch: TrainBatch, micro_batch: int) -> TrainBatch:
     return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
 
-def _accumulate(loss_fn, params, batch: TrainBatch, micro_batch: int):
-    """Sum of `loss_fn`'s (already globally normalised) loss and grads over micro-batches."""
+def _accumulate(loss_fn, params, batch: TrainBatch, micro_batch: int,
+                dropout_key: jax.Array | None = None):
+    """Sum of `loss_fn(params, micro-batch, its dropout key or None)`'s (already globally
+    normalised) loss and grads over micro-batches."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     micro = _micro_batches(batch, micro_batch)
+    n = jax.tree.leaves(micro)[0].shape[0]
+    keys = None if dropout_key is None else jax.random.split(dropout_key, n)
 
-    def body(carry, mb):
+    def body(carry, xs):
         loss, grads, metrics = carry
-        (l, m), g = grad_fn(params, mb)
+        (l, m), g = grad_fn(params, *xs)
         # "*_max" metrics are maxima over the batch; the rest are shares of a sum.
         metrics = {k: jnp.maximum(v, m[k]) if k.endswith("_max") else v + m[k]
                    for k, v in metrics.items()}
         return (loss + l, jax.tree.map(jnp.add, grads, g), metrics), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (_, metrics0), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+    (_, metrics0), _ = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda x: x[0], (micro, keys)))
     init = (jnp.zeros(()), zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics0))
-    (loss, grads, metrics), _ = jax.lax.scan(body, init, micro)
+    (loss, grads, metrics), _ = jax.lax.scan(body, init, (micro, keys))
     return loss, grads, metrics
 
 
@@ -384,18 +395,19 @@ def _apply(tx, params, opt_state, grads):
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "micro_batch", "logits_chunk"),
                    donate_argnames=("params", "opt_state"))
 def sft_step(graphdef, tx, params, opt_state, batch: TrainBatch, micro_batch: int = 0,
-             logits_chunk: int = 0, frozen=None):
+             logits_chunk: int = 0, frozen=None, dropout_key: jax.Array | None = None):
+    """One update (`dropout_key`: the step's key for LoRA dropout; None: no dropout)."""
     total = jnp.maximum(batch.loss_mask.sum(), 1.0)
     num_micro = _num_micro(batch, micro_batch)
 
-    def loss_fn(p, mb):
+    def loss_fn(p, mb, key):
         model = merged_model(graphdef, p, frozen)
-        logp, _, aux = target_logprobs(model, mb, logits_chunk)
+        logp, _, aux = target_logprobs(model, mb, logits_chunk, dropout_key=key)
         loss = -(logp * mb.loss_mask).sum() / total
         tokens = (mb.loss_mask > 0).sum()  # the mask may weight tokens (agent turns)
         return _add_aux_loss(loss, {"sft/tokens": tokens}, model, aux, num_micro, "sft")
 
-    loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
+    loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch, dropout_key)
     params, opt_state, grad_norm = _apply(tx, params, opt_state, grads)
     return params, opt_state, {**metrics, "sft/loss": loss, "sft/grad_norm": grad_norm}
 
@@ -448,16 +460,17 @@ def split_rows(batch: TrainBatch, parts: int) -> list[TrainBatch]:
 
 def ppo_update(graphdef, tx, params, opt_state, mini_batches: list[TrainBatch], ref_params=None,
                feedback: FeedbackBatch | None = None, frozen=None, *, options: LossOptions,
-               epochs: int = 1, micro_batch: int = 0, logits_chunk: int = 0):
+               epochs: int = 1, micro_batch: int = 0, logits_chunk: int = 0,
+               dropout_key: jax.Array | None = None):
     """`epochs` passes over `mini_batches`, one clipped update each, against the proximal
     log-probs taken once before the first (so from the second update on the ratio moves and
     the clip acts). The feedback term joins the first update only (its weight per batch stays
     the same). Metrics: the mean over the updates ("*_max": the maximum), and train/updates.
-    One epoch over one mini-batch is exactly `rl_step`."""
+    One epoch over one mini-batch is exactly `rl_step` (`dropout_key`: the first update's)."""
     if epochs == 1 and len(mini_batches) == 1:
         return rl_step(graphdef, tx, params, opt_state, mini_batches[0], ref_params, feedback,
                        frozen, options=options, micro_batch=micro_batch,
-                       logits_chunk=logits_chunk)
+                       logits_chunk=logits_chunk, dropout_key=dropout_key)
     mini_batches = [dataclasses.replace(b, proximal_logprobs=policy_logprobs(
         graphdef, params, b, frozen, micro_batch=micro_batch, logits_chunk=logits_chunk,
         sampling=options.sampling)) for b in mini_batches]
@@ -467,7 +480,9 @@ def ppo_update(graphdef, tx, params, opt_state, mini_batches: list[TrainBatch], 
             params, opt_state, metrics = rl_step(
                 graphdef, tx, params, opt_state, batch, ref_params,
                 feedback if epoch == i == 0 else None, frozen, options=options,
-                micro_batch=micro_batch, logits_chunk=logits_chunk)
+                micro_batch=micro_batch, logits_chunk=logits_chunk,
+                dropout_key=None if dropout_key is None else jax.random.fold_in(
+                    dropout_key, len(history)))
             history.append(metrics)
     keys = set().union(*history)
     reduce = lambda k: (jnp.max if k.endswith("_max") else jnp.mean)(  # noqa: E731
@@ -490,19 +505,21 @@ def _share(mask_mb: jax.Array, mask_all: jax.Array, aggregation: str) -> jax.Arr
                    donate_argnames=("params", "opt_state"))
 def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
             feedback: FeedbackBatch | None = None, frozen=None, *, options: LossOptions,
-            micro_batch: int = 0, logits_chunk: int = 0):
+            micro_batch: int = 0, logits_chunk: int = 0, dropout_key: jax.Array | None = None):
     """One update on a batch of scored rollouts (one policy epoch: the proximal policy is the
     current one, so the decoupled clipped ratio starts at 1 and only the sampler correction,
     behaviour -> proximal, is off 1; with stale rollouts that correction grows). With
     `feedback`, `options.feedback_beta` times the targeted-feedback KL joins the loss. With
-    LoRA, `params` and `ref_params` are adapters over the same `frozen` base weights."""
+    LoRA, `params` and `ref_params` are adapters over the same `frozen` base weights;
+    `dropout_key` drops out their input in the policy's loss pass (not in the reference's or
+    the feedback term's)."""
     o = options
     full_mask = batch.loss_mask
     num_micro = _num_micro(batch, micro_batch)
 
-    def loss_fn(p, mb):
+    def loss_fn(p, mb, key):
         model = merged_model(graphdef, p, frozen)
-        logp, token_entropy, aux = target_logprobs(model, mb, logits_chunk, o.sampling)
+        logp, token_entropy, aux = target_logprobs(model, mb, logits_chunk, o.sampling, key)
         proximal = (jax.lax.stop_gradient(logp) if mb.proximal_logprobs is None
                     else mb.proximal_logprobs)
         weights = None
@@ -539,7 +556,7 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         metrics = {k: v if k.endswith("_max") else v * share for k, v in metrics.items()}
         return _add_aux_loss(loss * share, metrics, model, aux, num_micro, "train")
 
-    loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch)
+    loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch, dropout_key)
     if feedback is not None:
         term, term_grads = jax.value_and_grad(
             lambda p: feedback_term(merged_model(graphdef, p, frozen), feedback, o.feedback_beta,

@@ -122,7 +122,7 @@ def save_adapter(model: Decoder, path: str | Path, base_model: str | None = None
     (path / CONFIG_FILE).write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "use_rslora": lora.rslora,
-        "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": targets, "lora_dropout": lora.dropout, "bias": "none",
         "fan_in_fan_out": False, "modules_to_save": None, "inference_mode": True,
     }, indent=2))
     return path
@@ -165,7 +165,8 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
                               f"{', '.join(LORA_TARGETS)}, or all-linear)")
     try:
         lora = LoraConfig(rank=int(hf["r"]), alpha=float(hf["lora_alpha"]),
-                          rslora=bool(hf.get("use_rslora", False)), targets=tuple(targets))
+                          rslora=bool(hf.get("use_rslora", False)), targets=tuple(targets),
+                          dropout=float(hf.get("lora_dropout", 0.0)))
     except KeyError as e:
         raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
     return lora, hf.get("base_model_name_or_path")

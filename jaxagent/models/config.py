@@ -66,8 +66,12 @@ class LoraConfig:
     rank: int = 0  # r; 0 = no adapters (every weight trains)
     alpha: float = 16.0  # scale = alpha / r
     rslora: bool = False  # rank-stabilised scale alpha / sqrt(r) (peft `use_rslora`)
+    # Dropout on each adapter's input (peft `lora_dropout`), in the training steps' loss pass
+    # only: the sampler, eval, the proximal log-probs and the KL reference run without it.
+    dropout: float = 0.0
     # fnmatch patterns over LORA_TARGETS ("*_proj": every projection). Sparse MoE layers
-    # adapt their attention only: gate/up/down_proj reach the dense MLP layers, not experts.
+    # adapt their attention only: gate/up/down_proj reach the dense MLP layers, not experts
+    # (a config error on a model with no dense MLP layer).
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                 "down_proj")
     # How the sampler runs the adapters: merged into its copy of the weights at each publish

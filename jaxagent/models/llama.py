@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.lora import adapted, check_lora, make_adapters
-from jaxagent.models.moe import MoE, is_moe_layer, load_balancing_loss
+from jaxagent.models.moe import MoE, all_sparse, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import constrain
 from jaxagent.models.params import param as _param
 from pallas_kernels.attention import (
@@ -254,15 +254,19 @@ class Attention(nnx.Module):
         if cfg.attention == "nsa":
             self.nsa = NSA(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, slots, cache_kv=None, cache_segment_ids=None,
-                 cache_index=None, cache_nsa=None, cache_k_t=None, rows="segments"):
+    def __call__(self, x, positions, segment_ids, slots, dropout_key=None, cache_kv=None,
+                 cache_segment_ids=None, cache_index=None, cache_nsa=None, cache_k_t=None,
+                 rows="segments"):
         """-> (out [B,T,D], the layer's cache entries {"k", "v"[, "k_cmp", "v_cmp"][, "k_t"]} or None).
         `rows`: "causal" or "segments" (``pallas_kernels.attention.ROWS``); a call with a cache
         is "cached"."""
-        cfg, dt = self.cfg, x.dtype
-        q = adapted(self.lora, "q_proj", x, jnp.einsum("BTD,DNH->BTNH", x, self.wq[...].astype(dt)))
-        k = adapted(self.lora, "k_proj", x, jnp.einsum("BTD,DKH->BTKH", x, self.wk[...].astype(dt)))
-        v = adapted(self.lora, "v_proj", x, jnp.einsum("BTD,DKH->BTKH", x, self.wv[...].astype(dt)))
+        cfg, dt, key = self.cfg, x.dtype, dropout_key
+        q = adapted(self.lora, "q_proj", x,
+                    jnp.einsum("BTD,DNH->BTNH", x, self.wq[...].astype(dt)), key)
+        k = adapted(self.lora, "k_proj", x,
+                    jnp.einsum("BTD,DKH->BTKH", x, self.wk[...].astype(dt)), key)
+        v = adapted(self.lora, "v_proj", x,
+                    jnp.einsum("BTD,DKH->BTKH", x, self.wv[...].astype(dt)), key)
         if cfg.attention_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if cfg.qk_norm:
@@ -303,7 +307,7 @@ class Attention(nnx.Module):
         o = jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt))
         if hasattr(self, "bo"):
             o = o + self.bo[...].astype(dt)
-        return adapted(self.lora, "o_proj", out, o), new_kv
+        return adapted(self.lora, "o_proj", out, o, key), new_kv
 
 
 class MLP(nnx.Module):
@@ -318,14 +322,15 @@ class MLP(nnx.Module):
         self.lora = make_adapters(cfg, {"gate_proj": (embed, mlp), "up_proj": (embed, mlp),
                                         "down_proj": (mlp, embed)}, rngs=rngs)
 
-    def __call__(self, x):
-        dt = x.dtype
+    def __call__(self, x, dropout_key=None):
+        dt, key = x.dtype, dropout_key
         gate = adapted(self.lora, "gate_proj", x,
-                       jnp.einsum("BTD,DF->BTF", x, self.w_gate[...].astype(dt)))
-        up = adapted(self.lora, "up_proj", x, jnp.einsum("BTD,DF->BTF", x, self.w_up[...].astype(dt)))
+                       jnp.einsum("BTD,DF->BTF", x, self.w_gate[...].astype(dt)), key)
+        up = adapted(self.lora, "up_proj", x,
+                     jnp.einsum("BTD,DF->BTF", x, self.w_up[...].astype(dt)), key)
         h = jax.nn.silu(gate) * up
         return adapted(self.lora, "down_proj", h,
-                       jnp.einsum("BTF,FD->BTD", h, self.w_down[...].astype(dt)))
+                       jnp.einsum("BTF,FD->BTD", h, self.w_down[...].astype(dt)), key)
 
 
 class Block(nnx.Module):
@@ -337,14 +342,16 @@ class Block(nnx.Module):
         self.sparse = is_moe_layer(cfg, layer)
         self.mlp = MoE(cfg, rngs=rngs) if self.sparse else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, slots, rows="segments", **cache):
+    def __call__(self, x, positions, segment_ids, slots, dropout_key=None, rows="segments",
+                 **cache):
         """-> (x, new kv or None, router logits [N, E] or None)."""
-        h, new_kv = self.attn(self.attn_norm(x), positions, segment_ids, slots, rows=rows, **cache)
+        h, new_kv = self.attn(self.attn_norm(x), positions, segment_ids, slots, dropout_key,
+                              rows=rows, **cache)
         x = x + h
         if self.sparse:
             h, router_logits = self.mlp(self.mlp_norm(x), segment_ids != 0)
             return x + h, new_kv, router_logits
-        return x + self.mlp(self.mlp_norm(x)), new_kv, None
+        return x + self.mlp(self.mlp_norm(x), dropout_key), new_kv, None
 
 
 class Decoder(nnx.Module):
@@ -355,7 +362,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         v, d, pd = cfg.vocab_size, cfg.hidden_size, cfg.param_dtype
-        check_lora(cfg.lora, cfg.tie_embeddings)
+        check_lora(cfg.lora, cfg.tie_embeddings, all_sparse(cfg))
         self.config = cfg
         self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd)
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
@@ -381,6 +388,7 @@ class Decoder(nnx.Module):
         # "segments": any segment ids (packed documents, shared prompts). A cached call is
         # "cached"; without segment_ids the rows are causal.
         rows: Literal["causal", "segments"] = "segments",
+        dropout_key: jax.Array | None = None,  # training passes: LoRA dropout's key
     ):
         cfg = self.config
         b, t = tokens.shape
@@ -395,6 +403,8 @@ class Decoder(nnx.Module):
                 cache.segment_ids, segment_ids.astype(jnp.int32), (0, cache.index)
             )
         slots = jnp.broadcast_to(slots, (b, t))
+        if dropout_key is not None and cache is not None:
+            raise ValueError("dropout_key is for training passes, not cached decoding")
         if cache is not None and cache.slot_of is not None:
             # NSA: each real token's position now lives at its slot (padding writes nowhere)
             where = jnp.where(segment_ids != 0, positions, cache.size)
@@ -415,14 +425,16 @@ class Decoder(nnx.Module):
                     kw["cache_nsa"] = (cache.k_cmp[i], cache.v_cmp[i], slot_of)
                 if cache.k_t is not None:
                     kw["cache_k_t"] = cache.k_t[i]
-            x, kv, layer_router_logits = run(layer, x, positions, segment_ids, slots, **kw)
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+            x, kv, layer_router_logits = run(layer, x, positions, segment_ids, slots, key, **kw)
             x = constrain(x, _BTD)  # activations pinned at layer boundaries
             if layer_router_logits is not None:
                 router_logits.append(layer_router_logits)
             if kv is not None:
                 new_kv.append(kv)
         x = self.final_norm(x[:, -1:] if last_only else x)
-        logits = x if hidden_only else self.logits(x)
+        head_key = None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers)
+        logits = x if hidden_only else self.logits(x, head_key)
         if with_aux_loss:
             if cache is not None:
                 raise ValueError("with_aux_loss is for training passes, not cached decoding")
@@ -438,13 +450,15 @@ class Decoder(nnx.Module):
         return logits, KVCache(segment_ids=cache_segment_ids, index=cache.index + t, **per_layer)
 
 
-    def logits(self, x: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, V]."""
+    def logits(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, T, D] -> float32 logits [B, T, V] (`dropout_key`: as
+        the model's call, for an adapted head)."""
         if self.config.tie_embeddings:
             logits = jnp.einsum("BTD,VD->BTV", x, self.embed[...].astype(x.dtype))
         else:
             logits = adapted(self.lora, "lm_head", x,
-                             jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype)))
+                             jnp.einsum("BTD,DV->BTV", x, self.lm_head[...].astype(x.dtype)),
+                             dropout_key)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 

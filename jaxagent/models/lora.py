@@ -40,23 +40,45 @@ def lora_targets(cfg: LoraConfig) -> frozenset[str]:
                      if any(fnmatch.fnmatchcase(name, p) for p in cfg.targets))
 
 
-def check_lora(lora: LoraConfig, tied: bool = False) -> None:
+# The MLP's projections: in a sparse MoE layer they are the experts', which take no adapters.
+MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj"})
+
+
+def check_lora(lora: LoraConfig, tied: bool = False, sparse: bool = False) -> None:
     """ConfigError naming the `model.lora` field a LoRA config gets wrong (`tied`: for a model
-    whose LM head is its embedding table)."""
+    whose LM head is its embedding table; `sparse`: whose every MLP is MoE experts)."""
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {lora.rank}")
     if not lora.rank:
         return
     if lora.alpha <= 0:
         raise ConfigError(f"model.lora.alpha: must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout: must be in [0, 1), got {lora.dropout}")
     unmatched = [p for p in lora.targets
                  if not any(fnmatch.fnmatchcase(name, p) for name in LORA_TARGETS)]
     if unmatched or not lora.targets:
         raise ConfigError(f"model.lora.targets: {unmatched or 'empty'} match no module; "
                           f"known: {', '.join(LORA_TARGETS)}")
+    for p in lora.targets:
+        if sparse and all(fnmatch.fnmatchcase(name, p) <= (name in MLP_TARGETS)
+                          for name in LORA_TARGETS):
+            raise ConfigError(f"model.lora.targets: {p!r} would adapt MoE experts only (every MLP "
+                              "layer of this model is sparse), and experts take no adapters; "
+                              "target the attention (q_proj, k_proj, v_proj, o_proj, or '*_proj' "
+                              "for whatever exists)")
     if "lm_head" in lora_targets(lora) and tied:
         raise ConfigError("model.lora.targets: lm_head needs model.tie_embeddings: false (a tied "
                           "model's head is the embedding table; target embed_tokens)")
+
+
+def dropout_key(cfg: LoraConfig, seed: int, stage: int, step: int) -> jax.Array | None:
+    """A training step's dropout key, None without dropout: a function of (seed, stage, step),
+    so a resumed run draws the same masks (stage 0: SFT, 1: RL, apart so neither repeats the
+    other's)."""
+    if not (cfg.rank and cfg.dropout):
+        return None
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stage), step)
 
 
 def lora_scale(cfg: LoraConfig) -> float:
@@ -64,7 +86,8 @@ def lora_scale(cfg: LoraConfig) -> float:
 
 
 class Adapter(nnx.Module):
-    """`adapter(x [..., in...]) -> s (x A) B [..., out...]`; `lookup(tokens)` for a table."""
+    """`adapter(x [..., in...]) -> s (x A) B [..., out...]`; `lookup(tokens)` for a table.
+    With a `key` (training), x is first dropped out at rate `model.lora.dropout`."""
 
     def __init__(self, cfg: LoraConfig, ins: tuple[tuple[int, str], ...],
                  outs: tuple[tuple[int, str], ...], *, rngs: nnx.Rngs, table: bool = False):
@@ -82,9 +105,13 @@ class Adapter(nnx.Module):
         self.a = LoraParam(a, logical_axes=(*in_axes, None))
         self.b = LoraParam(b, logical_axes=(None, *out_axes))
         self.scale = lora_scale(cfg)
+        self.dropout = cfg.dropout
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         dt = x.dtype
+        if key is not None and self.dropout:
+            keep = jax.random.bernoulli(key, 1 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1 - self.dropout), 0).astype(dt)
         h = jnp.tensordot(x, self.a[...].astype(dt), axes=self.a.ndim - 1)
         return self.scale * jnp.tensordot(h, self.b[...].astype(dt), axes=1)
 
@@ -101,9 +128,15 @@ def make_adapters(cfg: ModelConfig, weights: dict, *, rngs: nnx.Rngs) -> nnx.Dic
                      for name, (ins, outs) in weights.items() if name in targets})
 
 
-def adapted(lora: nnx.Dict, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    """y = x W plus the adapter of `name`'s update, if `name` is targeted."""
-    return y + lora[name](x) if name in lora else y
+def adapted(lora: nnx.Dict, name: str, x: jax.Array, y: jax.Array,
+            key: jax.Array | None = None) -> jax.Array:
+    """y = x W plus the adapter of `name`'s update, if `name` is targeted (`key`: a training
+    pass's dropout key for the module; each target draws its own mask from it)."""
+    if name not in lora:
+        return y
+    if key is not None:
+        key = jax.random.fold_in(key, LORA_TARGETS.index(name))
+    return y + lora[name](x, key)
 
 
 def merge(base: nnx.State, factors: nnx.State, cfg: LoraConfig) -> nnx.State:

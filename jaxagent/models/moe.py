@@ -41,6 +41,11 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
             and (layer + 1) % cfg.decoder_sparse_step == 0)
 
 
+def all_sparse(cfg: ModelConfig) -> bool:
+    """Whether every layer's MLP is a sparse MoE layer (none dense)."""
+    return all(is_moe_layer(cfg, i) for i in range(cfg.num_layers))
+
+
 def route(logits: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Array]:
     """Router logits [N, E] -> top-k weights [N, K] (float32) and expert ids [N, K]."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)

@@ -41,6 +41,7 @@ from jaxagent.config import Config, save_config
 from jaxagent.metrics import MetricsWriter, plot_curves, trim_jsonl
 from jaxagent.models import sees_all_segments
 from jaxagent.models.adapters import split_trainable
+from jaxagent.models.lora import dropout_key
 from jaxagent.optim import make_optimizer
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_feedback,
@@ -143,7 +144,7 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                 # (the sampler switches to them before its next batch).
                 with profiled(workdir / "profile", step + 1 in t.profile_steps):
                     rows, feedback, keep = learner.prepare(batch)
-                    state, update_metrics, train_s = learner.update(state, rows, feedback)
+                    state, update_metrics, train_s = learner.update(state, rows, feedback, step)
                 done = step + 1
                 sync_s = (weights.publish(done, to_sampler.sent(state.params))
                           if done < t.steps else 0.0)
@@ -230,17 +231,19 @@ class Learner:
                     if self.options.feedback_beta else None)
         return rows, feedback, keep
 
-    def update(self, state: TrainState, rows: TrainBatch,
-               feedback: FeedbackBatch | None) -> tuple[TrainState, dict, float]:
-        """`rl.ppo_epochs` passes of clipped steps over `rl.mini_batches` of the rows ->
-        (the new state, the update's metrics, its seconds)."""
+    def update(self, state: TrainState, rows: TrainBatch, feedback: FeedbackBatch | None,
+               step: int) -> tuple[TrainState, dict, float]:
+        """`rl.ppo_epochs` passes of clipped steps over `rl.mini_batches` of the rows (the
+        update of step `step`: its LoRA dropout masks) -> (the new state, the update's
+        metrics, its seconds)."""
         t0 = time.perf_counter()
         minis = [self.layout.batch(b) for b in split_rows(rows, self.cfg.rl.mini_batches)]
         with self.layout.activations():
             params, opt_state, metrics = ppo_update(
                 self.graphdef, self.tx, state.params, state.opt_state, minis, state.ref_params,
                 feedback, state.frozen, options=self.options, epochs=self.cfg.rl.ppo_epochs,
-                micro_batch=self.cfg.train.micro_batch, logits_chunk=self.chunk)
+                micro_batch=self.cfg.train.micro_batch, logits_chunk=self.chunk,
+                dropout_key=dropout_key(self.cfg.model.lora, self.cfg.seed, 1, step))
         metrics = {k: float(v) for k, v in metrics.items()}  # waits for the update
         return (dataclasses.replace(state, params=params, opt_state=opt_state), metrics,
                 time.perf_counter() - t0)

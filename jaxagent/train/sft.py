@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 
 from jaxagent.config import Config, ConfigError
 from jaxagent.models.adapters import save_policy, split_trainable
+from jaxagent.models.lora import dropout_key
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import answer_accuracy, merged_model, pack, pack_documents, sft_step
 from jaxagent.tokenizer import HFTokenizer
@@ -57,13 +58,14 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                 "sft.documents.eval_examples")
             accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch,
                                                                     chunk, frozen)
-        for _ in range(s.steps):
+        for step in range(s.steps):
             # Every process draws the same global batch and keeps its own rows of it.
             batch = draw(rng)
             batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)],
                                               batch), "sft.batch_size")
-            params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
-                                                  cfg.train.micro_batch, chunk, frozen)
+            params, opt_state, metrics = sft_step(
+                graphdef, tx, params, opt_state, batch, cfg.train.micro_batch, chunk, frozen,
+                dropout_key(cfg.model.lora, cfg.seed, 0, step))
             if progress:
                 progress.update(task_bar, advance=1,
                                 info=f"loss {float(metrics['sft/loss']):.3f}")

@@ -85,6 +85,39 @@ def test_remat_over_a_frozen_base_and_reference_adapters():
     np.testing.assert_allclose(norms[1], norms[0], rtol=1e-5)
 
 
+@pytest.mark.slow  # four compiled steps
+def test_dropout_in_the_loss_pass_only():
+    """A step's key drops the adapters' input in its loss pass; without a key the step is the
+    one without dropout, and the KL reference never drops (at the first step, with the
+    reference adapters equal to the policy's, the KL is exactly 0 without a key)."""
+    batch, options = rollouts(), LossOptions(kl_coef=0.5)
+    graphdef, params, frozen, tx = setup(dataclasses.replace(
+        CFG, lora=dataclasses.replace(LORA, dropout=0.4)))
+    plain, *_ = setup()
+    randomised = jax.tree.map(lambda x: x + 0.2 * jax.random.normal(jax.random.key(7), x.shape),
+                              params)  # nonzero B: dropout moves the loss pass's logits
+
+    def step(g, key, micro=0):
+        return rl_step(g, tx, copy(randomised), tx.init(params), batch, copy(randomised), None,
+                       frozen, options=options, micro_batch=micro, dropout_key=key)
+
+    none, _, m_none = step(graphdef, None)
+    same, _, _ = step(plain, None)
+    for a, b in zip(jax.tree.leaves(none), jax.tree.leaves(same)):
+        np.testing.assert_array_equal(a, b)
+    assert m_none["train/kl"] == pytest.approx(0.0, abs=1e-7)
+    k1, _, m1 = step(graphdef, jax.random.key(1))
+    again, _, _ = step(graphdef, jax.random.key(1))
+    k2, _, _ = step(graphdef, jax.random.key(2))
+    assert m1["train/kl"] > 1e-4  # the policy's pass dropped, the reference's not
+    for a, b, c, d in zip(*map(jax.tree.leaves, (k1, again, k2, none))):
+        np.testing.assert_array_equal(a, b)
+        assert np.abs(a - c).max() > 0 and np.abs(a - d).max() > 0
+    # each micro-batch draws its own masks: two micro-batches are not the whole batch's pass
+    micro, _, _ = step(graphdef, jax.random.key(1), micro=3)
+    assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(*map(jax.tree.leaves, (micro, k1))))
+
+
 @pytest.mark.parametrize("mode", ["merged", "unmerged"])
 def test_sampler_weights_give_the_trainers_logits(mode):
     cfg = dataclasses.replace(CFG, lora=dataclasses.replace(LORA, sampler=mode))

@@ -39,7 +39,8 @@ def losses(workdir):
 
 
 @pytest.mark.parametrize("lora", [(), pytest.param(
-    ("model.lora.rank=4", "model.lora.targets=[q_proj, v_proj, down_proj]"),
+    ("model.lora.rank=4", "model.lora.targets=[q_proj, v_proj, down_proj]",
+     "model.lora.dropout=0.1"),  # its masks follow the step: the resumed run draws the same
     marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
@@ -99,6 +100,7 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
      "rl.refill_draws: needs dynamic sampling"),
     (["model.lora.rank=4", "model.lora.targets=[q_proj, wq]"],
      "model.lora.targets: ['wq'] match no module"),
+    (["model.lora.rank=4", "model.lora.dropout=1"], "model.lora.dropout: must be in [0, 1)"),
     (["model.lora.rank=4", "model.lora.targets=[lm_head]"],
      "model.lora.targets: lm_head needs model.tie_embeddings: false"),
 ])

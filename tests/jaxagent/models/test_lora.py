@@ -20,7 +20,8 @@ from jaxagent.models.adapters import (load_adapter, merged, read_adapter_config,
                                       split_adapters, with_adapters, without_adapters)
 from jaxagent.models.config import LoraConfig, ModelConfig
 from jaxagent.models.hf import CheckpointError
-from jaxagent.models.lora import LoraParam, lora_targets
+from jaxagent.models.llama import Decoder
+from jaxagent.models.lora import Adapter, LoraParam, lora_targets
 
 VOCAB = 97
 TINY = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=30, intermediate_size=43,
@@ -64,12 +65,60 @@ def test_only_targeted_weights_have_adapters():
 @pytest.mark.parametrize("lora, tied, message", [
     (LoraConfig(rank=-1), False, "model.lora.rank: must be >= 0"),
     (LoraConfig(rank=4, alpha=0.0), False, "model.lora.alpha: must be > 0"),
+    (LoraConfig(rank=4, dropout=1.0), False, r"model.lora.dropout: must be in \[0, 1\)"),
     (LoraConfig(rank=4, targets=("q_proj", "wq")), False, r"model.lora.targets: \['wq'\]"),
     (LoraConfig(rank=4, targets=("lm_head",)), True, "lm_head needs model.tie_embeddings"),
 ])
 def test_bad_config_names_the_field(lora, tied, message):
     with pytest.raises(ConfigError, match=message):
         init_model(dataclasses.replace(TINY, lora=lora, tie_embeddings=tied))
+
+
+DROPOUT = dataclasses.replace(EVERYTHING, dropout=0.3)
+
+
+@nnx.jit
+def forward(model, tokens, key=None):
+    return model(tokens, dropout_key=key)
+
+
+@pytest.mark.slow  # six compiles
+def test_dropout_acts_on_a_training_pass_only():
+    model = randomise_b(init_model(dataclasses.replace(TINY, lora=DROPOUT), seed=3))
+    plain = with_adapters(model, EVERYTHING, split_adapters(model)[1])  # same factors, p = 0
+    tokens, key = ids(), jax.random.key(5)
+    np.testing.assert_array_equal(forward(model, tokens), forward(plain, tokens))  # eval, sampler
+    np.testing.assert_array_equal(forward(plain, tokens, key), forward(plain, tokens))  # p = 0
+    train = forward(model, tokens, key)
+    np.testing.assert_array_equal(forward(model, tokens, key), train)  # the key decides
+    assert np.abs(train - forward(model, tokens, jax.random.key(6))).max() > 1e-3
+    assert np.abs(train - forward(model, tokens)).max() > 1e-3
+    # Only the adapters' input is dropped: with B = 0 the base's path is untouched.
+    fresh = init_model(dataclasses.replace(TINY, lora=dataclasses.replace(DROPOUT,
+                                                                          targets=("*_proj",))))
+    np.testing.assert_array_equal(forward(fresh, tokens, key), forward(fresh, tokens))
+
+
+def test_dropout_keeps_the_adapters_mean_output():
+    """Inverted dropout: over masks, E[s (m x / (1 - p)) A B] = s x A B (float64 reference),
+    and a kept entry is scaled by exactly 1 / (1 - p)."""
+    rngs, p = nnx.Rngs(0), 0.3
+    adapter = Adapter(dataclasses.replace(DROPOUT, rank=5, dropout=p), ((13, "embed"),),
+                      ((3, "heads"), (7, "head_dim")), rngs=rngs)
+    adapter.b.set_value(jax.random.normal(jax.random.key(1), adapter.b.shape))
+    x = jax.random.normal(jax.random.key(2), (4, 13))
+    a, b = np.asarray(adapter.a[...], np.float64), np.asarray(adapter.b[...], np.float64)
+    expected = adapter.scale * np.einsum("nd,dr,rhk->nhk", np.asarray(x, np.float64), a, b)
+    np.testing.assert_allclose(adapter(x), expected, rtol=1e-5, atol=1e-5)
+    samples = jax.vmap(lambda k: adapter(x, k))(jax.random.split(jax.random.key(3), 4000))
+    spread = np.asarray(samples, np.float64).std(0) / np.sqrt(4000)
+    assert (np.abs(np.asarray(samples, np.float64).mean(0) - expected) < 5 * spread + 1e-6).all()
+    # One draw, by its mask: kept inputs scaled by 1 / (1 - p), dropped ones zero.
+    key = jax.random.key(4)
+    keep = np.asarray(jax.random.bernoulli(key, 1 - p, x.shape), np.float64)
+    dropped = np.asarray(x, np.float64) * keep / (1 - p)
+    np.testing.assert_allclose(adapter(x, key), adapter.scale * np.einsum(
+        "nd,dr,rhk->nhk", dropped, a, b), rtol=1e-5, atol=1e-5)
 
 
 def test_moe_adapts_attention_and_dense_mlp_layers_only():
@@ -84,6 +133,19 @@ def test_moe_adapts_attention_and_dense_mlp_layers_only():
     np.testing.assert_allclose(merged(model)(ids()), model(ids()), atol=2e-5)
 
 
+def test_targets_reaching_only_moe_experts_are_a_config_error():
+    cfg = ModelConfig(family="mixtral", vocab_size=VOCAB, hidden_size=30, num_layers=2,
+                      num_heads=3, num_kv_heads=1, head_dim=10, num_experts=3,
+                      moe_intermediate_size=11, lora=LoraConfig(rank=3))  # the default targets
+    abstract = lambda cfg: nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # noqa: E731
+    with pytest.raises(ConfigError, match=r"model.lora.targets: 'gate_proj' would adapt MoE "
+                                          r"experts only"):
+        abstract(cfg)
+    wildcard = abstract(dataclasses.replace(cfg, lora=LoraConfig(rank=3, targets=("*_proj",))))
+    owners = {p[:3] for p, _ in nnx.to_flat_state(split_adapters(wildcard)[1])}
+    assert owners == {("layers", 0, "attn"), ("layers", 1, "attn")}
+
+
 # ---------------------------------------------------------------------------------------------
 # Parity with peft + transformers.
 
@@ -92,9 +154,10 @@ HF_BASE = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=43, num_hidde
                initializer_range=0.15, max_position_embeddings=64)
 FAMILIES = {
     "llama": ("Llama", dict(tie_word_embeddings=False),
-              dict(targets=("*_proj", "embed_tokens", "lm_head"))),
+              dict(targets=("*_proj", "embed_tokens", "lm_head"), dropout=0.1)),
     "qwen2": ("Qwen2", dict(tie_word_embeddings=True),
-              dict(targets=("q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"))),
+              dict(targets=("q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"),
+                   dropout=0.05)),
     "qwen3": ("Qwen3", dict(tie_word_embeddings=False), dict(targets=("*_proj",), rslora=True)),
     # attention only: peft maps gate/up/down_proj onto the fused experts too, which we do not
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=11,
@@ -126,6 +189,7 @@ def test_peft_reads_what_we_write(family):
     randomise_b(ours, seed=2)
     save_adapter(ours, tmp / "adapter", base_model=str(tmp / "base"))
     theirs = peft.PeftModel.from_pretrained(hf, tmp / "adapter").eval()
+    assert theirs.peft_config["default"].lora_dropout == lora.dropout
     tokens = ids()
     np.testing.assert_allclose(ours(tokens), peft_logits(theirs, tokens), atol=1e-4)
     assert np.abs(ours(tokens) - base(tokens)).max() > 1e-2  # the adapters matter
@@ -136,10 +200,12 @@ def test_we_read_what_peft_writes(family):
     targets = sorted(lora_targets(lora))
     theirs = peft.get_peft_model(hf, peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, use_rslora=lora.rslora, target_modules=targets,
-        init_lora_weights=False))  # random nonzero B
+        lora_dropout=lora.dropout, init_lora_weights=False))  # random nonzero B
     theirs.eval().save_pretrained(tmp / "adapter")
     ours = load_adapter(from_pretrained(tmp / "base", dtype="float32"), tmp / "adapter")
-    assert read_adapter_config(tmp / "adapter")[0].rank == lora.rank
+    read = read_adapter_config(tmp / "adapter")[0]
+    assert dataclasses.replace(read, targets=tuple(sorted(read.targets))) == dataclasses.replace(
+        lora, targets=tuple(targets))
     tokens = ids()
     np.testing.assert_allclose(ours(tokens), peft_logits(theirs, tokens), atol=1e-4)
 
