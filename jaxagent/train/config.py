@@ -62,6 +62,11 @@ class SFTConfig:
     # episodes over agent.tasks (rollouts.agent.demos), loss on the actions only.
     data: Literal["tasks", "documents", "agent"] = "tasks"
     documents: DocumentDataConfig = field(default_factory=DocumentDataConfig)
+    # agent only: steps on the demonstrations' short copy rows (rollouts.agent.demos.copy_rows:
+    # the message an action copies from, loss on the copied argument values) before `steps`
+    # on whole demonstrations; `copy_batch_size` rows a step
+    copy_steps: int = 0
+    copy_batch_size: int = 16
 
 
 @dataclass(frozen=True)
