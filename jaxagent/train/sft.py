@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import operator
+import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +28,13 @@ from jaxagent.train.build import (
     tool_env_factory,
     validate,
 )
-from rollouts.agent.demos import copy_rows, demonstrate, scripted_calls, turn_weights
+from rollouts.agent.demos import (
+    copy_rows,
+    demonstrate,
+    path_copy_rows,
+    scripted_calls,
+    turn_weights,
+)
 from rollouts.agent.formats import make_format
 from rollouts.environment import Trajectory
 from rollouts.tasks import Task
@@ -65,8 +73,8 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
         for stage, stage_draw, rows, steps, key in stages:
             for _ in range(steps):
                 # Every process draws the same global batch and keeps its own rows of it.
-                mine = layout.local_rows(rows)
-                batch = layout.batch(jax.tree.map(lambda x: x[mine], stage_draw(rng)), key)
+                mine = operator.itemgetter(layout.local_rows(rows))
+                batch = layout.batch(jax.tree.map(mine, stage_draw(rng)), key)
                 params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, batch,
                                                       cfg.train.micro_batch, chunk, frozen)
                 if progress:
@@ -102,8 +110,12 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
         if not s.copy_steps:
             return draw, None, None
         render = make_format(cfg.agent.call_format).render_call
-        copies = [row for traj, calls in played
-                  for row in copy_rows(traj, calls, tokenizer, render)]
+        if s.copy_data == "paths":  # made up, as many as the steps draw
+            made = random.Random(f"path-copy/{cfg.seed}")
+            copies = path_copy_rows(made, s.copy_steps * s.copy_batch_size, tokenizer, render)
+        else:
+            copies = [row for traj, calls in played
+                      for row in copy_rows(traj, calls, tokenizer, render)]
         if not copies:
             raise ConfigError("sft.copy_steps: the demonstrations hold no read_file or edit "
                               "call to copy from")

@@ -1,17 +1,19 @@
 """Scripted demonstrations for the SFT warm-up: a repository task solved through the real
 environment (run the tests, read the code, edit in the reference, run the tests, finish), recorded
 token-exactly as a `Trajectory` whose policy mask covers only the scripted actions; and the copy
-warm-up's short rows cut from them (`copy_rows`)."""
+warm-up's short rows: cut from them (`copy_rows`) or made up (`path_copy_rows`)."""
 
 from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall
 from rollouts.environment import Environment, Trajectory
+from rollouts.tasks.agent_family import made_up_word
 from rollouts.tasks.task import Task
 
 
@@ -155,4 +157,26 @@ def copy_rows(traj: Trajectory, calls: Sequence[ToolCall], tokenizer, render) ->
                 lo, hi = values[key]
                 weights[lo:hi] = [1.0] * (hi - lo)
             rows.append((list(context), list(action[:len(weights)]), weights))
+    return rows
+
+
+def path_copy_rows(rng: random.Random, n: int, tokenizer, render: Callable[[ToolCall], str]) -> list[
+        tuple[list[int], list[int], list[float]]]:
+    """`n` made-up rows that teach copying alone: a one-line user message naming a made-up path
+    among made-up words, then `read_file` of that path, the loss on the path only (~100 tokens
+    a row; names drawn as the agent family draws them, so none can be recalled). On these the
+    tiny model forms its copying heads in a few hundred steps, where 300 steps of
+    `copy_rows` (the same skill inside 370-token tool outputs) did not."""
+    rows = []
+    for _ in range(n):
+        path = f"{made_up_word(rng, 3)}/{made_up_word(rng, 2)}.py"
+        a, b, c = (made_up_word(rng, rng.choice((2, 3))) for _ in range(3))
+        message = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"The {a} of {b} in {path} is wrong ({c}). Fix it."}])
+        call = ToolCall("read_file", {"path": path})
+        text = render(call)
+        action = tokenizer.encode(text)
+        lo, hi = value_spans(tokenizer, action, call, text)["path"]
+        rows.append((tokenizer.encode(message, add_bos=tokenizer.add_bos), action[:hi],
+                     [0.0] * lo + [1.0] * (hi - lo)))
     return rows

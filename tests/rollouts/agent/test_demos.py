@@ -4,12 +4,19 @@ the action up to its copied values, with the loss on exactly those values."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from jaxagent.tokenizer import ByteTokenizer
 from rollouts.agent import AgentConfig, ToolEnvironment
-from rollouts.agent.demos import copy_rows, demonstrate, scripted_calls, value_spans
+from rollouts.agent.demos import (
+    copy_rows,
+    demonstrate,
+    path_copy_rows,
+    scripted_calls,
+    value_spans,
+)
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall, make_format
 from rollouts.rewards import Scorer
@@ -89,3 +96,18 @@ def test_copy_rows_need_the_whole_demonstration(played):
     _, traj, calls, _ = played[0]
     with pytest.raises(ValueError, match="actions for .* calls"):
         copy_rows(traj, calls[:-1], TOK, make_format("compact").render_call)
+
+
+def test_path_copy_rows_name_one_made_up_path_and_weight_only_its_copy():
+    render = make_format("compact").render_call
+    rows = path_copy_rows(random.Random(0), 50, TOK, render)
+    assert rows == path_copy_rows(random.Random(0), 50, TOK, render)  # drawn from the rng
+    paths = set()
+    for context, prefix, weights in rows:
+        (lo, hi), = _runs(weights)
+        path = TOK.decode(prefix[lo:hi])
+        paths.add(path)
+        assert hi == len(prefix) and TOK.decode(prefix[:lo]) == '@read_file {"path": "'
+        assert TOK.decode(context).count(path) == 1 and path.endswith(".py")
+        assert len(context) + len(prefix) < 130  # short rows: the point of them
+    assert len(paths) == 50
