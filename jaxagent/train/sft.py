@@ -47,9 +47,9 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
         progress=None, *, chunk: int = 0, frozen=None):
     """`cfg.sft.steps` of token-mean cross-entropy on `cfg.sft.data`: the tasks' reference
     completions, document-retrieval examples (then the metrics hold the held-out answer
-    accuracy before and after), or agent demonstrations (after `sft.copy_steps` on their copy
-    rows; `sft/copy_loss` is the last of those). `chunk`: tokens per LM-head chunk (`logits_chunk`). With
-    LoRA, `params` are the adapters over the `frozen` base."""
+    accuracy before and after), or agent demonstrations (after `sft.copy_steps` on copy rows;
+    `sft/copy_loss` is the last of those). `chunk`: tokens per LM-head chunk (`logits_chunk`).
+    With LoRA, `params` are the adapters over the `frozen` base."""
     s = cfg.sft
     draw, eval_batch, copy_draw = _sft_data(cfg, tokenizer, tasks, progress)
     copy_steps = s.copy_steps if copy_draw is not None else 0

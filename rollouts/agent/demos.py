@@ -100,8 +100,8 @@ def turn_weights(policy_mask: Sequence[bool]) -> list[float]:
     return weights
 
 
-
-def value_spans(tokenizer, action: Sequence[int], call: ToolCall, text: str) -> dict[str, tuple[int, int]]:
+def value_spans(tokenizer, action: Sequence[int], call: ToolCall,
+                text: str) -> dict[str, tuple[int, int]]:
     """{argument: [start, end) of the tokens of `action` (`text`, the rendered `call`) that spell
     its value inside the JSON string quotes}. A token counts when its bytes overlap the value's
     (byte-level tokens: exactly the value)."""
@@ -124,8 +124,8 @@ def copy_rows(traj: Trajectory, calls: Sequence[ToolCall], tokenizer, render) ->
     """The copy warm-up's rows cut from a scripted demonstration (`scripted_calls` played by
     `demonstrate`): each is (context, action prefix, loss weights over the prefix), where the
     context is the one message an action copies from and the weights are 1 on the copied
-    argument values only, so a step's loss is all copying on rows a few hundred tokens long
-    (a tiny model forms its copying heads far sooner there than in 1.5k-token episodes):
+    argument values only, so a step's loss is all copying, on rows a few hundred tokens long
+    rather than 1.5k (not enough alone for the 2-layer default: docs/agent.md):
 
       read_file path            from the previous read (`path` in its imports), or the prompt
       edit path and search      from the last read (the file's view)
@@ -160,8 +160,8 @@ def copy_rows(traj: Trajectory, calls: Sequence[ToolCall], tokenizer, render) ->
     return rows
 
 
-def path_copy_rows(rng: random.Random, n: int, tokenizer, render: Callable[[ToolCall], str]) -> list[
-        tuple[list[int], list[int], list[float]]]:
+def path_copy_rows(rng: random.Random, n: int, tokenizer, render: Callable[[ToolCall], str],
+                   ) -> list[tuple[list[int], list[int], list[float]]]:
     """`n` made-up rows that teach copying alone: a one-line user message naming a made-up path
     among made-up words, then `read_file` of that path, the loss on the path only (~100 tokens
     a row; names drawn as the agent family draws them, so none can be recalled). On these the

@@ -73,10 +73,11 @@ def test_copy_rows_pair_each_copied_value_with_the_message_that_holds_it(played)
             if call.name == "read_file":
                 context, prefix, weights = next(row)
                 assert context == previous and prefix == traj.tokens[a:a + len(prefix)]
-                assert [TOK.decode(prefix[lo:hi]) for lo, hi in _runs(weights)] == [call.args["path"]]
+                copied = [TOK.decode(prefix[lo:hi]) for lo, hi in _runs(weights)]
+                assert copied == [call.args["path"]]
                 path = call.args["path"]  # named in the prompt, or imported by the last read
-                assert path in TOK.decode(context) or (
-                    f"from {path.removesuffix('.py').replace('/', '.')} import" in TOK.decode(context))
+                module = path.removesuffix(".py").replace("/", ".")
+                assert path in TOK.decode(context) or f"from {module} import" in TOK.decode(context)
                 previous = traj.tokens[a:spans[k + 1][0]]
             elif call.name == "edit":
                 (view, p1, w1), (tests, p2, w2) = next(row), next(row)
