@@ -73,7 +73,7 @@ def test_train_agent_tiny_runs_multi_turn_episodes(tmp_path):
         assert r["policy_mask"][0]
 
 
-@pytest.mark.slow  # ~4 min on a quiet 2-core VM: demonstrations, 10 copy + 30 warm-up steps, 2 RL
+@pytest.mark.slow  # ~4 min quiet, 8.5 min at load ~10: demos, 10 copy + 30 warm-up steps, 2 RL
 def test_agent_default_shortened_end_to_end(tmp_path):
     """configs/agent_default.yaml, shortened: the warm-up gets the model making tool calls,
     RL steps play episodes (with their time split), held-out episodes are evaluated, and each
