@@ -118,6 +118,10 @@ def validate(cfg: Config) -> Config:
     checks = [
         (t.steps >= 1, "train.steps", "must be >= 1"),
         (cfg.sft.steps >= 0, "sft.steps", "must be >= 0 (0: no warm-up)"),
+        (cfg.sft.copy_steps >= 0, "sft.copy_steps", "must be >= 0 (0: no copy warm-up)"),
+        (not cfg.sft.copy_steps or (cfg.sft.data == "agent" and cfg.sft.steps > 0),
+         "sft.copy_steps",
+         "needs sft.data: agent and sft.steps > 0 (copy rows are cut from the demonstrations)"),
         (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
         (cfg.tasks.pool.size >= 0, "tasks.pool.size", "must be >= 0 (0: no pool)"),
         (cfg.tasks.pool.retire_after >= 1, "tasks.pool.retire_after", "must be >= 1"),
@@ -207,6 +211,8 @@ def rl_layout(cfg: Config) -> Layout:
                            "train.prompts_per_step * rl.group_size / rl.mini_batches")
     if cfg.sft.steps:
         layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
+    if cfg.sft.copy_steps:
+        layout.check_batch(cfg.sft.copy_batch_size, "sft.copy_batch_size")
     if cfg.agent.feedback_beta:
         layout.check_batch(cfg.agent.feedback_max_examples * jax.process_count(),
                            "agent.feedback_max_examples")

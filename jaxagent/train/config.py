@@ -62,6 +62,13 @@ class SFTConfig:
     # episodes over agent.tasks (rollouts.agent.demos), loss on the actions only.
     data: Literal["tasks", "documents", "agent"] = "tasks"
     documents: DocumentDataConfig = field(default_factory=DocumentDataConfig)
+    # agent only: `copy_steps` on short copy rows before `steps` on whole demonstrations,
+    # `copy_batch_size` rows a step. copy_data: demonstrations (rollouts.agent.demos.copy_rows:
+    # the message an action copies from, loss on the copied argument values) or paths
+    # (path_copy_rows: a made-up path in a one-line message, then read_file of it)
+    copy_steps: int = 0
+    copy_batch_size: int = 16
+    copy_data: Literal["demonstrations", "paths"] = "demonstrations"
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import operator
+import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,7 +31,14 @@ from jaxagent.train.build import (
     tool_env_factory,
     validate,
 )
-from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
+from rollouts.agent.demos import (
+    copy_rows,
+    demonstrate,
+    path_copy_rows,
+    scripted_calls,
+    turn_weights,
+)
+from rollouts.agent.formats import make_format
 from rollouts.environment import Trajectory
 from rollouts.tasks import Task
 from rollouts.tasks.documents import lookup_examples
@@ -40,17 +49,23 @@ from sharding.layout import Layout
 def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Layout,
         progress=None, *, chunk: int = 0, frozen=None):
     """`cfg.sft.steps` of token-mean cross-entropy on `cfg.sft.data`: the tasks' reference
-    completions, or document-retrieval examples (then the metrics hold the held-out answer
-    accuracy before and after). `chunk`: tokens per LM-head chunk (`logits_chunk`). With
-    LoRA, `params` are the adapters over the `frozen` base."""
+    completions, document-retrieval examples (then the metrics hold the held-out answer
+    accuracy before and after), or agent demonstrations (after `sft.copy_steps` on copy rows;
+    `sft/copy_loss` is the last of those). `chunk`: tokens per LM-head chunk (`logits_chunk`).
+    With LoRA, `params` are the adapters over the `frozen` base."""
     s = cfg.sft
-    draw, eval_batch = _sft_data(cfg, tokenizer, tasks, progress)
+    draw, eval_batch, copy_draw = _sft_data(cfg, tokenizer, tasks, progress)
+    copy_steps = s.copy_steps if copy_draw is not None else 0
+    # one optimizer (and learning-rate schedule) over the copy rows, then the demonstrations
     tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
-                        s.steps)
+                        copy_steps + s.steps)
     opt_state = layout.place(tx.init(params))
     rng = np.random.default_rng(cfg.seed)
-    task_bar = progress.add_task("sft", total=s.steps, info="") if progress else None
-    metrics, accuracy = {}, {}
+    task_bar = (progress.add_task("sft", total=copy_steps + s.steps, info="")
+                if progress else None)
+    metrics, accuracy, copy_metrics = {}, {}, {}
+    stages = [("copy", copy_draw, s.copy_batch_size, copy_steps, "sft.copy_batch_size"),
+              ("", draw, s.batch_size, s.steps, "sft.batch_size")]
     with layout.activations():  # the programs below pin activations to the trainer's layout
         if eval_batch is not None:
             eval_batch = layout.batch(jax.tree.map(
@@ -58,30 +73,36 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                 "sft.documents.eval_examples")
             accuracy["sft/answer_accuracy_start"] = answer_accuracy(graphdef, params, eval_batch,
                                                                     chunk, frozen)
-        for step in range(s.steps):
-            # Every process draws the same global batch and keeps its own rows of it.
-            batch = draw(rng)
-            batch = layout.batch(jax.tree.map(lambda x: x[layout.local_rows(s.batch_size)],
-                                              batch), "sft.batch_size")
-            params, opt_state, metrics = sft_step(
-                graphdef, tx, params, opt_state, batch, cfg.train.micro_batch, chunk, frozen,
-                dropout_key(cfg.model.lora, cfg.seed, 0, step))
-            if progress:
-                progress.update(task_bar, advance=1,
-                                info=f"loss {float(metrics['sft/loss']):.3f}")
+        step = 0  # across both stages: LoRA dropout's key
+        for stage, stage_draw, rows, steps, key in stages:
+            for _ in range(steps):
+                # Every process draws the same global batch and keeps its own rows of it.
+                mine = operator.itemgetter(layout.local_rows(rows))
+                batch = layout.batch(jax.tree.map(mine, stage_draw(rng)), key)
+                params, opt_state, metrics = sft_step(
+                    graphdef, tx, params, opt_state, batch, cfg.train.micro_batch, chunk, frozen,
+                    dropout_key(cfg.model.lora, cfg.seed, 0, step))
+                step += 1
+                if progress:
+                    progress.update(task_bar, advance=1, info=f"{stage} loss "
+                                    f"{float(metrics['sft/loss']):.3f}".lstrip())
+            if stage and steps:
+                copy_metrics = {"sft/copy_loss": metrics["sft/loss"]}
         if eval_batch is not None:
             accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch, chunk,
                                                               frozen)
-    return params, {k: float(v) for k, v in {**metrics, **accuracy}.items()}
+    return params, {k: float(v) for k, v in {**metrics, **copy_metrics, **accuracy}.items()}
 
 
 def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
-    """(draw(rng) -> a packed batch of `sft.batch_size` rows, held-out batch or None)."""
+    """(draw(rng) -> a packed batch of `sft.batch_size` rows, held-out batch or None,
+    copy_draw(rng) -> a packed batch of `sft.copy_batch_size` copy rows, or None)."""
     s = cfg.sft
     encode = functools.partial(tokenizer.encode, add_bos=False)
     stop = list(tokenizer.stop_ids[:1])
     if s.data == "agent":
-        demos = _agent_demonstrations(cfg, tokenizer, tasks, progress)
+        played = _agent_demonstrations(cfg, tokenizer, tasks, progress)
+        demos = [traj for traj, _ in played]
         # One padded length for every draw (the longest demonstration): one compiled step.
         length = max(len(t.tokens) for t in demos) - 1
 
@@ -92,7 +113,26 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
                         completion_masks=[turn_weights(t.policy_mask[t.prompt_len:])
                                           for t in rows])
 
-        return draw, None
+        if not s.copy_steps:
+            return draw, None, None
+        render = make_format(cfg.agent.call_format).render_call
+        if s.copy_data == "paths":  # made up, as many as the steps draw
+            made = random.Random(f"path-copy/{cfg.seed}")
+            copies = path_copy_rows(made, s.copy_steps * s.copy_batch_size, tokenizer, render)
+        else:
+            copies = [row for traj, calls in played
+                      for row in copy_rows(traj, calls, tokenizer, render)]
+        if not copies:
+            raise ConfigError("sft.copy_steps: the demonstrations hold no read_file or edit "
+                              "call to copy from")
+
+        def copy_draw(rng):
+            rows = [copies[i] for i in rng.integers(0, len(copies), s.copy_batch_size)]
+            # rows of 100-700 tokens, rounded to 128: a few compiled shapes, little padding
+            return pack([c for c, _, _ in rows], [a for _, a, _ in rows], bucket=128,
+                        completion_masks=[w for _, _, w in rows])
+
+        return draw, None, copy_draw
     if s.data == "documents":
         d = s.documents
 
@@ -104,7 +144,7 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
 
         # Training seeds come from the step's rng; the held-out set from a seed it never draws.
         return (lambda rng: examples(s.batch_size, int(rng.integers(1, 2**31))),
-                examples(d.eval_examples, 0))
+                examples(d.eval_examples, 0), None)
     data = [(tokenizer.encode(t.prompt, add_bos=tokenizer.add_bos),
              encode(t.metadata["reference"]) + stop)
             for t in tasks if "reference" in t.metadata]
@@ -115,13 +155,13 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
         rows = [data[i] for i in rng.integers(0, len(data), s.batch_size)]
         return pack([p for p, _ in rows], [c for _, c in rows])
 
-    return draw, None
+    return draw, None, None
 
 
 def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=None):
-    """One scripted, graded episode per task through the configured environment (turn budget
-    raised to fit the script), `rewards.workers` at a time; a demonstration that fails or is
-    cut is a config error."""
+    """(trajectory, scripted calls): one scripted, graded episode per task through the
+    configured environment (turn budget raised to fit the script), `rewards.workers` at a
+    time; a demonstration that fails or is cut is a config error."""
     scripts = [scripted_calls(task) for task in tasks]
     with make_scorer(cfg) as scorer:
         make_env = tool_env_factory(cfg, tokenizer, scorer, max_turns=max(
@@ -142,7 +182,7 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
                                   f"(status {traj.info.get('status')!r})")
             if progress:
                 progress.update(bar, advance=1)
-            return traj
+            return traj, calls
 
         with ThreadPoolExecutor(max(1, cfg.rewards.workers)) as pool:
             return list(pool.map(play, tasks, scripts))
@@ -159,6 +199,8 @@ def run_sft(cfg: Config) -> Path:
     cfg = resolve_attention(cfg)  # asks JAX for the platform: after jax.distributed starts
     layout = Layout(cfg.mesh, cfg.sampler.mesh)
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
+    if cfg.sft.copy_steps:
+        layout.check_batch(cfg.sft.copy_batch_size, "sft.copy_batch_size")
     model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
     graphdef, weights = layout.split(model)
     params, frozen = split_trainable(weights)

@@ -1,15 +1,19 @@
 """Scripted demonstrations for the SFT warm-up: a repository task solved through the real
 environment (run the tests, read the code, edit in the reference, run the tests, finish), recorded
-token-exactly as a `Trajectory` whose policy mask covers only the scripted actions."""
+token-exactly as a `Trajectory` whose policy mask covers only the scripted actions; and the copy
+warm-up's short rows: cut from them (`copy_rows`) or made up (`path_copy_rows`)."""
 
 from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 
+from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall
 from rollouts.environment import Environment, Trajectory
+from rollouts.tasks.agent_family import made_up_word
 from rollouts.tasks.task import Task
 
 
@@ -95,3 +99,84 @@ def turn_weights(policy_mask: Sequence[bool]) -> list[float]:
             start = None
     return weights
 
+
+def value_spans(tokenizer, action: Sequence[int], call: ToolCall,
+                text: str) -> dict[str, tuple[int, int]]:
+    """{argument: [start, end) of the tokens of `action` (`text`, the rendered `call`) that spell
+    its value inside the JSON string quotes}. A token counts when its bytes overlap the value's
+    (byte-level tokens: exactly the value)."""
+    ends = [len(tokenizer.decode(list(action[:i]))) for i in range(len(action) + 1)]
+    spans, pos = {}, 0
+    for key, value in call.args.items():
+        # every format writes its arguments with json.dumps' default separators
+        pair = f"{json.dumps(key)}: {json.dumps(value)}"
+        at = text.index(pair, pos)
+        lo, hi = at + len(json.dumps(key)) + 3, at + len(pair) - 1  # inside the quotes
+        toks = [i for i in range(len(action)) if ends[i] < hi and ends[i + 1] > lo]
+        at_lo = next(i for i, end in enumerate(ends) if end >= lo)  # an empty value's place
+        spans[key] = (toks[0], toks[-1] + 1) if toks else (at_lo, at_lo)
+        pos = at + len(pair)
+    return spans
+
+
+def copy_rows(traj: Trajectory, calls: Sequence[ToolCall], tokenizer, render) -> list[
+        tuple[list[int], list[int], list[float]]]:
+    """The copy warm-up's rows cut from a scripted demonstration (`scripted_calls` played by
+    `demonstrate`): each is (context, action prefix, loss weights over the prefix), where the
+    context is the one message an action copies from and the weights are 1 on the copied
+    argument values only, so a step's loss is all copying, on rows a few hundred tokens long
+    rather than 1.5k (not enough alone for the 2-layer default: docs/agent.md):
+
+      read_file path            from the previous read (`path` in its imports), or the prompt
+      edit path and search      from the last read (the file's view)
+      edit replace              from the first turn (the failing tests' output: the fact)
+
+    `render(call)` is the format's text of a call. The prefix ends at the last weighted value
+    (the closing quote and the rest of the call are not needed to teach the copy)."""
+    spans = action_spans(traj.policy_mask)
+    if len(spans) != len(calls):
+        raise ValueError(f"demonstration {traj.task_id}: {len(spans)} actions for {len(calls)} "
+                         "calls (cut short?)")
+    turn = [traj.tokens[a:(spans[k + 1][0] if k + 1 < len(spans) else len(traj.tokens))]
+            for k, (a, _) in enumerate(spans)]  # an action and the observation it got
+    prompt = traj.tokens[:traj.prompt_len]
+    rows, last_read = [], None
+    for k, (call, (a, b)) in enumerate(zip(calls, spans)):
+        action = traj.tokens[a:b]
+        values = value_spans(tokenizer, action, call, render(call))
+        if call.name == "read_file":
+            sources = [(prompt if last_read is None else turn[last_read], ["path"])]
+            last_read = k
+        elif call.name == "edit" and last_read is not None:
+            sources = [(turn[last_read], ["path", "search"]), (turn[0], ["replace"])]
+        else:
+            continue
+        for context, keys in sources:
+            weights = [0.0] * max(values[key][1] for key in keys)
+            for key in keys:
+                lo, hi = values[key]
+                weights[lo:hi] = [1.0] * (hi - lo)
+            rows.append((list(context), list(action[:len(weights)]), weights))
+    return rows
+
+
+def path_copy_rows(rng: random.Random, n: int, tokenizer, render: Callable[[ToolCall], str],
+                   ) -> list[tuple[list[int], list[int], list[float]]]:
+    """`n` made-up rows that teach copying alone: a one-line user message naming a made-up path
+    among made-up words, then `read_file` of that path, the loss on the path only (~100 tokens
+    a row; names drawn as the agent family draws them, so none can be recalled). On these the
+    tiny model forms its copying heads in a few hundred steps, where 300 steps of
+    `copy_rows` (the same skill inside 370-token tool outputs) did not."""
+    rows = []
+    for _ in range(n):
+        path = f"{made_up_word(rng, 3)}/{made_up_word(rng, 2)}.py"
+        a, b, c = (made_up_word(rng, rng.choice((2, 3))) for _ in range(3))
+        message = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"The {a} of {b} in {path} is wrong ({c}). Fix it."}])
+        call = ToolCall("read_file", {"path": path})
+        text = render(call)
+        action = tokenizer.encode(text)
+        lo, hi = value_spans(tokenizer, action, call, text)["path"]
+        rows.append((tokenizer.encode(message, add_bos=tokenizer.add_bos), action[:hi],
+                     [0.0] * lo + [1.0] * (hi - lo)))
+    return rows

@@ -47,7 +47,7 @@ _SEPS = (", ", "; ", " | ", "/", " + ", "-", ":", " ")
 _SWAPS = ((" ", "_"), ("-", "_"), (" ", "-"), ("_", "."), ("-", " "), (".", "_"))
 
 
-def _word(rng: random.Random, syllables: int) -> str:
+def made_up_word(rng: random.Random, syllables: int) -> str:
     """A made-up lower-case name (`kavo`, `midune`): drawn per task from 70^2 = 4,900 (two
     syllables) or 70^3 = 343,000 (three), so a policy must copy paths from what it read rather
     than recall the few a fixed list would give; never a keyword or a standard-library module,
@@ -60,7 +60,7 @@ def _word(rng: random.Random, syllables: int) -> str:
 
 def _place(rng: random.Random) -> tuple[str, str]:
     """(package, module) names of a task."""
-    return _word(rng, 3), _word(rng, 2)
+    return made_up_word(rng, 3), made_up_word(rng, 2)
 
 
 def _fn(rng: random.Random, verb: Sequence[str]) -> str:

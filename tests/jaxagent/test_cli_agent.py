@@ -73,7 +73,7 @@ def test_train_agent_tiny_runs_multi_turn_episodes(tmp_path):
         assert r["policy_mask"][0]
 
 
-@pytest.mark.slow  # ~4 min on a quiet 2-core VM: demonstrations, 40 warm-up steps, 2 RL steps
+@pytest.mark.slow  # ~4 min quiet, 8.5 min at load ~10: demos, 10 copy + 30 warm-up steps, 2 RL
 def test_agent_default_shortened_end_to_end(tmp_path):
     """configs/agent_default.yaml, shortened: the warm-up gets the model making tool calls,
     RL steps play episodes (with their time split), held-out episodes are evaluated, and each
@@ -81,7 +81,8 @@ def test_agent_default_shortened_end_to_end(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device, as the CLI
     proc = subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "--config",
                            "configs/agent_default.yaml", "agent.tasks=embedded:10",
-                           "agent.eval_tasks=2", "sft.steps=40", "train.steps=2",
+                           "agent.eval_tasks=2", "sft.copy_steps=10", "sft.steps=30",
+                           "train.steps=2",
                            "train.prompts_per_step=2", "agent.episodes=4", "train.micro_batch=4",
                            "rl.group_size=2", "eval.samples=1", f"workdir={tmp_path}"],
                           check=True, env=env, capture_output=True, text=True)
@@ -89,6 +90,8 @@ def test_agent_default_shortened_end_to_end(tmp_path):
     for phase in ("demos", "sft", "eval", "rl"):
         assert f"\n{phase} " in proc.stderr, phase
     rows = read_metrics(tmp_path / "metrics.jsonl")
+    warm = next(r for r in rows if "sft/loss" in r)  # the copy rows' stage ran first
+    assert 0 < warm["sft/copy_loss"] < 10 and 0 < warm["sft/loss"] < 10
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:

@@ -1,0 +1,114 @@
+"""Copy rows cut from scripted demonstrations: each is the message an action copies from and
+the action up to its copied values, with the loss on exactly those values."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from jaxagent.tokenizer import ByteTokenizer
+from rollouts.agent import AgentConfig, ToolEnvironment
+from rollouts.agent.demos import (
+    copy_rows,
+    demonstrate,
+    path_copy_rows,
+    scripted_calls,
+    value_spans,
+)
+from rollouts.agent.feedback import action_spans
+from rollouts.agent.formats import ToolCall, make_format
+from rollouts.rewards import Scorer
+from rollouts.tasks.agent_family import agent_family_tasks
+
+TOK = ByteTokenizer()
+
+
+def _runs(weights):
+    """[start, end) of each run of weight-1 tokens; every weight is 0 or 1."""
+    assert set(weights) <= {0.0, 1.0}
+    return action_spans([w == 1.0 for w in weights])
+
+
+@pytest.fixture(scope="module")
+def played():
+    """Scripted demonstrations of a one-read and a two-read template (the made-up names)."""
+    tasks = agent_family_tasks(3, seed=5, templates=["constant", "hidden_file"])[:2]
+    fmt = make_format("compact")
+    with Scorer(workers=1) as scorer:
+        out = []
+        for task in tasks:
+            env = ToolEnvironment(TOK, AgentConfig(max_turns=8, max_context_tokens=4096,
+                                                   call_format="compact"), scorer=scorer)
+            calls = scripted_calls(task)
+            traj = demonstrate(env, task, calls)
+            env.close()
+            assert traj.info["passed"]
+            out.append((task, traj, calls, copy_rows(traj, calls, TOK, fmt.render_call)))
+    return out
+
+
+def test_value_spans_cover_exactly_each_json_string_value():
+    call = ToolCall("edit", {"path": "kavo/mi.py", "search": "A = 1\n", "replace": ""})
+    text = make_format("compact").render_call(call)
+    action = TOK.encode(text)
+    spans = value_spans(TOK, action, call, text)
+    assert TOK.decode(action[slice(*spans["path"])]) == "kavo/mi.py"
+    assert TOK.decode(action[slice(*spans["search"])]) == "A = 1\\n"  # as the JSON spells it
+    lo, hi = spans["replace"]
+    assert lo == hi and TOK.decode(action[:lo]).endswith('"replace": "')
+
+
+def test_copy_rows_pair_each_copied_value_with_the_message_that_holds_it(played):
+    for task, traj, calls, rows in played:
+        reads = [c for c in calls if c.name == "read_file"]
+        edits = [c for c in calls if c.name == "edit"]
+        assert len(rows) == len(reads) + 2 * len(edits)
+        spans = action_spans(traj.policy_mask)
+        first_turn = traj.tokens[spans[0][0]:spans[1][0]]
+        row = iter(rows)
+        previous = traj.tokens[:traj.prompt_len]  # the first read copies from the prompt
+        for k, (call, (a, _)) in enumerate(zip(calls, spans)):
+            if call.name == "read_file":
+                context, prefix, weights = next(row)
+                assert context == previous and prefix == traj.tokens[a:a + len(prefix)]
+                copied = [TOK.decode(prefix[lo:hi]) for lo, hi in _runs(weights)]
+                assert copied == [call.args["path"]]
+                path = call.args["path"]  # named in the prompt, or imported by the last read
+                module = path.removesuffix(".py").replace("/", ".")
+                assert path in TOK.decode(context) or f"from {module} import" in TOK.decode(context)
+                previous = traj.tokens[a:spans[k + 1][0]]
+            elif call.name == "edit":
+                (view, p1, w1), (tests, p2, w2) = next(row), next(row)
+                assert view == previous and tests == first_turn
+                assert p1 == traj.tokens[a:a + len(p1)] and p2 == traj.tokens[a:a + len(p2)]
+                escaped = [json.dumps(call.args[k])[1:-1] for k in ("path", "search", "replace")]
+                assert [TOK.decode(p1[lo:hi]) for lo, hi in _runs(w1)] == escaped[:2]
+                assert [TOK.decode(p2[lo:hi]) for lo, hi in _runs(w2)] == escaped[2:]
+                # the line searched for is in the file's view
+                assert call.args["search"].strip() in TOK.decode(view)
+                # each row ends at its last copied value: no loss past it, no tokens to spare
+                assert _runs(w1)[-1][1] == len(p1) and _runs(w2)[-1][1] == len(p2)
+        assert next(row, None) is None
+
+
+def test_copy_rows_need_the_whole_demonstration(played):
+    _, traj, calls, _ = played[0]
+    with pytest.raises(ValueError, match="actions for .* calls"):
+        copy_rows(traj, calls[:-1], TOK, make_format("compact").render_call)
+
+
+def test_path_copy_rows_name_one_made_up_path_and_weight_only_its_copy():
+    render = make_format("compact").render_call
+    rows = path_copy_rows(random.Random(0), 50, TOK, render)
+    assert rows == path_copy_rows(random.Random(0), 50, TOK, render)  # drawn from the rng
+    paths = set()
+    for context, prefix, weights in rows:
+        (lo, hi), = _runs(weights)
+        path = TOK.decode(prefix[lo:hi])
+        paths.add(path)
+        assert hi == len(prefix) and TOK.decode(prefix[:lo]) == '@read_file {"path": "'
+        assert TOK.decode(context).count(path) == 1 and path.endswith(".py")
+        assert len(context) + len(prefix) < 130  # short rows: the point of them
+    assert len(paths) == 50
