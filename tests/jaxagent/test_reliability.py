@@ -31,10 +31,11 @@ def test_a_busy_workdir_is_refused_naming_the_holder(tmp_path, capsys):
 
 
 def test_a_changed_config_is_refused_before_anything_is_written(tmp_path, capsys):
-    from jaxagent.train.build import validate
+    from jaxagent.train.build import resolve_attention, validate
 
-    # what a run saves: the resolved config
-    save_config(validate(load_config(None, [*TINY, f"workdir={tmp_path}"])), tmp_path / "config.yaml")
+    # what a run saves: the validated config with its attention backend resolved
+    save_config(resolve_attention(validate(load_config(None, [*TINY, f"workdir={tmp_path}"]))),
+                tmp_path / "config.yaml")
     (tmp_path / "checkpoints" / "2").mkdir(parents=True)
     saved = (tmp_path / "config.yaml").read_text()
     assert main(["train", *TINY, "model.num_layers=2", "rl.clip_high=0.3", f"workdir={tmp_path}"]) == 2
