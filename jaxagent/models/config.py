@@ -136,6 +136,11 @@ class ModelConfig:
     capacity_factor: float = 1.25
     lora: LoraConfig = field(default_factory=LoraConfig)  # adapters; rank 0 = none
 
+    @property
+    def out_bias(self) -> bool:
+        """attention_bias biases the output projection too in Llama and Qwen3, not in Qwen2."""
+        return self.attention_bias and self.family != "qwen2"
+
     def __post_init__(self):
         if self.attention == "nsa" and self.attention_backend != "auto":
             raise ValueError("attention_backend: NSA's kernels are picked by model.nsa.kernels "

@@ -360,7 +360,7 @@ def _tensor_map(cfg: ModelConfig, fused_experts: bool = False) -> list[_Mapping]
         if cfg.attention_bias:
             out += [m(pre + f"self_attn.{x}_proj.bias", at + (f"b{x}",), bias(num))
                     for x, num in (("q", n), ("k", k), ("v", k))]
-            if cfg.family != "qwen2":
+            if cfg.out_bias:
                 out.append(m(pre + "self_attn.o_proj.bias", at + ("bo",), same))
         if cfg.qk_norm:
             out += [m(pre + f"self_attn.{x}_norm.weight", at + (f"{x}_norm", "scale"), same)
@@ -478,7 +478,8 @@ def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: st
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     flat = dict(nnx.to_flat_state(state))
     mapped: dict[Path, dict[str, np.ndarray]] = {}
-    for mapping in _tensor_map(cfg, fused_experts=fused):
+    mappings = _tensor_map(cfg, fused_experts=fused)
+    for mapping in mappings:
         views = []
         for name in mapping.hf_names:
             file = files.get(name)
@@ -508,7 +509,7 @@ def from_pretrained(path: str | Path, dtype: str = "bfloat16", compute_dtype: st
             sharding = NamedSharding(mesh, PartitionSpec() if names is None
                                      else logical_spec(var.shape, names, rules, mesh))
         var.set_value(_materialise(value, sharding, jnp.dtype(dtype)))
-    used = {name for mapping in _tensor_map(cfg, fused_experts=fused) for name in mapping.hf_names}
+    used = {name for mapping in mappings for name in mapping.hf_names}
     unused = sorted(name for name in files if name not in used and not _ignorable(name, cfg))
     if unused:
         raise CheckpointError(f"{path}: {len(unused)} tensor(s) this {cfg.family} model has no "

@@ -246,7 +246,7 @@ class Attention(nnx.Module):
             self.bq = _param(rngs, (n, h), ("heads", "head_dim"), pd, init="zeros")
             self.bk = _param(rngs, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
             self.bv = _param(rngs, (k, h), ("kv_heads", "head_dim"), pd, init="zeros")
-            if cfg.family != "qwen2":  # Llama and Qwen3 bias the output projection too
+            if cfg.out_bias:
                 self.bo = _param(rngs, (d,), ("embed",), pd, init="zeros")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, "head_dim", param_dtype=pd, rngs=rngs)
@@ -305,7 +305,7 @@ class Attention(nnx.Module):
                          kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots,
                          backend=backend_name(cfg, rows), rows=rows)
         o = jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt))
-        if hasattr(self, "bo"):
+        if cfg.out_bias:
             o = o + self.bo[...].astype(dt)
         return adapted(self.lora, "o_proj", out, o, key), new_kv
 
