@@ -349,7 +349,8 @@ def load_agent_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
         spec = parse_agent_spec(cfg.agent.tasks)
         if spec is not None:
             return agent_task_splits(spec[0], cfg.agent.eval_tasks, seed=spec[1],
-                                     templates=cfg.agent.templates or None)
+                                     templates=cfg.agent.templates or None,
+                                     names=cfg.agent.task_names)
         return load_deletion_tasks(cfg.agent.tasks), []
     except (TaskFormatError, ValueError) as e:
         raise ConfigError(f"agent.tasks: {e}") from None

@@ -21,6 +21,9 @@ class AgentConfig:
     tasks: str = "rollouts/tasks/data/textkit_tasks"
     eval_tasks: int = 8  # held-out tasks of an embedded family that agent evaluation plays
     templates: tuple[str, ...] = ()  # the embedded family's templates drawn in turn (empty: all)
+    # the embedded family's package/module names: made up per task (paths must be copied from
+    # what was read) or fixed (`app/core.py` in every task: the easier set)
+    task_names: Literal["made_up", "fixed"] = "made_up"
     # The tools episodes offer (rollouts.tools.TOOLS names; empty: all). Fewer tools, a shorter
     # prompt: the compact format spends ~20 of the byte model's tokens per tool signature.
     tools: tuple[str, ...] = ()
@@ -50,6 +53,8 @@ class AgentConfig:
                      "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AgentConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.task_names not in ("made_up", "fixed"):
+            raise ValueError(f"AgentConfig.task_names must be 'made_up' or 'fixed', got {self.task_names!r}")
         if self.truncation not in ("mask", "penalty"):
             raise ValueError(f"AgentConfig.truncation must be 'mask' or 'penalty', got {self.truncation!r}")
         make_format(self.call_format)

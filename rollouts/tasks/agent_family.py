@@ -14,8 +14,10 @@ states the behaviour incompletely:
   edge_case   an empty input must give a fixed default; which one shows only in the failing
               test's source line in the output (`assert largest_item([]) == -7`)
 
-Names and constants are drawn per task (package and module names made up, so paths must be
-copied, not recalled), so tasks vary; generation is deterministic per seed.
+Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
+Package and module names are made up per task (`names="made_up"`: paths must be copied from
+what was read, not recalled) or the same in every task (`names="fixed"`: `app/core.py`, so the
+copies left are the facts and the lines to edit: the easier set a small model learns first).
 `metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the
 files a solver reads, in order (JSON list); no file and not the prompt hold a changed line of
 the reference (`answer_leaks`). Graded like the feature-deletion tasks: `python -m
@@ -58,17 +60,18 @@ def made_up_word(rng: random.Random, syllables: int) -> str:
             return word
 
 
-def _place(rng: random.Random) -> tuple[str, str]:
+def _place(rng: random.Random, names: str) -> tuple[str, str]:
     """(package, module) names of a task."""
-    return made_up_word(rng, 3), made_up_word(rng, 2)
+    made_up = made_up_word(rng, 3), made_up_word(rng, 2)  # drawn either way: same other draws
+    return made_up if names == "made_up" else ("app", "core")
 
 
 def _fn(rng: random.Random, verb: Sequence[str]) -> str:
     return f"{rng.choice(verb)}_{rng.choice(_NOUNS)}"
 
 
-def _constant(rng: random.Random) -> dict:
-    (pkg, mod), const = _place(rng), rng.choice(_CONSTS)
+def _constant(rng: random.Random, names: str) -> dict:
+    (pkg, mod), const = _place(rng, names), rng.choice(_CONSTS)
     fn = _fn(rng, ("cap", "bound", "adjust", "shift"))
     op = rng.choice(("min", "max", "add"))
     value = rng.randint(10, 99)
@@ -92,8 +95,8 @@ def _constant(rng: random.Random) -> dict:
             "blind": {path: source.format(wrong + 1 if wrong + 1 != value else wrong + 2)}}
 
 
-def _exception(rng: random.Random) -> dict:
-    pkg, mod = _place(rng)
+def _exception(rng: random.Random, names: str) -> dict:
+    pkg, mod = _place(rng, names)
     fn = _fn(rng, ("reserve", "book", "take", "claim"))
     errors = rng.sample(_ERRORS, 4)
     err, k = rng.choice(errors), rng.randint(2, 9)
@@ -115,8 +118,8 @@ def _exception(rng: random.Random) -> dict:
             "blind": {path: head + "    if n < 0:\n        raise ValueError(n)\n" + tail}}
 
 
-def _helper(rng: random.Random) -> dict:
-    (pkg, mod), hmod = _place(rng), rng.choice(("text", "keys"))
+def _helper(rng: random.Random, names: str) -> dict:
+    (pkg, mod), hmod = _place(rng, names), rng.choice(("text", "keys"))
     fn = _fn(rng, ("keys_for", "index", "label"))
     helper, decoy = rng.sample(_HELPERS, 2)
     case = rng.choice(("lower", "upper"))
@@ -146,8 +149,8 @@ def _helper(rng: random.Random) -> dict:
             "blind": {path: head + body.format("n.strip().lower() for n in names")}}
 
 
-def _hidden_file(rng: random.Random) -> dict:
-    pkg, mod = _place(rng)
+def _hidden_file(rng: random.Random, names: str) -> dict:
+    pkg, mod = _place(rng, names)
     low = rng.choice(("fmt", "render", "layout", "join"))
     fn, joiner = _fn(rng, ("summary", "line", "show")), rng.choice(("join_all", "glue", "concat"))
     sep, wrong = rng.sample(_SEPS, 2)
@@ -172,8 +175,8 @@ def _hidden_file(rng: random.Random) -> dict:
                 [s for s in _SEPS if s not in (sep, wrong)]))}}
 
 
-def _edge_case(rng: random.Random) -> dict:
-    pkg, mod = _place(rng)
+def _edge_case(rng: random.Random, names: str) -> dict:
+    pkg, mod = _place(rng, names)
     fn = _fn(rng, ("largest", "smallest", "top"))
     pick = "min" if fn.startswith("smallest") else "max"
     default = rng.randint(-99, -1)
@@ -194,7 +197,7 @@ def _edge_case(rng: random.Random) -> dict:
             "blind": {path: head + "    if not xs:\n        return None\n" + tail}}
 
 
-TEMPLATES: dict[str, Callable[[random.Random], dict]] = {
+TEMPLATES: dict[str, Callable[[random.Random, str], dict]] = {
     "constant": _constant, "exception": _exception, "helper": _helper,
     "hidden_file": _hidden_file, "edge_case": _edge_case,
 }
@@ -223,7 +226,11 @@ def _held_out(key: str) -> bool:
     return zlib.crc32(key.encode()) % 5 == 0
 
 
-def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = None) -> list[Task]:
+NAMES = ("made_up", "fixed")
+
+
+def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = None,
+                       names: str = "made_up") -> list[Task]:
     """n tasks, templates in turn (default: all), drawn from `seed`; the first n of a longer
     list. `metadata`: reference (JSON {path: content} that passes), blind (what an edit from
     the prompt alone would write: it fails), reads (JSON list: the files a solver reads, in
@@ -232,18 +239,20 @@ def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = 
     equal tasks)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    return list(itertools.islice(_generate(seed, templates), n))
+    return list(itertools.islice(_generate(seed, templates, names), n))
 
 
-def _generate(seed: int, templates: Sequence[str] | None) -> Iterator[Task]:
-    names = list(templates or TEMPLATES)
-    unknown = [t for t in names if t not in TEMPLATES]
+def _generate(seed: int, templates: Sequence[str] | None, names: str) -> Iterator[Task]:
+    kinds = list(templates or TEMPLATES)
+    unknown = [t for t in kinds if t not in TEMPLATES]
     if unknown:
         raise ValueError(f"unknown agent task templates {unknown}; known: {', '.join(TEMPLATES)}")
+    if names not in NAMES:
+        raise ValueError(f"unknown agent task names {names!r}; known: {', '.join(NAMES)}")
     rng = random.Random(f"agent-family/{seed}")
     for i in itertools.count():
-        name = names[i % len(names)]
-        made = TEMPLATES[name](rng)
+        name = kinds[i % len(kinds)]
+        made = TEMPLATES[name](rng, names)
         task_id = f"agent/{seed}/{i}-{name}"
         yield Task(
             id=task_id, prompt=made["prompt"] + _SUFFIX, entry_point="", tests=(),
@@ -258,13 +267,14 @@ def _generate(seed: int, templates: Sequence[str] | None) -> Iterator[Task]:
 
 
 def agent_task_splits(num_train: int, num_eval: int, seed: int = 0,
-                      templates: Sequence[str] | None = None) -> tuple[list[Task], list[Task]]:
+                      templates: Sequence[str] | None = None,
+                      names: str = "made_up") -> tuple[list[Task], list[Task]]:
     """(train, held-out) tasks: a fixed fifth of all task contents (by hash) is held out, so no
     held-out task is ever trained on; the held-out ones come from a disjoint seed."""
-    train = [t for t in agent_family_tasks(num_train, seed, templates)
+    train = [t for t in agent_family_tasks(num_train, seed, templates, names)
              if not _held_out(t.metadata["split_key"])]
     # the first num_eval held-out tasks of the other seed (a fifth of its draws, so this ends)
-    held = (t for t in _generate(seed + 10_000, templates) if _held_out(t.metadata["split_key"]))
+    held = (t for t in _generate(seed + 10_000, templates, names) if _held_out(t.metadata["split_key"]))
     return train, list(itertools.islice(held, num_eval))
 
 

@@ -30,6 +30,25 @@ def test_generation_is_deterministic_and_varied():
         agent_family_tasks(1, templates=["nope"])
 
 
+def test_fixed_names_keep_every_other_draw():
+    made_up, fixed = agent_family_tasks(10, seed=2), agent_family_tasks(10, seed=2, names="fixed")
+    for a, b in zip(made_up, fixed):
+        pkg = next(iter(a.files)).split("/")[0]  # the package's __init__.py comes first
+        mod = next(p for p in a.files if p.startswith("tests/"))[len("tests/test_"):-3]
+        assert all(p.startswith(("app/", "tests/")) for p in b.files), b.files
+        # only the names differ: renaming the package and module gives the fixed task
+        def rename(text):
+            for old, new in ((pkg, "app"), (mod, "core"), (mod.capitalize(), "Core")):
+                text = text.replace(old, new)
+            return text
+
+        assert rename(a.prompt) == b.prompt
+        assert {rename(p): rename(c) for p, c in a.files.items()} == b.files
+        assert rename(a.metadata["reference"]) == b.metadata["reference"]
+    with pytest.raises(ValueError, match="unknown agent task names"):
+        agent_family_tasks(1, names="nope")
+
+
 def test_split_is_fixed_and_held_out_tasks_are_never_trained_on():
     train, held = agent_task_splits(400, 20, seed=0)
     assert len(held) == 20 and 250 < len(train) < 400  # about a fifth held out
@@ -68,8 +87,9 @@ def scorer():
         yield s
 
 
-def test_every_template_fails_as_given_and_passes_with_its_reference(scorer):
-    tasks = agent_family_tasks(2 * len(TEMPLATES), seed=7)  # two of each template
+@pytest.mark.parametrize("names", ["made_up", "fixed"])
+def test_every_template_fails_as_given_and_passes_with_its_reference(scorer, names):
+    tasks = agent_family_tasks(2 * len(TEMPLATES), seed=7, names=names)  # two of each template
     for t in tasks:
         given = scorer.submit(t, "{}").result()
         reference = scorer.submit(t, t.metadata["reference"]).result()
