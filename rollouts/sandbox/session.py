@@ -157,9 +157,12 @@ class SessionContainer:
         self.token_file.write_text(self.token)
 
     def exec_argv(self, command: list[str]) -> list[str]:
+        # pid 1 and the command's wrapper run as its uid too: RLIMIT_NPROC leaves the command
+        # as many processes as one alone in its container gets
+        limits = dataclasses.replace(self.limits, max_procs=self.limits.max_procs + 2)
         return ["docker", "exec", self.name, "python3", *_PYTHON_FLAGS,
                 "/harness/session_container.py", "run", f"{_CONTROL_DIR}/token", self.token,
-                _limits_json(self.limits, self.uid), *command]  # fmt: skip
+                _limits_json(limits, self.uid), *command]  # fmt: skip
 
     def finish(self, stderr: bytes) -> bytes:
         """After a command's `docker exec` ended or was killed: unless its stderr ends with

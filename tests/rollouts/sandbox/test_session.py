@@ -97,6 +97,30 @@ def test_nothing_outlives_a_command(session, leftovers):
     assert session.exec("ls -A /tmp").output == ""  # each command gets an empty /tmp
 
 
+FORK_ALL = """import os, time
+n = 0
+while True:
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    n += 1
+print(n)
+"""
+
+
+def test_a_command_gets_the_same_process_limit_everywhere(session):
+    """RLIMIT_NPROC counts the uid's processes: the command and max_procs - 1 children, on
+    every backend (a session container's init and wrapper, the same uid, are allowed for)."""
+    if os.geteuid() != 0:
+        pytest.skip("the command runs as our own uid, whose other processes count too")
+    result = session.exec(["python", "-c", FORK_ALL])
+    assert result.output.strip() == str(session.limits.max_procs - 1), result.output
+
+
 def test_paths_cannot_escape_the_work_dir(session):
     session.exec("ln -s /etc/hostname host; mkfifo pipe; mkdir d")
     for bad in ("/etc/passwd", "../x", "host"):
