@@ -119,10 +119,11 @@ def docker_argv(command: list[str], *, name: str, image: str, workdir: str, limi
 
 class SessionContainer:
     """One container for a whole docker session (guest/session_container.py): started once
-    with the options of a per-command container, each command a `docker exec` of it under
-    guest/limited.py, then a `docker exec` of the cleanup that kills whatever the command
-    left and empties /tmp. The host holds the write end of a FIFO whose read end is the
-    container's pid 1: when this process dies, the container ends and `--rm` removes it."""
+    with the options of a per-command container; each command a `docker exec` of a wrapper
+    that runs it under guest/limited.py, then kills whatever it left and empties /tmp (the
+    host does that in a `docker exec` of its own when the wrapper cannot report it did).
+    The host holds the write end of a FIFO whose read end is the container's pid 1: when
+    this process dies, the container ends and `--rm` removes it."""
 
     def __init__(self, *, image: str, workdir: str, limits: Limits, tools: dict[str, str],
                  uid: int, control: Path):

@@ -1,8 +1,8 @@
 """The long-lived container of a docker session: its pid 1, each command's entry, the cleanup.
 
     session_container.py init LIFELINE               pid 1: reap orphans until the host goes
-    session_container.py run TOKEN_FILE TOKEN LIMITS_JSON ARGV...   one command (limited.py)
-    session_container.py clean                       after each command: nothing of it remains
+    session_container.py run TOKEN_FILE TOKEN LIMITS_JSON ARGV...   one command, then clean
+    session_container.py clean                       the host's, when `run` did not report it
 
 Everything runs as the session's uid. Pid 1 cannot be killed from inside its pid namespace
 (the kernel drops every signal it has no handler for) and is not dumpable, so commands can
