@@ -47,7 +47,8 @@ def _session(request: pytest.FixtureRequest, mode: str, **options) -> Iterator[S
         yield s
 
 
-@pytest.fixture(params=list(MODES))
+# A container per command (no longer the default) costs 3-4 s a test: under -m slow.
+@pytest.fixture(params=["bwrap", "docker", pytest.param("docker-per-command", marks=pytest.mark.slow)])
 def session(request):
     limits = Limits(wall_s=5, cpu_s=5, output_bytes=4096, tmpfs_mb=8)
     with _session(request, request.param, limits=limits) as s:
