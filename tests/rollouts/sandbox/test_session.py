@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -153,7 +154,7 @@ def test_a_revoked_docker_exec_runs_nothing(request):
         assert s.exec("echo ok").output == "ok\n"
 
 
-def test_the_session_container_goes_with_its_session(request):
+def test_the_session_container_goes_with_its_session(request, tmp_path):
     """Removed at close, when the session is dropped unclosed, and when its host process dies
     (the container's init sees the host's end of its lifeline close)."""
     with _session(request, "docker") as s:
@@ -161,15 +162,17 @@ def test_the_session_container_goes_with_its_session(request):
         assert _container_exists(name)
     assert not _container_exists(name)
     dropped = Session({}, backend="docker", image=request.getfixturevalue("docker_image"))
-    name = dropped.container.name
+    name, folder = dropped.container.name, dropped._tmp
     del dropped
     gc.collect()
     assert not _container_exists(name)
+    shutil.rmtree(folder)  # the work dir is the host's: it stays until close
     root = Path(__file__).resolve().parents[3]
     start = ("import sys, time; from rollouts.sandbox.session import Session; "
              "s = Session({}, backend='docker', image=sys.argv[1]); "
              "print(s.container.name, flush=True); time.sleep(60)")  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path),  # where the dead host's work dir stays
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     host = subprocess.Popen([sys.executable, "-c", start, request.getfixturevalue("docker_image")],
                             stdout=subprocess.PIPE, text=True, env=env, cwd=root)  # fmt: skip
     name = host.stdout.readline().strip()
