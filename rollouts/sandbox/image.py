@@ -31,7 +31,7 @@ _STDLIB_SKIP = re.compile(r"/(site-packages|test|idlelib|tkinter|turtledemo|ensu
 _LDD_PATH = re.compile(r"(/\S+) \(0x")
 # glibc's other libraries, which code loads by name (ctypes.CDLL("librt.so.1")), beside libc.
 _GLIBC_EXTRAS = ("librt.so.1", "libpthread.so.0", "libdl.so.2", "libutil.so.1", "libresolv.so.2")
-_BUILDER_VERSION = "4"  # bump when the choice of files changes
+_BUILDER_VERSION = "5"  # bump when the choice of files changes
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxagent" / "sandbox-image"  # fmt: skip
 
 
@@ -115,7 +115,11 @@ def write_rootfs(files: list[str], out: Path) -> None:
         merged_usr = [d for d in ("/bin", "/sbin", "/lib", "/lib64") if os.path.islink(d)]
         for path in [*merged_usr, *files]:  # /bin/sh must resolve as it does here
             _add(tar, path, added)
-        for name in ("tmp", SANDBOX_PYLIB.lstrip("/")):
+        # explicit directories: `vfs` makes the ones a tar only implies 0600, which no uid
+        # but root walks through
+        for name in ("tmp", SANDBOX_PYLIB.lstrip("/"), "usr/local", "usr/local/bin"):
+            if f"/{name}" in added:
+                continue
             info = tarfile.TarInfo(name)
             info.type, info.mode = tarfile.DIRTYPE, 0o1777 if name == "tmp" else 0o755
             tar.addfile(info)

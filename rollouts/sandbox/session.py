@@ -1,12 +1,15 @@
 """A persistent sandbox session: one repository work dir for a whole agent episode.
 
-Files persist between tool calls; every command runs in a fresh one-shot sandbox of the
-backend under the solution's rlimits, with a wall timeout and an output cap: bwrap (the same
-read-only root, namespaces, private /tmp and cgroup slot as a single run) or docker (a `docker
-run --rm` container of the task's image: no network, read-only root, memory and pids caps, no
-capabilities), the work dir bound read-write at /work in both. The host reads and writes files of the work dir directly, but only
-regular files whose real path stays inside it (a command may leave symlinks or FIFOs behind).
-`close` kills what is left and removes the work dir.
+Files persist between tool calls; every command runs under the solution's rlimits and
+confinement (guest/limited.py), with a wall timeout and an output cap, the work dir bound
+read-write at /work, and nothing it started outlives it: bwrap runs each in a fresh one-shot
+sandbox (the same read-only root, namespaces, private /tmp and cgroup slot as a single run);
+docker runs each as a `docker exec` in one container per session (SessionContainer: no
+network, read-only root, memory and pids caps, no capabilities; each command's leftovers
+killed and /tmp emptied after it) or, with containers="command", as a `docker run --rm` of
+its own. The host reads and writes files of the work dir directly, but only regular files
+whose real path stays inside it (a command may leave symlinks or FIFOs behind). `close` kills
+what is left and removes the work dir.
 """
 
 from __future__ import annotations
@@ -15,16 +18,19 @@ import dataclasses
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
 import uuid
+import weakref
 from pathlib import Path, PurePosixPath
 from typing import Self
 
 from rollouts.sandbox.guest.confine import own
+from rollouts.sandbox.guest.session_container import CLEANED
 from rollouts.sandbox.launchers import (
     _CGROUP_OVERHEAD_MB,
     DOCKER_IMAGE,
@@ -44,6 +50,8 @@ from rollouts.sandbox.types import Limits
 
 _PYTHON_FLAGS = ("-S", "-B", "-E", "-s")
 _TOOLS_DIR = "/tools"  # host binaries (ruff) bound read-only inside the sandbox
+_CONTROL_DIR = "/session"  # a docker session container's token and lifeline (read-only)
+CONTAINER_MODES = ("session", "command")
 _PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$")
 PYTEST_FLAGS = ("-q", "-rA", "-p", "no:cacheprovider")  # -rA: one outcome line per test
 
@@ -73,12 +81,11 @@ def _check_docker_engine() -> None:
         raise SandboxUnavailable(f"docker sessions: engine not reachable: {why}")
 
 
-def docker_argv(command: list[str], *, name: str, image: str, workdir: str, limits: Limits,
-                tools: dict[str, str], uid: int) -> list[str]:
-    """`docker run` of one session command in container `name`: the work dir read-write at
-    /work (the command runs as `uid`, which owns it), the harness, pytest and tools
-    read-only, no network, a read-only root with a private /tmp, the memory and process caps
-    of a single run, no capabilities."""
+def container_options(*, workdir: str, limits: Limits, tools: dict[str, str], uid: int) -> list[str]:
+    """`docker run` options of a session's container: the work dir read-write at /work (its
+    commands run as `uid`, which owns it), the harness, pytest and tools read-only, no
+    network, a read-only root with a private /tmp, the memory and process caps of a single
+    run, no capabilities."""
     mem = f"{limits.memory_mb + limits.tmpfs_mb + _CGROUP_OVERHEAD_MB}m"
     mounts = {workdir: f"{SESSION_WORKDIR}:rw", str(GUEST_DIR): "/harness:ro",
               **{path: f"{SANDBOX_PYLIB}/{lib}:ro" for lib, path in pytest_paths().items()},
@@ -87,16 +94,124 @@ def docker_argv(command: list[str], *, name: str, image: str, workdir: str, limi
            "PYTHONDONTWRITEBYTECODE": "1", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/tmp",
            "LANG": "C.UTF-8"}
     return [
-        "docker", "run", "--rm", "--name", name, "--network", "none", "--read-only",
-        "--tmpfs", f"/tmp:size={limits.tmpfs_mb}m,mode=1777",
+        "--network", "none", "--read-only", "--tmpfs", f"/tmp:size={limits.tmpfs_mb}m,mode=1777",
         "--memory", mem, "--memory-swap", mem, "--pids-limit", str(limits.max_procs + 8),
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
         "--user", f"{uid}:{uid}", "--workdir", SESSION_WORKDIR,
         *(a for host, inside in mounts.items() for a in ("--volume", f"{host}:{inside}")),
         *(a for k, v in env.items() for a in ("--env", f"{k}={v}")),
-        image, "python3", *_PYTHON_FLAGS, "/harness/limited.py",
-        json.dumps({**dataclasses.asdict(limits), "solution_uid": uid}), *command,
     ]
+
+
+def _limits_json(limits: Limits, uid: int | None) -> str:
+    return json.dumps({**dataclasses.asdict(limits), "solution_uid": uid})
+
+
+def docker_argv(command: list[str], *, name: str, image: str, workdir: str, limits: Limits,
+                tools: dict[str, str], uid: int) -> list[str]:
+    """`docker run` of one session command in a container `name` of its own, under
+    guest/limited.py as under bwrap."""
+    return ["docker", "run", "--rm", "--name", name,
+            *container_options(workdir=workdir, limits=limits, tools=tools, uid=uid),
+            image, "python3", *_PYTHON_FLAGS, "/harness/limited.py",
+            _limits_json(limits, uid), *command]  # fmt: skip
+
+
+class SessionContainer:
+    """One container for a whole docker session (guest/session_container.py): started once
+    with the options of a per-command container; each command a `docker exec` of a wrapper
+    that runs it under guest/limited.py, then kills whatever it left and empties /tmp (the
+    host does that in a `docker exec` of its own when the wrapper cannot report it did).
+    The host holds the write end of a FIFO whose read end is the container's pid 1: when
+    this process dies, the container ends and `--rm` removes it."""
+
+    def __init__(self, *, image: str, workdir: str, limits: Limits, tools: dict[str, str],
+                 uid: int, control: Path):
+        self.image, self.limits, self.uid = image, limits, uid
+        self.options = container_options(workdir=workdir, limits=limits, tools=tools, uid=uid)
+        control.mkdir(mode=0o755)  # read-only at /session; the uid reads the token there
+        self.token_file = control / "token"
+        self.token_file.write_text("")
+        self.token_file.chmod(0o644)
+        os.mkfifo(control / "lifeline", 0o644)
+        self.control = control
+        # read-write: the open needs no reader, and counts as the writer pid 1 waits on
+        self.lifeline = os.open(control / "lifeline", os.O_RDWR)
+        self.name = f"jaxagent-session-{uuid.uuid4().hex[:12]}"
+        # at close, when the session is dropped unclosed, or at exit: nothing keeps it
+        self._finalizer = weakref.finalize(self, _remove_container, self.name, self.lifeline)
+        self.start()
+
+    def start(self) -> None:
+        self._new_token()
+        argv = ["docker", "run", "--detach", "--rm", "--name", self.name, *self.options,
+                "--volume", f"{self.control}:{_CONTROL_DIR}:ro", self.image,
+                "python3", *_PYTHON_FLAGS, "/harness/session_container.py", "init",
+                f"{_CONTROL_DIR}/lifeline"]  # fmt: skip
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        if run.returncode:
+            raise SandboxUnavailable(f"docker sessions: the session's container did not start: "
+                                     f"{run.stderr.strip()[-300:]}")
+
+    def _new_token(self) -> None:
+        self.token = uuid.uuid4().hex
+        self.token_file.write_text(self.token)
+
+    def exec_argv(self, command: list[str]) -> list[str]:
+        # pid 1 and the command's wrapper run as its uid too: RLIMIT_NPROC leaves the command
+        # as many processes as one alone in its container gets
+        limits = dataclasses.replace(self.limits, max_procs=self.limits.max_procs + 2)
+        return ["docker", "exec", self.name, "python3", *_PYTHON_FLAGS,
+                "/harness/session_container.py", "run", f"{_CONTROL_DIR}/token", self.token,
+                _limits_json(limits, self.uid), *command]  # fmt: skip
+
+    def finish(self, stderr: bytes) -> bytes:
+        """After a command's `docker exec` ended or was killed: unless its stderr ends with
+        the report that it cleaned up after itself, clean up here. What stderr held besides
+        the report (the engine's or the wrapper's errors)."""
+        if stderr.endswith(CLEANED):
+            return stderr[: -len(CLEANED)]
+        self.clean()
+        return stderr
+
+    def clean(self) -> None:
+        """Revoke the command's token, kill what it left, empty /tmp; a container whose
+        cleanup fails (or that died) is replaced: the work dir is the host's and stays."""
+        self._new_token()
+        argv = ["docker", "exec", self.name, "python3", *_PYTHON_FLAGS,
+                "/harness/session_container.py", "clean"]
+        try:
+            ok = subprocess.run(argv, capture_output=True, timeout=60, check=False).returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+        if not ok:
+            _docker_rm(self.name)
+            self.start()
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _docker_rm(name: str) -> None:
+    subprocess.run(["docker", "rm", "--force", name], capture_output=True, timeout=60,
+                   check=False)
+
+
+def _remove_container(name: str, lifeline: int) -> None:
+    _docker_rm(name)
+    os.close(lifeline)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    """`proc`'s exit code, or None after `timeout` s: woken by the exit itself (a pidfd), where
+    Popen.wait(timeout) polls and oversleeps by up to 50 ms."""
+    exited = os.pidfd_open(proc.pid)
+    try:
+        if not select.select([exited], [], [], timeout)[0]:
+            return None
+    finally:
+        os.close(exited)
+    return proc.wait()
 
 
 class SessionError(ValueError):
@@ -129,23 +244,28 @@ class Session:
         tools: dict[str, str] | None = None,
         git_source: str | None = None,
         image: str | None = None,
+        containers: str = "session",
     ):
+        """`containers` (docker): "session", one container for the session, each command a
+        `docker exec` in it (SessionContainer); "command", a `docker run` per command."""
         if backend not in ("bwrap", "docker", "process"):
             raise SandboxUnavailable(
                 f"sandbox sessions support the bwrap, docker and process backends, not "
                 f"{backend!r}"
             )
+        if containers not in CONTAINER_MODES:
+            raise ValueError(f"containers must be one of {CONTAINER_MODES}, not {containers!r}")
         self.limits = limits or Limits()
         self.backend = backend
         self.image = image or DOCKER_IMAGE
         if backend == "docker":
             _check_docker_engine()
-        self.launcher = None  # docker: a `docker run` per command (docker_argv)
+        self.launcher = None  # docker: SessionContainer, or a `docker run` per command
         if backend == "bwrap":
             self.launcher = BwrapLauncher(self.limits, use_cgroups=False)
         elif backend == "process":
             self.launcher = ProcessLauncher(self.limits)  # warns: no isolation
-        self._container: str | None = None  # the docker command running now
+        self._container: str | None = None  # the docker command's own container, running now
         # commands run as this uid (confined, guest/confine.py); None: unconfined (process)
         self.uid = solution_uid() if backend != "process" else None
         self.tools = dict(tools or {})
@@ -161,6 +281,15 @@ class Session:
         self.root.mkdir(exist_ok=True)
         for rel, content in files.items():
             self.write_text(rel, content)
+        self.container = None
+        if backend == "docker" and containers == "session":
+            try:
+                self.container = SessionContainer(
+                    image=self.image, workdir=str(self.root), limits=self.limits,
+                    tools=self.tools, uid=self.uid, control=self._tmp / "control")  # fmt: skip
+            except BaseException:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                raise
 
     # ---- files (host side) ----
     def path(self, rel: str) -> Path:
@@ -229,13 +358,15 @@ class Session:
     def _argv(self, command: list[str]) -> tuple[list[str], dict | None, str | None]:
         if self.uid is not None and self.uid != os.geteuid():  # root: files the host wrote
             own(str(self.root), self.uid)
+        if self.container is not None:
+            return self.container.exec_argv(command), None, None
         if self.backend == "docker":
             self._container = f"jaxagent-session-{uuid.uuid4().hex[:12]}"
             argv = docker_argv(command, name=self._container, image=self.image,
                                workdir=str(self.root), limits=self.limits, tools=self.tools,
                                uid=self.uid)
             return argv, None, None
-        limits = json.dumps({**dataclasses.asdict(self.limits), "solution_uid": self.uid})
+        limits = _limits_json(self.limits, self.uid)
         if self.backend == "bwrap":
             py = base_python()
             binds = {path: f"{_TOOLS_DIR}/{name}" for name, path in self.tools.items()}
@@ -266,17 +397,19 @@ class Session:
         full, env, cwd = self._argv(argv)
         timeout = min(timeout_s or self.limits.wall_s, self.limits.wall_s)
         start = time.monotonic()
-        with tempfile.TemporaryFile(dir=self._tmp) as out:
+        # a session container's exec reports on stderr (SessionContainer.finish)
+        with tempfile.TemporaryFile(dir=self._tmp) as out, tempfile.TemporaryFile(dir=self._tmp) as err:  # fmt: skip
             proc = subprocess.Popen(
-                full, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=env, cwd=cwd, start_new_session=True,
+                full, stdin=subprocess.DEVNULL, stdout=out, env=env, cwd=cwd,
+                stderr=err if self.container is not None else subprocess.STDOUT,
+                start_new_session=True,
             )
-            try:
-                code: int | None = proc.wait(timeout=timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                code, timed_out = None, True
+            code = _wait(proc, timeout)
+            timed_out = code is None
             self._kill(proc)
+            if self.container is not None:
+                err.seek(0)
+                out.write(self.container.finish(err.read()))
             size = out.seek(0, os.SEEK_END)
             out.seek(0)
             data = out.read(self.limits.output_bytes)
@@ -298,7 +431,7 @@ class Session:
 
     def _kill(self, proc: subprocess.Popen) -> None:
         """Nothing a command starts outlives it (bwrap's pid namespace dies with it; a docker
-        container is removed, which a killed `docker run` client would not do)."""
+        container is removed, or cleaned, which a killed `docker` client would not do)."""
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -307,8 +440,7 @@ class Session:
         if self.cgroup:
             self.cgroup.kill_all()
         if self._container is not None:
-            subprocess.run(["docker", "rm", "--force", self._container], capture_output=True,
-                           timeout=60, check=False)
+            _docker_rm(self._container)
             self._container = None
 
     @property
@@ -317,6 +449,8 @@ class Session:
         return str(self.root) if self.backend == "process" else SESSION_WORKDIR
 
     def close(self) -> None:
+        if self.container is not None:
+            self.container.close()
         if self.cgroup:
             self.cgroup.kill_all()
             self.cgroup.remove()

@@ -14,6 +14,7 @@ import pytest
 from rollouts.sandbox import Limits, Sandbox, SandboxUnavailable
 from rollouts.sandbox.engine import private_engine
 from rollouts.sandbox.image import host_image
+from rollouts.sandbox.session import SessionContainer
 from rollouts.tasks import Task, humaneval_tasks
 
 BACKENDS = ("bwrap", "docker")
@@ -77,21 +78,33 @@ def leftover_processes() -> list[str]:
 
 _ENGINE: dict[str, str] = {}  # "image": the sandbox image, while this session's engine runs
 _DOCKER_SANDBOXES: list[Sandbox] = []  # the session's live docker sandboxes
+_DOCKER_SESSIONS: list[SessionContainer] = []  # the live agent sessions' containers
 
 
 def leftover_containers() -> list[str]:
-    """Containers of our engine that no live docker sandbox holds, and processes in those it
-    holds beyond their idle zygote. [] where this session started no engine."""
+    """Containers of our engine that no live docker sandbox or session holds, and processes in
+    those they hold beyond their idle zygote or init. [] where this session started no engine."""
     if not _ENGINE:
         return []
     channels = [w.channel for sb in _DOCKER_SANDBOXES for w in sb._workers]
     live = {c.container.id: c.container for c in channels if c is not None}
+    if _DOCKER_SESSIONS:
+        import docker  # the docker extra: there whenever an engine is
+
+        containers = docker.from_env().containers
+        live |= {c.id: c for c in (containers.get(s.name) for s in _DOCKER_SESSIONS)}
     ids = subprocess.run(["docker", "ps", "-aq", "--no-trunc"], capture_output=True, text=True,
                          check=True).stdout.split()  # fmt: skip
     leaks = [f"container {c[:12]}" for c in ids if c not in live]
     for container in live.values():
         leaks += [f"{container.short_id}: {p[-1]}" for p in container.top()["Processes"][1:]]
     return leaks
+
+
+@pytest.fixture(scope="session")
+def docker_sessions() -> list[SessionContainer]:
+    """Where a test lists the session containers it holds while `leftovers` looks."""
+    return _DOCKER_SESSIONS
 
 
 @pytest.fixture(scope="session")

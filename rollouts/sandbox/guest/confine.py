@@ -15,6 +15,8 @@ calls `confine()` before it execs an agent's shell command. What the solution is
   cross-process memory access, kernel keyrings, bpf, perf, io_uring, module and kexec loading,
   terminal injection, and any foreign syscall ABI.
 
+`set_limits` applies the solution's rlimits (the grader's and limited.py's one definition).
+
 The namespaces are best effort (Docker's default profile forbids them; the container's uid
 and capability drop then hold the line); the last two are not: `confine` raises
 `ConfinementError` and the caller must not run the solution.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import struct
 from pathlib import PurePosixPath
 
@@ -223,3 +226,20 @@ def confine(
         raise ConfinementError(f"privileges remain after confinement: {status}")
     if os.getuid() == 0:
         raise ConfinementError("the solution would run as uid 0")
+
+
+def set_limits(limits: dict) -> None:
+    """The solution's rlimits (types.Limits as a dict); RLIMIT_NPROC counts per uid."""
+    mb = 1 << 20
+    pairs = {
+        resource.RLIMIT_CPU: (int(limits["cpu_s"]), int(limits["cpu_s"]) + 1),
+        resource.RLIMIT_AS: (limits["memory_mb"] * mb,) * 2,
+        resource.RLIMIT_FSIZE: (limits["file_size_mb"] * mb,) * 2,
+        resource.RLIMIT_NOFILE: (64, 64),
+        resource.RLIMIT_NPROC: (limits["max_procs"],) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+        # POSIX message queues outlive processes and cannot be listed for cleanup.
+        resource.RLIMIT_MSGQUEUE: (0, 0),
+    }
+    for which, value in pairs.items():
+        resource.setrlimit(which, value)

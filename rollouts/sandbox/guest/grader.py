@@ -15,7 +15,6 @@ import ctypes
 import importlib.util
 import os
 import posixpath
-import resource
 import signal
 import socket
 import struct
@@ -86,22 +85,6 @@ class OutputDrain(threading.Thread):
                 self.head += chunk[: _HEAD_BYTES - len(self.head)]
 
 
-def _set_limits(limits: dict) -> None:
-    mb = 1 << 20
-    pairs = {
-        resource.RLIMIT_CPU: (int(limits["cpu_s"]), int(limits["cpu_s"]) + 1),
-        resource.RLIMIT_AS: (limits["memory_mb"] * mb,) * 2,
-        resource.RLIMIT_FSIZE: (limits["file_size_mb"] * mb,) * 2,
-        resource.RLIMIT_NOFILE: (64, 64),
-        resource.RLIMIT_NPROC: (limits["max_procs"],) * 2,
-        resource.RLIMIT_CORE: (0, 0),
-        # POSIX message queues outlive processes and cannot be listed for cleanup.
-        resource.RLIMIT_MSGQUEUE: (0, 0),
-    }
-    for which, value in pairs.items():
-        resource.setrlimit(which, value)
-
-
 def _become_solution(
     sock: socket.socket, out_w: int, status_w: int, spec: dict, workdir: str, own_pids: bool
 ) -> None:
@@ -135,7 +118,7 @@ def _become_solution(
             _stand_in_as_init()
         _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self/mem, as anywhere
     os.close(_STATUS_FD)
-    _set_limits(spec["limits"])
+    confine.set_limits(spec["limits"])
     if spec["mode"] == "pytest" and spec["grading"] == "isolated":
         runner.serve_objects(sock)
     elif spec["mode"] == "pytest":

@@ -12,19 +12,18 @@ import json
 import os
 import sys
 
-from confine import confine
-from grader import _set_limits  # the one definition of the solution's rlimits
+from confine import confine, set_limits
 
 
-def main() -> None:
-    limits, argv = json.loads(sys.argv[1]), sys.argv[2:]
+def run(limits: dict, argv: list[str]) -> None:
+    """Confine this process, apply `limits` and become `argv`."""
     if not argv:
         raise SystemExit("limited.py: no command given")
     if limits.get("solution_uid") is not None:
         confine(limits["solution_uid"])
-    _set_limits(limits)
+    set_limits(limits)
     os.execvp(argv[0], argv)
 
 
 if __name__ == "__main__":
-    main()
+    run(json.loads(sys.argv[1]), sys.argv[2:])

@@ -18,13 +18,13 @@ import ctypes
 import importlib
 import os
 import select
-import shutil
 import signal
 import sys
 import time
 
 import grader
 import wire
+from cleanup import reap, remove_sysv_ipc, wipe
 
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
@@ -62,21 +62,11 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if not pid:
-            return
-
-
 def kill_descendants() -> bool:
     """SIGKILL everything below us until nothing is left; False if it would not die."""
     me = os.getpid()
     for _ in range(200):
-        _reap()  # zombies need no kill, and reaping them first saves a sleep
+        reap()  # zombies need no kill, and reaping them first saves a sleep
         pids = _descendants(me)
         if not pids:
             return True
@@ -87,27 +77,6 @@ def kill_descendants() -> bool:
                 pass
         time.sleep(0.001)
     return False
-
-
-_IPC_RMID = 0
-
-
-def remove_sysv_ipc() -> None:
-    """Runs share the sandbox's IPC namespace: drop every SysV object a run left behind."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    removers = {
-        "shm": lambda ipc_id: libc.shmctl(ipc_id, _IPC_RMID, None),
-        "sem": lambda ipc_id: libc.semctl(ipc_id, 0, _IPC_RMID),
-        "msg": lambda ipc_id: libc.msgctl(ipc_id, _IPC_RMID, None),
-    }
-    for kind, remove in removers.items():
-        try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            remove(int(row.split()[1]))
 
 
 # keyctl(2) has no libc wrapper; its syscall number depends on the architecture.
@@ -123,33 +92,6 @@ def clear_keyrings() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     for spec in _KEY_SPECS:
         libc.syscall(_NR_KEYCTL, _KEYCTL_CLEAR, spec)
-
-
-def _unlock(func, path, _exc) -> None:
-    """rmtree error hook: the solution may have chmod-ed its files to 000."""
-    os.chmod(os.path.dirname(path), 0o700)
-    if os.path.isdir(path):
-        os.chmod(path, 0o700)
-    func(path)
-
-
-_RMTREE_HOOK = (
-    {"onexc": _unlock} if sys.version_info >= (3, 12) else {"onerror": _unlock}
-)
-
-
-def wipe(root: str) -> bool:
-    """Empty the work root; False (the sandbox gets recycled) if anything resists."""
-    try:
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, **_RMTREE_HOOK)
-            else:
-                os.unlink(path)
-    except (OSError, RecursionError):
-        return False
-    return True
 
 
 def _mount_table() -> str:

@@ -3,16 +3,26 @@ and docker alike."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from rollouts.sandbox import Limits, SandboxUnavailable
 from rollouts.sandbox.session import Session, SessionError, docker_argv, pytest_outcomes
 
-BACKENDS = ("bwrap", "docker")
+# (backend, docker's containers): a container per session (the default) or per command
+MODES = {"bwrap": ("bwrap", "session"), "docker": ("docker", "session"),
+         "docker-per-command": ("docker", "command")}  # fmt: skip
 REPO = {
     "pkg/__init__.py": "",
     "pkg/a.py": "def f():\n    return 1\n",
@@ -20,16 +30,26 @@ REPO = {
 }
 
 
-def _session(request: pytest.FixtureRequest, backend: str, **options) -> Session:
-    """A session on `backend`; docker's on the private engine, with the host-made image."""
+@contextlib.contextmanager
+def _session(request: pytest.FixtureRequest, mode: str, **options) -> Iterator[Session]:
+    """A session in `mode` (MODES); docker's on the private engine, with the host-made image,
+    its container known to `leftovers`."""
+    backend, containers = MODES[mode]
     image = request.getfixturevalue("docker_image") if backend == "docker" else None
     try:
-        return Session(REPO, backend=backend, image=image, **options)
+        s = Session(REPO, backend=backend, image=image, containers=containers, **options)
     except SandboxUnavailable as e:
         pytest.skip(f"{backend}: {e}")
+    with s, contextlib.ExitStack() as stack:
+        if s.container is not None:
+            held = request.getfixturevalue("docker_sessions")
+            held.append(s.container)
+            stack.callback(held.remove, s.container)
+        yield s
 
 
-@pytest.fixture(params=BACKENDS)
+# A container per command (no longer the default) costs 3-4 s a test: under -m slow.
+@pytest.fixture(params=["bwrap", "docker", pytest.param("docker-per-command", marks=pytest.mark.slow)])
 def session(request):
     limits = Limits(wall_s=5, cpu_s=5, output_bytes=4096, tmpfs_mb=8)
     with _session(request, request.param, limits=limits) as s:
@@ -72,7 +92,35 @@ def test_nothing_outlives_a_command(session, leftovers):
     if session.cgroup is not None:
         assert session.cgroup.pids() == []
     assert session.exec("sleep 30", timeout_s=0.5).timed_out
+    # a command that kills what runs it (docker sessions: the wrapper that would clean up)
+    session.exec("(sleep 60 &) ; kill -9 $PPID; sleep 1")
     assert leftovers() == []  # docker: no container either, the timed-out one included
+    assert session.exec("echo x > /tmp/mine && ls /tmp").output == "mine\n"
+    assert session.exec("ls -A /tmp").output == ""  # each command gets an empty /tmp
+
+
+FORK_ALL = """import os, time
+n = 0
+while True:
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    n += 1
+print(n)
+"""
+
+
+def test_a_command_gets_the_same_process_limit_everywhere(session):
+    """RLIMIT_NPROC counts the uid's processes: the command and max_procs - 1 children, on
+    every backend (a session container's init and wrapper, the same uid, are allowed for)."""
+    if os.geteuid() != 0:
+        pytest.skip("the command runs as our own uid, whose other processes count too")
+    result = session.exec(["python", "-c", FORK_ALL])
+    assert result.output.strip() == str(session.limits.max_procs - 1), result.output
 
 
 def test_paths_cannot_escape_the_work_dir(session):
@@ -87,6 +135,60 @@ def test_paths_cannot_escape_the_work_dir(session):
     with pytest.raises(SessionError, match="directory"):
         session.write_text("d", "x")
     assert "host" not in session.files()
+
+
+def _container_exists(name: str) -> bool:
+    return bool(subprocess.run(["docker", "ps", "-aq", "--filter", f"name=^{name}$"],
+                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+
+
+def test_a_revoked_docker_exec_runs_nothing(request):
+    """A command's `docker exec` that the engine starts only after the command timed out and
+    was cleaned up finds its token revoked."""
+    with _session(request, "docker") as s:
+        late = s.container.exec_argv(["sh", "-c", "echo ran > ran.txt"])
+        s.container.clean()  # what a timeout does
+        run = subprocess.run(late, capture_output=True, text=True, check=False)
+        assert run.returncode != 0 and "a revoked command, not run" in run.stderr
+        assert not (s.root / "ran.txt").exists()
+        assert s.exec("echo ok").output == "ok\n"
+
+
+def test_the_session_container_goes_with_its_session(request, tmp_path):
+    """Removed at close, when the session is dropped unclosed, and when its host process dies
+    (the container's init sees the host's end of its lifeline close)."""
+    with _session(request, "docker") as s:
+        name = s.container.name
+        assert _container_exists(name)
+    assert not _container_exists(name)
+    dropped = Session({}, backend="docker", image=request.getfixturevalue("docker_image"))
+    name, folder = dropped.container.name, dropped._tmp
+    del dropped
+    gc.collect()
+    assert not _container_exists(name)
+    shutil.rmtree(folder)  # the work dir is the host's: it stays until close
+    root = Path(__file__).resolve().parents[3]
+    start = ("import sys, time; from rollouts.sandbox.session import Session; "
+             "s = Session({}, backend='docker', image=sys.argv[1]); "
+             "print(s.container.name, flush=True); time.sleep(60)")  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path),  # where the dead host's work dir stays
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    host = subprocess.Popen([sys.executable, "-c", start, request.getfixturevalue("docker_image")],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=root)  # fmt: skip
+    name = host.stdout.readline().strip()
+    assert _container_exists(name)
+    host.kill()
+    host.wait()
+    host.stdout.close()
+    deadline = time.monotonic() + 20
+    while _container_exists(name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _container_exists(name)
+
+
+def test_containers_mode_is_checked():
+    with pytest.raises(ValueError, match="containers must be one of .*not 'pod'"):
+        Session(REPO, containers="pod")
 
 
 def test_close_removes_the_work_dir():
@@ -156,13 +258,14 @@ SESSION_ATTACKS = {
 
 
 # A container per command makes docker's 11 runs (3 commands each) slow: ~20 s.
-@pytest.mark.parametrize("backend", ["bwrap", pytest.param("docker", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["bwrap", "docker",
+                                  pytest.param("docker-per-command", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(SESSION_ATTACKS))
-def test_session_commands_hold_no_privilege(request, tmp_path, name, backend):
+def test_session_commands_hold_no_privilege(request, tmp_path, name, mode):
     tool = tmp_path / "tool"
     tool.write_text("#!/bin/sh\necho tool\n")
     tool.chmod(0o755)
-    with _session(request, backend, tools={"tool": str(tool)}) as s:
+    with _session(request, mode, tools={"tool": str(tool)}) as s:
         result = s.exec(SESSION_ATTACKS[name])
         assert result.exit_code != 0, (name, result.output)
         assert s.exec("tool").output.strip() == "tool"  # the bound tool still runs
