@@ -14,7 +14,6 @@ from jaxagent.config import Config, load_config
 from jaxagent.errors import UserError
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.models.adapters import merged, save_policy, split_trainable
-from jaxagent.optim import make_optimizer
 from jaxagent.steps import merged_model
 from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (base_checkpoint, load_agent_splits, load_model_and_tokenizer,
@@ -126,11 +125,10 @@ def load_policy(cfg: Config, checkpoint: str | None, layout: Layout):
         model, tokenizer = load_model_and_tokenizer(run_cfg, layout=layout, sampling=True)
         graphdef, weights = nnx.split(model)
         params, frozen = split_trainable(weights)  # with LoRA the run saved its adapters
-        tx = make_optimizer(run_cfg.optim, run_cfg.train.steps)
-        like = {"params": params, "opt_state": tx.init(params),
-                **({"ref_params": params} if run_cfg.rl.kl_coef else {})}  # as the run saved
         with closing(Checkpointer(path / "checkpoints")) as ckpt:
-            resumed = ckpt.restore_newest(like, set_aside=False)  # evaluating changes nothing
+            # the policy alone (no optimizer state, no KL reference), onto the loaded params'
+            # layout; evaluating changes nothing
+            resumed = ckpt.restore_newest({"params": params}, set_aside=False, partial=True)
         if resumed is None:
             raise CheckpointError(f"{path / 'checkpoints'}: no complete checkpoint")
         state = resumed[1]
