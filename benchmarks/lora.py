@@ -123,7 +123,7 @@ def sampler(args) -> None:
         to_sampler = SamplerWeights.create(cfg, layout, graphdef, frozen)
         s = Sampler(to_sampler.model(params), prompt_bucket=32, cache_bucket=64)
         store = to_sampler.store(params, s.params)
-        publish = lambda store=store, to=to_sampler, p=params: store.publish(0, to.sent(p))
+        publish = lambda store=store, p=params: store.publish(0, p)
         decode = lambda s=s: s.generate(prompts, max_new_tokens=args.new_tokens, temperature=0.0)
         publish(), decode()  # compile
         runs[mode if mode == "full" else f"LoRA r={args.rank}, {mode}"] = (publish, decode)

@@ -48,15 +48,20 @@ class Checkpointer:
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)))
 
-    def restore(self, step: int, like: Any) -> tuple[Any, dict]:
-        """Restore `step` with the structure, shapes, dtypes and shardings of `like`."""
+    def restore(self, step: int, like: Any, *, partial: bool = False) -> tuple[Any, dict]:
+        """Restore `step` with the structure, shapes, dtypes and shardings of `like`; with
+        `partial`, `like` may name only some of the saved arrays (the rest are not read)."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        state = (ocp.args.PyTreeRestore(
+            abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True) if partial else ocp.args.StandardRestore(abstract))
         out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()))
+            state=state, extra=ocp.args.JsonRestore()))
         return out["state"], out["extra"]
 
     def restore_newest(self, like: Any, report: Callable[[str], None] = print, *,
-                       set_aside: bool = True) -> tuple[int, Any, dict] | None:
+                       set_aside: bool = True, partial: bool = False
+                       ) -> tuple[int, Any, dict] | None:
         """(step, state, extra) of the newest checkpoint that restores, None when there is none.
 
         A newer one that fails is reported through `report` in one line and, with `set_aside`
@@ -68,7 +73,7 @@ class Checkpointer:
         try:
             for step in sorted(self._manager.all_steps(), reverse=True):
                 try:
-                    state, extra = self.restore(step, like)
+                    state, extra = self.restore(step, like, partial=partial)
                 except Exception as e:  # orbax and tensorstore raise many types for damaged files
                     kept = f"moved to {self._set_aside(step)}" if set_aside else "skipped"
                     report(f"checkpoint step {step} does not restore ({_one_line(e)}); "

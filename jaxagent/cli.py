@@ -31,12 +31,14 @@ def _load_config(args):
 def _cmd_generate(args) -> int:
     from rich.console import Console
 
-    from jaxagent.train.build import make_sampler
+    from jaxagent.train.build import make_sampler, sampling_layout
     from jaxagent.train.evaluate import load_policy
 
     console = Console(stderr=True)
+    cfg = _load_config(args)
+    layout = sampling_layout(cfg)
     # an HF directory, or a run's workdir (its newest checkpoint, with the run's own config)
-    model, tokenizer, cfg = load_policy(_load_config(args), args.model)
+    model, tokenizer, cfg = load_policy(cfg, args.model, layout)
     if args.model is None and cfg.init_from is None:
         console.print("[yellow]No --model or checkpoint: sampling the tiny default model at "
                       "random init.[/yellow]")
@@ -45,7 +47,7 @@ def _cmd_generate(args) -> int:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
     prompt = tokenizer.encode(text, add_bos=tokenizer.add_bos)
     s = cfg.sampler
-    sampler = make_sampler(model, tokenizer, cfg)
+    sampler = make_sampler(model, tokenizer, cfg, layout.sampler_activations)
     out = sampler.generate(
         [prompt], num_samples=args.num_samples,
         max_new_tokens=args.max_new_tokens or s.max_new_tokens,
@@ -68,6 +70,7 @@ def _cmd_agent(args) -> int:
         load_model_and_tokenizer,
         make_sampler,
         make_scorer,
+        sampling_layout,
         tool_env_factory,
     )
     from rollouts.agent.metrics import agent_metrics
@@ -77,8 +80,9 @@ def _cmd_agent(args) -> int:
     cfg = _load_config(args)
     a, s = cfg.agent, cfg.sampler
     tasks = load_agent_tasks(cfg)
-    model, tokenizer = load_model_and_tokenizer(cfg, None)
-    sampler = make_sampler(model, tokenizer, cfg)
+    layout = sampling_layout(cfg)
+    model, tokenizer = load_model_and_tokenizer(cfg, None, layout, sampling=True)
+    sampler = make_sampler(model, tokenizer, cfg, layout.sampler_activations)
     cont = continuation(sampler, a.episodes, max_new_tokens=a.max_action_tokens,
                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)

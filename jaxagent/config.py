@@ -155,8 +155,9 @@ def _build(cls: type, data: dict, path: str, source: str, base_dir: Path | None,
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{_where(sub, source)}: unknown key{hint}")
         current = getattr(base, key) if base is not None else None
-        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict) and current is not None:
-            values[key] = _build(hints[key], value, sub, source, base_dir, base=current)
+        # a section set already (an optional one too: `sampler.mesh`) takes the keys it is given
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            values[key] = _build(type(current), value, sub, source, base_dir, base=current)
         else:
             values[key] = _convert(hints[key], value, sub, source, base_dir)
     try:

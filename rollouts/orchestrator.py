@@ -10,10 +10,10 @@ minus the batch's version) is exactly k once the pipeline is full. Because the v
 uses is fixed by its index, not by thread timing, a run is reproducible and a resume repeats
 an uninterrupted run.
 
-Weights: the trainer publishes a copy on the sampler's shardings (`jax.device_put`, never
-aliased: the train step donates its own buffers) into a `WeightStore`, which keeps only the
-versions the producer may still ask for (at most k + 1: a double buffer for k = 1). The sampler
-switches weights between batches, never inside one.
+Weights: the trainer publishes a copy (`jax.device_put`, never aliased: the train step donates
+its own buffers; the store's `prepare` may move it onto the sampler's devices) into a
+`WeightStore`, which keeps only the versions the producer may still ask for (at most k + 1: a
+double buffer for k = 1). The sampler switches weights between batches, never inside one.
 
 Rewards: `RolloutProducer.start` returns as soon as a batch is sampled, with a future of the
 scored batch, so the sampler moves on while the sandbox runs that batch's tests.
@@ -48,12 +48,14 @@ class WeightStore:
     """Versioned copies of the policy's parameters on the sampler's devices."""
 
     def __init__(self, shardings, dtypes=None, prepare=None):
-        self.shardings = shardings  # a pytree of shardings, like the params
+        # a pytree of shardings, like the params: the sampler's, or where the copy is made
+        # before `prepare` moves it there
+        self.shardings = shardings
         # the sampler's dtypes (its compute dtype: float32 masters are published as bfloat16
         # copies, half the bytes); None keeps the published dtypes
         self.dtypes = dtypes
-        # what the sampler's side makes of a published copy before keeping it (LoRA: merges
-        # the adapters into its base weights); None keeps the copy
+        # what the sampler's side makes of a published copy before keeping it (moves it onto
+        # the sampler's mesh; LoRA: merges the adapters into its base); None keeps the copy
         self.prepare = prepare
         self._versions: dict[int, Any] = {}
         self._cond = threading.Condition()

@@ -3,6 +3,12 @@
 The trainer's mesh spans all processes' devices. The sampler's spans this process's devices
 only: each process samples its own prompts, so its programs must not be global SPMD ones.
 With one process and no `sampler.mesh`, both are the same mesh.
+
+Publishing weights to the sampler is one program on the trainer's devices, never a whole copy
+on one device or in host memory: every process's sampler mesh, side by side, is one global mesh
+(a leading `process` axis, over which the weights are replicated), so laying the weights out on
+it by the rules leaves each device holding exactly the block its own sampler mesh gives it; each
+process then views its devices' blocks as arrays on its sampler mesh, copying nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from sharding.config import MeshConfig
 from sharding.mesh import build_mesh
@@ -37,7 +43,13 @@ class Layout:
         else:
             # Default across processes: this process's devices, tensor parallel as in training.
             sampler = sampler_mesh or MeshConfig(data=-1, tensor=mesh.tensor)
-            self.sampler_mesh = build_mesh(sampler, jax.local_devices(), key="sampler.mesh")
+            # Every process's sampler mesh, built alike from its devices (so all agree on each).
+            meshes = [build_mesh(sampler, [d for d in jax.devices() if d.process_index == p],
+                                 key="sampler.mesh") for p in range(jax.process_count())]
+            self.sampler_mesh = meshes[jax.process_index()]
+            # all of them as one mesh over every device (`sampler_params` lays weights out on it)
+            self.publish_mesh = Mesh(np.stack([m.devices for m in meshes]),
+                                      ("process", *self.sampler_mesh.axis_names))
 
     def check_batch(self, rows: int, key: str) -> None:
         """Fail before any compute if a global batch of `rows` cannot split over the mesh."""
@@ -77,16 +89,6 @@ class Layout:
         per = n // jax.process_count()
         return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
 
-    def gather(self, tree: Any) -> Any:
-        """A whole copy of `tree` on one of this process's devices (every process must call)."""
-        if jax.process_count() == 1:
-            return tree
-        # Replicate over the trainer's mesh, then keep this process's copy.
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        whole = jax.jit(lambda t: t, out_shardings=jax.tree.map(
-            lambda _: replicated, shardings(tree, self.mesh, self.rules)))(tree)
-        return jax.tree.map(lambda x: x.addressable_data(0), whole)
-
     def host_copy(self, tree: Any) -> Any:
         """A whole copy of `tree` in this process's host memory, one array at a time (every
         process must call): for export, where no device may hold the whole model. An array on
@@ -98,10 +100,18 @@ class Layout:
     # -- sampling -------------------------------------------------------------------------------
 
     def sampler_params(self, params: Any) -> Any:
-        """The trainer's params resharded onto the sampler's mesh (a copy)."""
+        """The trainer's params on the sampler's mesh: `params` themselves when the meshes are
+        one, else a copy made on the devices (see the module's docstring; every process must
+        call). Cast them first where they are, and the smaller copy moves."""
         if self.sampler_mesh is self.mesh:
             return params
-        return place(self.gather(params), self.sampler_mesh, self.rules)
+        spread = jax.jit(lambda t: t, out_shardings=shardings(params, self.publish_mesh,
+                                                              self.rules))(params)
+        # This process's blocks, each on its device, are the sampler's arrays.
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_single_device_arrays(
+                x.shape, s, [shard.data for shard in x.addressable_shards]),
+            spread, shardings(params, self.sampler_mesh, self.rules))
 
     def sampler_model(self, graphdef: Any, params: Any, *, placed: bool = False) -> nnx.Module:
         """The sampler's model of the trainer's `params` (`placed`: of params already on the

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -49,6 +50,7 @@ from rollouts.tools import TOOLS, MemoryStore, NgramEmbedding
 from rollouts.tools.embedding import TransformerEmbedding, minilm_path
 from sharding.distributed import initialize
 from sharding.layout import Layout
+from sharding.rules import place
 
 
 def expand_algorithm(r: RLConfig) -> RLConfig:
@@ -232,15 +234,37 @@ def base_checkpoint(checkpoint: str | None) -> str | None:
     return str(Path(checkpoint).absolute())
 
 
+def sampling_layout(cfg: Config) -> Layout:
+    """Where `generate`, `eval`, `agent` and `export` run a model: the sampler's mesh
+    (`sampler.mesh`, else `mesh`) under the rules of `mesh.rules`."""
+    return Layout(cfg.mesh, cfg.sampler.mesh)
+
+
 def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,
-                             layout: Layout | None = None):
+                             layout: Layout | None = None, *, sampling: bool = False):
     """The HF checkpoint (with its tokenizer) if one is given, else `cfg.model` at random init
     with the byte tokenizer. A PEFT directory loads its base under its adapters; with
-    `model.lora.rank` set, any other model gets fresh adapters. With `layout` the checkpoint's
-    weights are read straight onto the trainer's mesh, each device its own shards."""
+    `model.lora.rank` set, any other model gets fresh adapters. With `layout` every weight is
+    laid out by the rules on its mesh (the trainer's; with `sampling` the sampler's): a
+    checkpoint's weights are read straight onto it, each device its own shards."""
     checkpoint = checkpoint or cfg.init_from
+    mesh = None if layout is None else layout.sampler_mesh if sampling else layout.mesh
     if checkpoint is None:
-        return init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
+        model, tokenizer = init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
+    else:
+        model, tokenizer = _load_checkpoint(cfg, checkpoint,
+                                            {} if mesh is None else {"mesh": mesh,
+                                                                     "rules": layout.rules})
+    if mesh is None:
+        return model, tokenizer
+    # Random init and fresh adapters are made whole, then placed; a checkpoint's weights are
+    # where they belong already (placing them moves nothing).
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, place(state, mesh, layout.rules)), tokenizer
+
+
+def _load_checkpoint(cfg: Config, checkpoint: str, on_mesh: dict):
+    """`load_model_and_tokenizer` of a checkpoint; `on_mesh`: from_pretrained's mesh and rules."""
     adapter = checkpoint if is_adapter_dir(checkpoint) else None
     if adapter is not None:
         checkpoint = base_checkpoint(adapter)
@@ -249,7 +273,6 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,
                                   "not set (the adapters' base model is unknown)")
     checkpoint = resolve_checkpoint(checkpoint)  # a directory, or a hub id through the HF cache
     m = cfg.model  # the architecture comes from the checkpoint; how to run it from here
-    on_mesh = {} if layout is None else {"mesh": layout.mesh, "rules": layout.rules}
     model = from_pretrained(checkpoint, dtype=m.param_dtype, compute_dtype=m.dtype, **on_mesh,
                             attention_backend=m.attention_backend, remat=m.remat,
                             moe_dispatch=m.moe_dispatch, capacity_factor=m.capacity_factor)

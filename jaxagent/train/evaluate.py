@@ -14,11 +14,11 @@ from jaxagent.config import Config, load_config
 from jaxagent.errors import UserError
 from jaxagent.eval import mean_pass_at_k
 from jaxagent.models.adapters import merged, save_policy, split_trainable
-from jaxagent.optim import make_optimizer
 from jaxagent.steps import merged_model
 from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (base_checkpoint, load_agent_splits, load_model_and_tokenizer,
-                                  load_task_splits, make_sampler, make_scorer, tool_env_factory)
+                                  load_task_splits, make_sampler, make_scorer, sampling_layout,
+                                  tool_env_factory)
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
 from rollouts.environment import Trajectory
@@ -26,6 +26,7 @@ from rollouts.producer import sample_and_score
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler, continuation
 from rollouts.tasks import Task, load_tasks
+from sharding.layout import Layout
 
 
 def evaluate(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *, samples: int,
@@ -113,25 +114,26 @@ def episode_row(traj: Trajectory, tokenizer) -> dict:
             "text": tokenizer.decode(traj.tokens[traj.prompt_len:])}
 
 
-def load_policy(cfg: Config, checkpoint: str | None):
+def load_policy(cfg: Config, checkpoint: str | None, layout: Layout):
     """(model, tokenizer, cfg) from an HF directory, a run's workdir (its newest orbax
-    checkpoint, with the run's own config) or, with no checkpoint, the config's model."""
+    checkpoint, with the run's own config) or, with no checkpoint, the config's model; every
+    weight made on the sampler's mesh of `layout` (`sampling_layout`), as the RL loop loads
+    onto the trainer's."""
     path = Path(checkpoint) if checkpoint else None
     if path is not None and (path / "checkpoints").is_dir():
         run_cfg = load_config(path / "config.yaml")
-        model, tokenizer = load_model_and_tokenizer(run_cfg)
+        model, tokenizer = load_model_and_tokenizer(run_cfg, layout=layout, sampling=True)
         graphdef, weights = nnx.split(model)
         params, frozen = split_trainable(weights)  # with LoRA the run saved its adapters
-        tx = make_optimizer(run_cfg.optim, run_cfg.train.steps)
-        like = {"params": params, "opt_state": tx.init(params),
-                **({"ref_params": params} if run_cfg.rl.kl_coef else {})}  # as the run saved
         with closing(Checkpointer(path / "checkpoints")) as ckpt:
-            resumed = ckpt.restore_newest(like, set_aside=False)  # evaluating changes nothing
+            # the policy alone (no optimizer state, no KL reference), onto the loaded params'
+            # layout; evaluating changes nothing
+            resumed = ckpt.restore_newest({"params": params}, set_aside=False, partial=True)
         if resumed is None:
             raise CheckpointError(f"{path / 'checkpoints'}: no complete checkpoint")
         state = resumed[1]
         return merged_model(graphdef, state["params"], frozen), tokenizer, run_cfg
-    model, tokenizer = load_model_and_tokenizer(cfg, checkpoint)
+    model, tokenizer = load_model_and_tokenizer(cfg, checkpoint, layout, sampling=True)
     return model, tokenizer, cfg
 
 
@@ -139,7 +141,7 @@ def run_export(cfg: Config, checkpoint: str, out: str | Path, *, merge: bool = F
     """`jaxagent export`: the policy at `checkpoint` (see `load_policy`) as an HF checkpoint;
     with adapters as a PEFT directory over the base it was trained on, or with `merge` as a
     full HF checkpoint with the adapters merged in."""
-    model, tokenizer, run_cfg = load_policy(cfg, checkpoint)
+    model, tokenizer, run_cfg = load_policy(cfg, checkpoint, sampling_layout(cfg))
     is_run = (Path(checkpoint) / "checkpoints").is_dir()
     base = base_checkpoint(run_cfg.init_from if is_run else checkpoint)
     out = save_policy(merged(model) if merge else model, out, base)
@@ -154,12 +156,13 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = 
     `load_policy`) on `tasks` (a task spec) or the config's held-out split. An agent config
     (`agent.enabled`) plays episodes instead (`evaluate_agent`: pass@k and the agent/...
     metrics, one row per episode)."""
-    model, tokenizer, cfg = load_policy(cfg, checkpoint)
+    layout = sampling_layout(cfg)
+    model, tokenizer, cfg = load_policy(cfg, checkpoint, layout)
+    sampler = make_sampler(model, tokenizer, cfg, layout.sampler_activations)
     if cfg.agent.enabled:
-        return _run_agent_eval(cfg, model, tokenizer, tasks, ks, samples)
+        return _run_agent_eval(cfg, sampler, tokenizer, tasks, ks, samples)
     task_list = load_tasks(tasks) if tasks else load_task_splits(cfg)[1]
     samples = samples or max(cfg.eval.samples, max(ks))
-    sampler = make_sampler(model, tokenizer, cfg)
     with make_scorer(cfg) as scorer:
         scores, rollouts = evaluate(sampler, tokenizer, scorer, task_list, samples=samples,
                                     ks=ks, temperature=cfg.eval.temperature,
@@ -169,7 +172,7 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = 
     return scores, rows
 
 
-def _run_agent_eval(cfg: Config, model, tokenizer, tasks: str | None, ks,
+def _run_agent_eval(cfg: Config, sampler: Sampler, tokenizer, tasks: str | None, ks,
                     samples: int | None) -> tuple[dict, list[dict]]:
     task_list = load_tasks(tasks) if tasks else load_agent_splits(cfg)[1]
     if not task_list:
@@ -179,7 +182,6 @@ def _run_agent_eval(cfg: Config, model, tokenizer, tasks: str | None, ks,
     if any(t.repo is None for t in task_list):
         raise UserError(f"--tasks {tasks}: agent episodes need repository tasks")
     samples = samples or max(cfg.eval.samples, max(ks))
-    sampler = make_sampler(model, tokenizer, cfg)
     with make_scorer(cfg) as scorer:
         scores, trajs = evaluate_agent(cfg, sampler, tokenizer, scorer, task_list,
                                        samples=samples, ks=ks, temperature=cfg.eval.temperature,

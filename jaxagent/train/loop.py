@@ -127,7 +127,7 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
             ckpt.save(0, state.arrays(), {"step": 0, "data": task_iter.get_state()})
         producer = make_producer(cfg, sampler, tokenizer, scorer, task_iter)
         weights = to_sampler.store(state.params, sampler.params)
-        weights.publish(start, to_sampler.sent(state.params))
+        weights.publish(start, state.params)
         bar = progress.add_task("rl", total=t.steps, completed=start, info="")
         with Orchestrator(producer, weights, max_staleness=cfg.rollout.max_staleness,
                           start=start, stop=t.steps, queued=queued,
@@ -146,8 +146,7 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                     rows, feedback, keep = learner.prepare(batch)
                     state, update_metrics, train_s = learner.update(state, rows, feedback, step)
                 done = step + 1
-                sync_s = (weights.publish(done, to_sampler.sent(state.params))
-                          if done < t.steps else 0.0)
+                sync_s = weights.publish(done, state.params) if done < t.steps else 0.0
                 # Log: metrics, a few rollouts, progress; evaluate every eval.every steps.
                 log.step(done, batch, step_row(step, batch, timing, update_metrics, keep, t0=t0,
                                                train_s=train_s, sync_s=sync_s), bar)

@@ -1,10 +1,12 @@
 """What the sampler runs of the trainer's weights, and what a publish sends it.
 
-Full fine-tuning: every weight, copied onto the sampler's devices at each publish. LoRA: the
-sampler keeps its own copy of the frozen base (made once, in its compute dtype), and a publish
-sends the adapters alone; `model.lora.sampler` says what the sampler makes of them: `merged`
-adds s A B into a fresh copy of the base (decoding runs at the base model's speed), `unmerged`
-runs them beside the base (no copy; every adapted projection pays x A B per token).
+Full fine-tuning: every weight, cast to the sampler's compute dtype where the trainer holds
+it, then moved onto the sampler's mesh (`Layout.sampler_params`: a program on the devices, so
+the half-size copy moves) at each publish. LoRA: the sampler keeps its own copy of the frozen
+base (made once, in its compute dtype), and a publish sends the adapters alone (float32 until
+merged); `model.lora.sampler` says what the sampler makes of them: `merged` adds s A B into a
+fresh copy of the base (decoding runs at the base model's speed), `unmerged` runs them beside
+the base (no copy; every adapted projection pays x A B per token).
 """
 
 from __future__ import annotations
@@ -41,33 +43,29 @@ class SamplerWeights:
         """For a model of `cfg` trained as `graphdef` over `frozen` (LoRA's base, or None)."""
         if frozen is None:
             return cls(layout, graphdef)
-        base = compute_weights(layout.sampler_params(frozen), cfg)
+        base = layout.sampler_params(compute_weights(frozen, cfg))
         if cfg.lora.sampler == "unmerged":
             return cls(layout, graphdef, base)
         return cls(layout, base_graphdef(cfg), base, cfg.lora)
 
-    def sent(self, params):
-        """What a publish sends: the trained params (every weight, or the adapters) on the
-        sampler's mesh."""
-        return self.layout.sampler_params(params)
-
-    def received(self, sent):
-        """The sampler's weights from what a publish sent."""
-        if self.base is None:
-            return sent
-        if self.lora is None:
-            return nnx.merge_state(self.base, sent)
-        return _merged(self.base, sent, self.lora)
-
     def weights(self, params):
-        return self.received(self.sent(params))
+        """The sampler's weights of the trained `params` (every weight, or the adapters):
+        moved onto the sampler's mesh, then with LoRA joined to its base."""
+        params = self.layout.sampler_params(params)
+        if self.base is None:
+            return params
+        if self.lora is None:
+            return nnx.merge_state(self.base, params)
+        return _merged(self.base, params, self.lora)
 
     def model(self, params) -> nnx.Module:
         return self.layout.sampler_model(self.graphdef, self.weights(params), placed=True)
 
     def store(self, params, sampler_params) -> WeightStore:
-        """A store of published versions: every weight like the sampler's own (its compute
-        dtype), or adapters like the trained ones (float32 until merged)."""
-        if self.base is None:
-            return WeightStore.like(sampler_params)
-        return WeightStore.like(self.sent(params), prepare=self.received)
+        """A store of published versions of the trained `params`: each copied where the
+        trainer holds it (every weight in the sampler's dtype, like `sampler_params`; adapters
+        as trained: the train step donates its own buffers), then made the sampler's
+        `weights`."""
+        dtypes = jax.tree.map(lambda x: x.dtype, sampler_params if self.base is None else params)
+        return WeightStore(jax.tree.map(lambda x: x.sharding, params), dtypes,
+                           prepare=self.weights)

@@ -20,6 +20,27 @@ def test_keeps_last_n_and_restores_exactly(tmp_path):
     ckpt.close()
 
 
+def test_partial_restore_reads_the_named_arrays_onto_their_shardings(tmp_path):
+    """What `eval` of a run's workdir restores: the policy, not the optimizer state."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(8, 6)).astype(np.float32)
+    ckpt = Checkpointer(tmp_path / "ckpt", async_save=False)
+    ckpt.save(5, {"params": {"w": jnp.asarray(w)}, "opt_state": {"mu": jnp.ones((8, 6))}},
+              {"step": 5})
+    ckpt.close()
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    sharding = NamedSharding(mesh, PartitionSpec("a", "b"))
+    like = {"params": {"w": jax.device_put(jnp.zeros((8, 6)), sharding)}}
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    step, restored, extra = ckpt.restore_newest(like, set_aside=False, partial=True)
+    ckpt.close()
+    assert (step, extra, list(restored)) == (5, {"step": 5}, ["params"])
+    assert restored["params"]["w"].sharding == sharding
+    np.testing.assert_array_equal(restored["params"]["w"], w)
+
+
 def test_metrics_resume_drops_rows_after_the_checkpoint(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
     for step in range(1, 6):

@@ -67,6 +67,14 @@ def test_override_applies_after_file(tmp_path):
     assert load_config(path, ["model.num_layers=6"]).model.num_layers == 6
 
 
+def test_overrides_of_an_optional_section_add_up(tmp_path):
+    cfg = load_config(None, ["sampler.mesh.expert=2", "sampler.mesh.tensor=4"])
+    assert (cfg.sampler.mesh.expert, cfg.sampler.mesh.tensor) == (2, 4)
+    path = write(tmp_path, "x.yaml", "sampler:\n  mesh:\n    tensor: 2\n")
+    assert load_config(path, ["sampler.mesh.data=3"]).sampler.mesh.tensor == 2
+    assert load_config(None, ["sampler.mesh=null"]).sampler.mesh is None
+
+
 def test_unknown_key_names_path_and_file(tmp_path):
     path = write(tmp_path, "bad.yaml", "model:\n  num_layerz: 3\n")
     with pytest.raises(ConfigError) as e:

@@ -126,7 +126,7 @@ def test_sampler_weights_give_the_trainers_logits(mode):
     layout = Layout(MeshConfig())
     to_sampler = SamplerWeights.create(cfg, layout, graphdef, frozen)
     store = to_sampler.store(params, None)
-    store.publish(1, to_sampler.sent(params))
+    store.publish(1, params)
     sampler_model = nnx.merge(to_sampler.graphdef, store.take(1))
     assert (sampler_model.config.lora.rank == 0) == (mode == "merged")
     tokens = rollouts().tokens

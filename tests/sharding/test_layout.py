@@ -1,4 +1,10 @@
-"""The sampler on its own mesh: weights resharded from the trainer's mesh, same samples."""
+"""The sampler on its own mesh: weights resharded from the trainer's mesh, same samples; across
+processes, the publish is one program on the devices (2 local processes, gloo)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -58,3 +64,34 @@ def test_host_copy_brings_sharded_weights_to_host_memory_whole():
     for k, v in values.items():
         assert isinstance(host[k], np.ndarray)
         np.testing.assert_array_equal(host[k], v)
+
+
+def test_sampler_params_are_the_trainers_on_the_samplers_layout():
+    layout = Layout(MeshConfig(data=1, fsdp=4, tensor=2), MeshConfig(data=2, expert=2, tensor=2))
+    _, params = layout.split(init_model(MODEL, seed=4))
+    expected = [np.asarray(x) for x in jax.tree.leaves(params)]
+    ours = layout.sampler_params(params)
+    for x in jax.tree.leaves(params):
+        x.delete()  # what the train step's donation does: the sampler's copy is its own
+    ruled = shardings(ours, layout.sampler_mesh, layout.rules)
+    for got, want, value in zip(*map(jax.tree.leaves, (ours, ruled)), expected):
+        assert got.sharding.is_equivalent_to(want, got.ndim)
+        assert all(s.data.shape == got.sharding.shard_shape(got.shape)
+                   for s in got.addressable_shards)
+        np.testing.assert_array_equal(np.asarray(got), value)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # two processes start, join and compile: ~30 s on the shared cores
+def test_publish_across_processes_moves_each_device_its_sampler_blocks(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))},
+           "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        ["bash", str(ROOT / "launch/local_multihost.sh"), "--logdir", str(tmp_path), "2", "4",
+         "--", sys.executable, str(Path(__file__).parent / "publish_probe.py")],
+        check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "process 0 of 2: ok" in out.stdout
+    assert "process 1 of 2: ok" in (tmp_path / "process_1.log").read_text()
