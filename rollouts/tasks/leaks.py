@@ -86,7 +86,7 @@ MIN_RENAMED_KINDS = 8
 REVEAL_SHARE = 0.5
 REVEAL_WORDS = 24
 # Runs found at most this many tokens apart are one place: a copy with a stretch of up to
-# PLACE_GAP - WINDOW + 1 tokens changed, not two idioms with other code between them.
+# PLACE_GAP - WINDOW tokens changed, not two idioms with other code between them.
 PLACE_GAP = 2 * WINDOW
 # Archives are opened this many levels deep and expanded to at most this many bytes.
 ARCHIVE_DEPTH = 3
