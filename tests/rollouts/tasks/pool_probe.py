@@ -1,8 +1,8 @@
 """The trainer's shared task pool (single completions: `jaxagent.train.build.task_pool` and
 `task_stream`, `jaxagent.train.loop.pool_outcomes`) run for a few steps. Under
 launch/local_multihost.sh, `python pool_probe.py OUT PROMPTS_PER_PROCESS` writes what each
-process drew at each step and its pool's final state to OUT/process_I.json; `run` is the same
-in one process."""
+process drew at each step, its pool's final state and the tasks an agent run would pool there
+to OUT/process_I.json; `run` is the same in one process."""
 
 from __future__ import annotations
 
@@ -65,11 +65,16 @@ class Producer:
         pass
 
 
+def tasks() -> list[Task]:
+    return [Task(id=f"t{i}", prompt=f"task {i}", entry_point="f", tests=()) for i in range(13)]
+
+
 def run(cfg: Config, timing: int) -> dict:
-    """{"draws": this process's task ids per step, "state": its pool's state at the end}, as
+    """{"draws": this process's task ids per step, "state": its pool's state at the end,
+    "agent_pool": the tasks an agent run's pool would hold here}, as
     jaxagent.train.loop.run_rl drives the pool: record each batch's gathered outcomes, apply
     them before the draws of the weights trained on them."""
-    train = [Task(id=f"t{i}", prompt=f"task {i}", entry_point="f", tests=()) for i in range(13)]
+    train = tasks()
     pool = task_pool(cfg, train)
     task_iter = task_stream(cfg, train, pool)
     store = WeightStore.like({"version": jnp.asarray(0)})
@@ -86,7 +91,9 @@ def run(cfg: Config, timing: int) -> dict:
             time.sleep(rng.uniform(0, 0.003))  # the update
             if step + 1 < STEPS:
                 store.publish(step + 1, {"version": jnp.asarray(step + 1)})
-    return {"draws": draws, "state": pool.get_state()}
+    agent = load_config(None, ["agent.enabled=true", "tasks.pool.size=3"])
+    return {"draws": draws, "state": pool.get_state(),
+            "agent_pool": [t.id for t in task_pool(agent, train).tasks]}
 
 
 if __name__ == "__main__":

@@ -159,11 +159,12 @@ def test_a_batch_draws_the_same_tasks_under_any_timing_and_after_a_resume(k):
     assert resumed == {s: v for s, v in straight.items() if s >= 6}
 
 
-@pytest.mark.slow  # two JAX processes joined over gloo, ~15 s on 2 shared cores
+@pytest.mark.slow  # two JAX processes joined over gloo, 5-11 s on 2 shared cores
 def test_processes_sharing_one_pool_draw_what_one_process_draws(tmp_path):
     """Single completions on 2 processes: each process's pool hears every process's groups
     (gathered), so both pools stay the same and the global batches, in process order, are
-    those of 1 process drawing both shares, retirements included."""
+    those of 1 process drawing both shares, retirements included. Agent runs: a pool per
+    process over its own shard."""
     import importlib.util
     import json
     import os
@@ -187,3 +188,6 @@ def test_processes_sharing_one_pool_draw_what_one_process_draws(tmp_path):
     assert multi[0]["state"] == multi[1]["state"] == single["state"]
     assert single["state"]["retirements"] >= 3  # the easy tasks retired and others came in
     assert [a + b for a, b in zip(multi[0]["draws"], multi[1]["draws"])] == single["draws"]
+    # an agent run pools each process's own shard: disjoint, every task in one of them
+    shards = [set(m["agent_pool"]) for m in multi]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == set(single["agent_pool"])
