@@ -120,8 +120,9 @@ def _enclosing(source: str, line: int) -> str | None:
     return None
 
 
-# A function whose body holds this share of a deleted body is a duplicate (deleted too); one
-# that shares less (a common line) leaves a leak that refuses the feature.
+# A function whose body holds this share of a deleted body's words is a duplicate (deleted
+# too); one that shares less but still several lines (`leaks.REVEAL_WORDS`) leaves a leak that
+# refuses the feature; one sharing an idiom is no copy (`leaks.Body.find`).
 VENDORED_SHARE = 0.5
 
 

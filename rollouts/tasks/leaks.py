@@ -7,7 +7,9 @@ a task's repository and from every commit of its history (they hold copies of th
 verbatim). `find_leaks` then looks for the deleted bodies in whatever is left: tokens, not
 characters, so a re-indented or reformatted copy matches; as words only (comment markers,
 doctest prompts, diff signs and punctuation ignored); and with every identifier renamed when
-the body is long enough for that not to be chance. Every text is also read decoded (HTML tags
+the body is long enough for that not to be chance. A place counts as a copy only if what it
+holds reveals half the body's words or REVEAL_WORDS of them: an idiom the body shares with
+other code (a loop header, a guard clause) is not one. Every text is also read decoded (HTML tags
 stripped, entities, %XX and backslash escapes undone, quoted lines joined as in notebooks and
 .po files), bare (no comments, no line numbers) and with its base64 runs decoded. Archives are
 opened (zip, tar, gzip, bz2, xz, zlib, nested), UTF-16/32 text decoded and other binary files
@@ -78,6 +80,14 @@ WINDOW = 16
 # has three: the shape of any constructor, not of this one).
 MIN_RENAMED = 20
 MIN_RENAMED_KINDS = 8
+# A place in a text that holds runs of a body copies it if they reveal this share of the body's
+# words, or this many of them (several lines of a long body); fewer is an idiom the body shares
+# with other code (`for key, value in self.items():` and the line after it).
+REVEAL_SHARE = 0.5
+REVEAL_WORDS = 24
+# Runs found at most this many tokens apart are one place: a copy with a stretch of up to
+# PLACE_GAP - WINDOW tokens changed, not two idioms with other code between them.
+PLACE_GAP = 2 * WINDOW
 # Archives are opened this many levels deep and expanded to at most this many bytes.
 ARCHIVE_DEPTH = 3
 ARCHIVE_BYTES = 64 << 20
@@ -301,19 +311,6 @@ class _Runs:
         return runs
 
 
-def _patterns(toks: Sequence[str], window: int | None) -> dict[int, np.ndarray]:
-    """length -> hashes: every run of `window` tokens, or the whole stream if `window` is
-    None or longer than it."""
-    runs = _Runs(toks)
-    length = len(toks) if window is None else min(window, len(toks))
-    return {length: np.unique(runs.of_length(length))}
-
-
-def _merge(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-    return {n: np.union1d(a.get(n, np.zeros(0, np.uint64)), b.get(n, np.zeros(0, np.uint64)))
-            for n in a.keys() | b.keys()}
-
-
 @dataclass(frozen=True)
 class Leak:
     path: str  # the file
@@ -325,46 +322,99 @@ class Leak:
         return f"{self.path}{self.member}:{self.line} holds a copy of the deleted body of {self.name}"
 
 
+def _covered(first: np.ndarray, last: np.ndarray, size: int) -> np.ndarray:
+    """Which of `size` positions lie in some interval first[i] .. last[i] - 1."""
+    edges = np.zeros(size + 1, np.int64)
+    np.add.at(edges, first, 1)
+    np.add.at(edges, last, -1)
+    return np.cumsum(edges[:-1]) > 0
+
+
+class _Pattern:
+    """The runs of one kind of a body's token stream that a copy would hold: every distinct
+    run of `length` tokens (`hashes`) and the body's words its first occurrence covers
+    (`first` up to `last`, exclusive), so a copy is measured by the words it reveals (a line
+    the body repeats is revealed once)."""
+
+    def __init__(self, runs: np.ndarray, length: int, first: np.ndarray, last: np.ndarray):
+        self.hashes, at = np.unique(runs, return_index=True)
+        self.length, self.first, self.last = length, first[at], last[at]
+
+
 class Body:
-    """The token patterns of one deleted body (as written and without its comments): every
-    run of WINDOW tokens (the whole body when shorter) and of WINDOW words, and the whole body
-    renamed; each as hashes by length."""
+    """What a copy of one deleted body holds, for each form of it (as written, and without its
+    comments): every run of WINDOW tokens (the whole body when shorter) and of WINDOW words,
+    and the whole body renamed. A text copies the body where its matching runs, found
+    together (`_places`), reveal REVEAL_SHARE of the body's words or REVEAL_WORDS of them: a
+    common idiom shared with another function (a loop header and its first line) is not a
+    copy of the feature."""
 
     def __init__(self, name: str, source: str):
         self.name = name
         self.lines = sum(1 for line in source.splitlines() if line.strip())  # of code, for stats
-        self.patterns: dict[str, dict[int, np.ndarray]] = {"exact": {}, "words": {}, "renamed": {}}
-        for text in {source, _without_comments(source)}:
+        self.forms: list[tuple[int, dict[str, _Pattern]]] = []  # (words, kind -> pattern)
+        for text in dict.fromkeys([source, _without_comments(source)]):
             toks, _ = _tokens(text)
-            words = _words(toks)
+            is_word = np.fromiter((bool(_WORD.match(t)) for t in toks), bool, len(toks))
+            before = np.concatenate([[0], np.cumsum(is_word)])  # words before each token
+            n = int(before[-1])
             renamed = _renamed(toks)
             distinctive = len(set(renamed) - {"N"}) >= MIN_RENAMED_KINDS
+            patterns = {}
             for kind, stream, window, least in (("exact", toks, WINDOW, MIN_TOKENS),
-                                                ("words", words, WINDOW, WINDOW),
+                                                ("words", _words(toks), WINDOW, WINDOW),
                                                 ("renamed", renamed, None, MIN_RENAMED)):
-                if len(stream) >= least and (kind != "renamed" or distinctive):
-                    self.patterns[kind] = _merge(self.patterns[kind], _patterns(stream, window))
+                if len(stream) < least or (kind == "renamed" and not distinctive):
+                    continue
+                length = len(stream) if window is None else min(window, len(stream))
+                starts = np.arange(len(stream) - length + 1)
+                first, last = ((starts, starts + length) if kind == "words"
+                               else (before[starts], before[starts + length]))
+                patterns[kind] = _Pattern(_Runs(stream).of_length(length), length, first, last)
+            self.forms.append((n, patterns))
+        # every form's runs of each kind and length, to pass over a text that holds none at once
+        self._any: dict[tuple[str, int], np.ndarray] = {}
+        for _, patterns in self.forms:
+            for kind, p in patterns.items():
+                key = (kind, p.length)
+                self._any[key] = np.union1d(self._any.get(key, p.hashes), p.hashes)
+
+    def _places(self, view: _View) -> Iterator[tuple[int, float, int]]:
+        """(line, share of the body's words, words) of each place of `view` that holds runs
+        of this body: runs of one kind that start at most PLACE_GAP tokens apart are one place
+        (a copy, however reformatted, with a few tokens changed), farther ones another (an
+        idiom elsewhere). A place reveals the body's words its runs cover, at most as many
+        as it holds (an idiom the body repeats, found once, reveals it once)."""
+        if not any(np.isin(view.runs(kind).of_length(length), hashes).any()
+                   for (kind, length), hashes in self._any.items()):
+            return
+        for words, patterns in self.forms:
+            for kind, pattern in patterns.items():
+                runs = view.runs(kind).of_length(pattern.length)
+                hits = np.flatnonzero(np.isin(runs, pattern.hashes))
+                if not hits.size:
+                    continue
+                for place in np.split(hits, np.flatnonzero(np.diff(hits) > PLACE_GAP) + 1):
+                    found = np.isin(pattern.hashes, runs[place])
+                    body = _covered(pattern.first[found], pattern.last[found], words).sum()
+                    revealed = min(int(body), view.words_in(kind, place, pattern.length))
+                    yield view.line(kind, int(place[0])), revealed / max(words, 1), revealed
 
     def find(self, text: str | Scanned) -> int | None:
         """The line where the first copy starts in `text`, or None."""
         scanned = text if isinstance(text, Scanned) else Scanned(text)
         for view in scanned.views:
-            found = [line for kind, patterns in self.patterns.items()
-                     if patterns and (line := view.find(kind, patterns)) is not None]
+            found = [line for line, share, revealed in self._places(view)
+                     if share >= REVEAL_SHARE or revealed >= REVEAL_WORDS]
             if found:
                 return min(found)
         return None
 
     def share(self, text: str) -> float:
-        """How much of this body `text` copies: 1 for a renamed whole copy, else the largest
-        share of its token runs (or word runs) found in any reading of `text`."""
-        best = 0.0
-        for view in Scanned(text).views:
-            for kind, patterns in self.patterns.items():
-                for length, hashes in patterns.items():
-                    found = np.isin(hashes, view.runs(kind).of_length(length)).mean()
-                    best = max(best, 1.0 if kind == "renamed" and found else float(found))
-        return best
+        """How much of this body `text` copies: the largest share of its words that one place
+        of `text` holds in any reading (1 for a renamed whole copy)."""
+        return max((share for view in Scanned(text).views for _, share, _ in self._places(view)),
+                   default=0.0)
 
 
 class _View:
@@ -375,6 +425,7 @@ class _View:
         self._toks = toks
         self._lines = {"exact": lines, "renamed": lines}
         self._runs: dict[str, _Runs] = {}
+        self._is_word: np.ndarray | None = None
 
     def runs(self, kind: str) -> _Runs:
         if kind not in self._runs:
@@ -386,12 +437,21 @@ class _View:
             self._runs[kind] = _Runs(_renamed(toks) if kind == "renamed" else toks)
         return self._runs[kind]
 
-    def find(self, kind: str, patterns: dict[int, np.ndarray]) -> int | None:
-        """The line of the earliest run of `kind` tokens whose hash is one of `patterns`."""
-        runs = self.runs(kind)
-        starts = [int(hits[0]) for length, hashes in patterns.items()
-                  if (hits := np.flatnonzero(np.isin(runs.of_length(length), hashes))).size]
-        return int(self._lines[kind][min(starts)]) if starts else None
+    def words_in(self, kind: str, starts: np.ndarray, length: int) -> int:
+        """How many words the runs of `length` `kind` tokens at `starts` (sorted) cover."""
+        lo, hi = int(starts[0]), int(starts[-1]) + length
+        covered = _covered(starts - lo, starts - lo + length, hi - lo)
+        if kind == "words":
+            return int(covered.sum())
+        if self._is_word is None:
+            self._is_word = np.fromiter((bool(_WORD.match(t)) for t in self._toks), bool,
+                                        len(self._toks))
+        return int(self._is_word[lo:hi][covered].sum())
+
+    def line(self, kind: str, start: int) -> int:
+        """The line where the run of `kind` tokens at `start` begins."""
+        self.runs(kind)
+        return int(self._lines[kind][start])
 
 
 def _decoded(text: str, tags: bool) -> str:

@@ -12,6 +12,7 @@ from jaxagent.cli import main as cli
 from rollouts.sandbox import Sandbox
 from rollouts.tasks.deletion import (
     STUB,
+    VENDORED_SHARE,
     Target,
     candidates,
     delete_bodies,
@@ -20,6 +21,7 @@ from rollouts.tasks.deletion import (
     with_vendored_copies,
 )
 from rollouts.tasks.embedded import build_embedded_repo, git
+from rollouts.tasks.leaks import Body
 
 SHIPPED = Path(__file__).resolve().parents[3] / "rollouts" / "tasks" / "data" / "textkit_tasks"
 
@@ -77,15 +79,32 @@ def test_vendored_copies_inside_functions_join_the_feature_and_others_are_left()
     # (each copies both deleted bodies: the vendored one is the same code)
     assert sorted({(leak.path, leak.line) for leak in leaks}) == [
         ("conftest.py", 2), ("scripts/demo.py", 2), ("tests/helpers.py", 2)]
-    # a function that shares one line with the body is no duplicate: it stays, and refuses
+    # a function that shares several lines (less than half the body) is no duplicate: it
+    # stays, and refuses
     check = ('    if width < 0 or height < 0:\n'
-             '        raise ValueError(f"negative side: width={width!r} height={height!r} in cm")\n')
-    files = {"geom/shapes.py": f'def perimeter(width, height):\n    """Perimeter."""\n{check}{body}',
+             '        raise ValueError(f"negative side: width={width!r} height={height!r} in cm")\n'
+             '    if not isinstance(width, (int, float)) or not isinstance(height, (int, float)):\n'
+             '        raise TypeError(f"sides are numbers, not {type(width).__name__}")\n')
+    rest = ("    scale = {'mm': 0.1, 'cm': 1.0, 'dm': 10.0, 'm': 100.0, 'km': 1e5}[unit]\n"
+            "    rounded = round(total * scale / precision) * precision\n"
+            "    log.debug('perimeter of %s by %s in %s: %s', width, height, unit, rounded)\n"
+            "    return rounded\n")
+    long_body = check + body.replace("    return total\n", rest)
+    files = {"geom/shapes.py": ('def perimeter(width, height, unit, precision):\n'
+                                f'    """Perimeter."""\n{long_body}'),
              "geom/checks.py": f"def check(width, height):\n{check}    return True\n"}
+    assert 0.3 < Body("p", long_body).share(check) < VENDORED_SHARE
     feature, leaks = with_vendored_copies(files, [Target.parse("geom/shapes.py::perimeter")],
                                           ["tests"])
     assert feature == (Target("geom/shapes.py", "perimeter"),)
     assert [(leak.path, leak.line) for leak in leaks] == [("geom/checks.py", 2)]
+    # one sharing an idiom (a loop header and the line after it) is no copy: the feature stays
+    files["geom/checks.py"] = ("def widths(items):\n"
+                               "    for side in (width, height, width, height):\n"
+                               "        total = total + abs(side)\n"
+                               "    return [item.width for item in items]\n")
+    assert with_vendored_copies(files, [Target.parse("geom/shapes.py::perimeter")], ["tests"]) == (
+        (Target("geom/shapes.py", "perimeter"),), [])
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,16 @@ import pytest
 
 from rollouts.tasks.deletion import Target, load_deletion_task, make_deletion_tasks
 from rollouts.tasks.embedded import git
-from rollouts.tasks.leaks import _BASE, Body, Readings, _Runs, find_leaks, generated
+from rollouts.tasks.leaks import (
+    _BASE,
+    REVEAL_SHARE,
+    Body,
+    Leak,
+    Readings,
+    _Runs,
+    find_leaks,
+    generated,
+)
 
 AREA_BODY = '''    if width < 0 or height < 0:
         raise ValueError("negative side")
@@ -216,6 +225,27 @@ def test_every_dressing_of_a_copy_is_found():
             "        total_sum += item_value * weight_of(item_value)\n"
             "    return total_sum / len(values)\n")
     assert Body("mean", mean).find("Written out:\n\n" + mean.replace("_", "\\_")) == 3
+
+
+def test_a_copy_reveals_the_body_and_a_shared_idiom_does_not():
+    """A place counts as a copy when it reveals half the body's words or REVEAL_WORDS of them;
+    a loop header and the line after it, shared with other code, reveal neither."""
+    body = Body("split", SPLIT_BODY)
+    idiom = "\n".join(SPLIT_CODE[1:3]) + "\n            pass\n"  # for ...: / if char in '([{':
+    assert body.find(idiom) is None and 0 < body.share(idiom) < REVEAL_SHARE
+    # twice in one file, with other code between: two idioms, not one copy
+    twice = (f"def a(text):\n{idiom}    return 1\n\n\ndef b(text, sep):\n"
+             f"    \"\"\"Another.\"\"\"\n{idiom}    return 2\n")
+    assert find_leaks([body], {"two.py": twice, "nb.md": f"```\n{idiom}```\n"}) == []
+    # several lines of it: a copy, wherever and however it is written
+    part = "\n".join(SPLIT_CODE[1:8]) + "\n"
+    assert [leak.path for leak in find_leaks([body], {
+        "part.py": part, "part.md": "".join(f"> {line}\n" for line in part.splitlines()),
+        "idiom.py": idiom})] == ["part.md", "part.py"]
+    # a whole copy with one token changed in the middle: its two halves (each under the
+    # thresholds alone) are one place
+    changed = "\n".join(SPLIT_CODE).replace("elif char == sep", "if char == sep")
+    assert find_leaks([body], {"changed.py": changed}) == [Leak("changed.py", 1, "split")]
 
 
 def test_readings_kept_across_bodies_find_what_fresh_ones_do():

@@ -157,3 +157,37 @@ def test_a_batch_draws_the_same_tasks_under_any_timing_and_after_a_resume(k):
     queued = [RolloutBatch.from_json(b) for b in snap["queued"]]
     resumed, _ = train(k, timing=3, start=6, state=snap["data"], queued=queued)
     assert resumed == {s: v for s, v in straight.items() if s >= 6}
+
+
+@pytest.mark.slow  # two JAX processes joined over gloo, 5-11 s on 2 shared cores
+def test_processes_sharing_one_pool_draw_what_one_process_draws(tmp_path):
+    """Single completions on 2 processes: each process's pool hears every process's groups
+    (gathered), so both pools stay the same and the global batches, in process order, are
+    those of 1 process drawing both shares, retirements included. Agent runs: a pool per
+    process over its own shard."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("pool_probe", Path(__file__).with_name("pool_probe.py"))
+    pool_probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool_probe)
+    root = Path(__file__).resolve().parents[3]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))},
+           "PYTHONPATH": str(root)}
+    out = subprocess.run(["bash", str(root / "launch" / "local_multihost.sh"), "--logdir",
+                          str(tmp_path), "2", "1", "--", sys.executable, pool_probe.__file__,
+                          str(tmp_path), "2"],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    multi = [json.loads((tmp_path / f"process_{p}.json").read_text()) for p in range(2)]
+    single = pool_probe.run(pool_probe.config(4), timing=7)
+    assert multi[0]["state"] == multi[1]["state"] == single["state"]
+    assert single["state"]["retirements"] >= 3  # the easy tasks retired and others came in
+    assert [a + b for a, b in zip(multi[0]["draws"], multi[1]["draws"])] == single["draws"]
+    # an agent run pools each process's own shard: disjoint, every task in one of them
+    shards = [set(m["agent_pool"]) for m in multi]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == set(single["agent_pool"])
