@@ -124,6 +124,10 @@ def validate(cfg: Config) -> Config:
         (not cfg.sft.copy_steps or (cfg.sft.data == "agent" and cfg.sft.steps > 0),
          "sft.copy_steps",
          "needs sft.data: agent and sft.steps > 0 (copy rows are cut from the demonstrations)"),
+        (not cfg.sft.redraw_facts or (cfg.sft.data == "agent" and cfg.agent.tasks.startswith(
+            "embedded:")), "sft.redraw_facts",
+         "needs sft.data: agent over the embedded family (agent.tasks: embedded:N), whose "
+         "tasks know their facts"),
         (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
         (cfg.tasks.pool.size >= 0, "tasks.pool.size", "must be >= 0 (0: no pool)"),
         (cfg.tasks.pool.retire_after >= 1, "tasks.pool.retire_after", "must be >= 1"),

@@ -69,6 +69,9 @@ class SFTConfig:
     copy_steps: int = 0
     copy_batch_size: int = 16
     copy_data: Literal["demonstrations", "paths"] = "demonstrations"
+    # agent only: each drawn demonstration with its task's facts drawn afresh
+    # (rollouts.tasks.agent_family.redraw), so the facts cannot be memorised, only copied
+    redraw_facts: bool = False
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,13 @@ from rollouts.agent.demos import (
     demonstrate,
     path_copy_rows,
     scripted_calls,
+    substitute_trajectory,
     turn_weights,
 )
 from rollouts.agent.formats import make_format
 from rollouts.environment import Trajectory
 from rollouts.tasks import Task
+from rollouts.tasks.agent_family import redraw
 from rollouts.tasks.documents import lookup_examples
 from sharding.distributed import initialize, is_leader
 from sharding.layout import Layout
@@ -103,11 +105,18 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
     if s.data == "agent":
         played = _agent_demonstrations(cfg, tokenizer, tasks, progress)
         demos = [traj for traj, _ in played]
-        # One padded length for every draw (the longest demonstration): one compiled step.
-        length = max(len(t.tokens) for t in demos) - 1
+        # One padded length for every draw (the longest demonstration, with room for redrawn
+        # facts' longer names): one compiled step.
+        length = max(len(t.tokens) for t in demos) - 1 + (32 if s.redraw_facts else 0)
+
+        def demo(i, rng):
+            if not s.redraw_facts:
+                return demos[i]
+            mapping = redraw(tasks[i], random.Random(int(rng.integers(2**63))))
+            return substitute_trajectory(demos[i], mapping, tokenizer)
 
         def draw(rng):
-            rows = [demos[i] for i in rng.integers(0, len(demos), s.batch_size)]
+            rows = [demo(i, rng) for i in rng.integers(0, len(demos), s.batch_size)]
             return pack([t.tokens[:t.prompt_len] for t in rows],
                         [t.tokens[t.prompt_len:] for t in rows], bucket=length,
                         completion_masks=[turn_weights(t.policy_mask[t.prompt_len:])

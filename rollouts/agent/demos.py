@@ -5,6 +5,7 @@ warm-up's short rows: cut from them (`copy_rows`) or made up (`path_copy_rows`).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import random
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall
 from rollouts.environment import Environment, Trajectory
-from rollouts.tasks.agent_family import made_up_word
+from rollouts.tasks.agent_family import made_up_word, substitute
 from rollouts.tasks.task import Task
 
 
@@ -98,6 +99,39 @@ def turn_weights(policy_mask: Sequence[bool]) -> list[float]:
             weights[start:i] = [1.0 / (i - start)] * (i - start)
             start = None
     return weights
+
+
+def substitute_trajectory(traj: Trajectory, mapping: dict[str, str], tokenizer) -> Trajectory:
+    """`traj` with `substitute(text, mapping)` applied to each run of prompt, observation or
+    action text, re-encoded (special tokens, such as an action's stop token, kept in place); the
+    policy mask and the prompt length follow. With `rollouts.tasks.agent_family.redraw`'s
+    mapping this is the demonstration of the task's other draw, token for token."""
+    if not mapping:
+        return traj
+    tokens, mask, seen = [], [], {}
+
+    def plain(t: int) -> bool:  # text that survives decode + encode (not a special token)
+        if t not in seen:
+            seen[t] = tokenizer.encode(tokenizer.decode([t])) == [t]
+        return seen[t]
+
+    start, n = 0, len(traj.tokens)
+    prompt_len = None
+    while start < n:
+        end = start + 1  # a run: same mask, all plain text, within the prompt or after it
+        while (end < n and traj.policy_mask[end] == traj.policy_mask[start]
+               and end != traj.prompt_len and plain(traj.tokens[end]) == plain(traj.tokens[start])):
+            end += 1
+        run = traj.tokens[start:end]
+        if plain(run[0]):
+            run = tokenizer.encode(substitute(tokenizer.decode(run), mapping))
+        if start == traj.prompt_len:
+            prompt_len = len(tokens)
+        tokens += run
+        mask += [traj.policy_mask[start]] * len(run)
+        start = end
+    return dataclasses.replace(traj, tokens=tokens, policy_mask=mask, logprobs=[0.0] * len(tokens),
+                               prompt_len=len(tokens) if prompt_len is None else prompt_len)
 
 
 def value_spans(tokenizer, action: Sequence[int], call: ToolCall,

@@ -31,6 +31,7 @@ import itertools
 import json
 import keyword
 import random
+import re
 import sys
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -91,6 +92,7 @@ def _constant(rng: random.Random, names: str) -> dict:
     return {"files": {f"{pkg}/__init__.py": "", path: source.format(wrong),
                       f"tests/test_{mod}.py": test},
             "reference": {path: source.format(value)}, "prompt": prompt,
+            "facts": {"const": const, "wrong": wrong, "value": value, "op": op},
             # a blind guess from the prompt alone: some other value
             "blind": {path: source.format(wrong + 1 if wrong + 1 != value else wrong + 2)}}
 
@@ -114,7 +116,7 @@ def _exception(rng: random.Random, names: str) -> dict:
     return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/errors.py": f'"""Errors."""\n{classes}',
                       path: head + tail, f"tests/test_{mod}.py": test},
             "reference": {path: head + f"    if n < 0:\n        raise errors.{err}(n)\n" + tail},
-            "prompt": prompt,
+            "prompt": prompt, "facts": {"error": err, "errors": errors, "k": k},
             "blind": {path: head + "    if n < 0:\n        raise ValueError(n)\n" + tail}}
 
 
@@ -193,7 +195,7 @@ def _edge_case(rng: random.Random, names: str) -> dict:
               "there, which the tests give. Make the tests pass.")
     return {"files": {f"{pkg}/__init__.py": "", path: head + tail, f"tests/test_{mod}.py": test},
             "reference": {path: head + f"    if not xs:\n        return {default}\n" + tail},
-            "prompt": prompt,
+            "prompt": prompt, "facts": {"default": default},
             "blind": {path: head + "    if not xs:\n        return None\n" + tail}}
 
 
@@ -220,6 +222,47 @@ def answer_leaks(task: Task) -> list[str]:
             if key and line not in old and any(key in text for text in texts.values()):
                 out.append(f"{path}: {key}")
     return out
+
+
+def redraw(task: Task, rng: random.Random) -> dict[str, str]:
+    """Another draw of the task's facts (the values a solver must find in the test output), as
+    {old text: new text}: `substitute` with it turns the task's prompt, files and reference, and
+    any episode played on the task, into those of the other draw (tests replay both). So a
+    warm-up can show one demonstration with facts it has not seen, which a model can only get
+    right by copying them from the context. Empty for the templates without such facts
+    (`helper`, `hidden_file`) and for a task whose facts' texts coincide."""
+    facts, family = json.loads(task.metadata.get("facts", "{}")), task.metadata["family"]
+    if family == "constant":
+        old = [facts["const"], str(facts["wrong"]), str(facts["value"])]
+        value, wrong = rng.sample(range(10, 100), 2)
+        new = [rng.choice(_CONSTS), str(wrong), str(value)]
+        if facts["op"] == "add":  # the second check's expected value
+            old.append(str(facts["value"] + 5))
+            new.append(str(value + 5))
+    elif family == "exception":
+        err, k, k2 = facts["error"], facts["k"], rng.randint(2, 9)
+        # the new error stays distinct from the other classes of errors.py
+        others = set(facts["errors"]) - {err}
+        old = [err, f"n * {k}", f"{k} units", f"== {2 * k}"]
+        new = [rng.choice([e for e in _ERRORS if e not in others]), f"n * {k2}", f"{k2} units",
+               f"== {2 * k2}"]
+    elif family == "edge_case":
+        old, new = [str(facts["default"])], [str(rng.randint(-99, -1))]
+    else:
+        return {}
+    if len(set(old)) < len(old) or len(set(new)) < len(new):
+        return {}
+    return dict(zip(old, new))
+
+
+def substitute(text: str, mapping: dict[str, str]) -> str:
+    """`text` with every whole occurrence of a key of `mapping` (not inside a longer word or
+    number) replaced by its value, all at once."""
+    if not mapping:
+        return text
+    keys = sorted(mapping, key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, keys)) + r")(?!\w)")
+    return pattern.sub(lambda m: mapping[m.group(0)], text)
 
 
 def _held_out(key: str) -> bool:
@@ -262,6 +305,7 @@ def _generate(seed: int, templates: Sequence[str] | None, names: str) -> Iterato
                       "repo_key": task_id, "reference": json.dumps(made["reference"]),
                       "blind": json.dumps(made["blind"]),
                       "reads": json.dumps(made.get("reads", sorted(made["reference"]))),
+                      "facts": json.dumps(made.get("facts", {})),
                       "split_key": json.dumps([name, made["files"], made["prompt"]],
                                               sort_keys=True)})
 

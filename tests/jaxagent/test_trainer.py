@@ -95,6 +95,7 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     (["sft.data=agent"], "sft.data: agent demonstrations need agent.enabled: true"),
     (["sft.copy_steps=-1"], "sft.copy_steps: must be >= 0"),
     (["sft.copy_steps=4"], "sft.copy_steps: needs sft.data: agent and sft.steps > 0"),
+    (["sft.redraw_facts=true"], "sft.redraw_facts: needs sft.data: agent over the embedded"),
     (["agent.enabled=true", "sft.data=agent", "sft.copy_steps=4", "sft.copy_batch_size=12"],
      "sft.copy_batch_size: the global batch (12 rows) does not split over the 8"),
     (["agent.enabled=true", "agent.episodes=0"], "agent.episodes: must be >= 1"),

@@ -3,6 +3,7 @@ the action up to its copied values, with the loss on exactly those values."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -15,12 +16,13 @@ from rollouts.agent.demos import (
     demonstrate,
     path_copy_rows,
     scripted_calls,
+    substitute_trajectory,
     value_spans,
 )
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall, make_format
 from rollouts.rewards import Scorer
-from rollouts.tasks.agent_family import agent_family_tasks
+from rollouts.tasks.agent_family import agent_family_tasks, redraw, substitute
 
 TOK = ByteTokenizer()
 
@@ -112,3 +114,42 @@ def test_path_copy_rows_name_one_made_up_path_and_weight_only_its_copy():
         assert TOK.decode(context).count(path) == 1 and path.endswith(".py")
         assert len(context) + len(prefix) < 130  # short rows: the point of them
     assert len(paths) == 50
+
+
+def test_a_redrawn_demonstration_is_the_demonstration_of_the_redrawn_task():
+    """`substitute_trajectory` with `redraw`'s mapping gives, token for token, what playing the
+    script on the task with the other facts gives (so warm-up rows with redrawn facts are
+    real demonstrations, never seen ones)."""
+    tasks = agent_family_tasks(40, seed=3, names="fixed")
+    ops = {}  # one constant task per operation (their checks differ), one of each other
+    for t in tasks:
+        facts = json.loads(t.metadata["facts"])
+        ops.setdefault(facts.get("op", t.metadata["family"]), t)
+    picked = [ops[k] for k in ("add", "min", "exception", "edge_case")]
+    picked.append(agent_family_tasks(3, seed=4, templates=["exception"])[0])  # made-up names
+    rng = random.Random(0)
+    with Scorer(workers=1) as scorer:
+        def play(task):
+            env = ToolEnvironment(TOK, AgentConfig(max_turns=8, max_context_tokens=4096,
+                                                   call_format="compact"), scorer=scorer)
+            try:
+                traj = demonstrate(env, task, scripted_calls(task))
+            finally:
+                env.close()
+            assert traj.info["passed"], task.id
+            return traj
+
+        for task in picked:
+            mapping = redraw(task, rng)
+            assert any(k != v for k, v in mapping.items()), mapping
+            other = dataclasses.replace(
+                task, prompt=substitute(task.prompt, mapping),
+                files={p: substitute(c, mapping) for p, c in task.files.items()},
+                metadata={**task.metadata,
+                          "reference": json.dumps({p: substitute(c, mapping) for p, c in json.loads(
+                              task.metadata["reference"]).items()})})
+            want, got = play(other), substitute_trajectory(play(task), mapping, TOK)
+            assert TOK.decode(got.tokens) == TOK.decode(want.tokens)
+            assert (got.tokens, got.policy_mask, got.prompt_len) == (
+                want.tokens, want.policy_mask, want.prompt_len), task.id
+    assert redraw(agent_family_tasks(2, templates=["helper"])[0], rng) == {}
