@@ -128,6 +128,8 @@ def validate(cfg: Config) -> Config:
             "embedded:")), "sft.redraw_facts",
          "needs sft.data: agent over the embedded family (agent.tasks: embedded:N), whose "
          "tasks know their facts"),
+        (cfg.sft.fact_weight >= 0 and (not cfg.sft.fact_weight or cfg.sft.redraw_facts),
+         "sft.fact_weight", "must be >= 0 and needs sft.redraw_facts (the facts it weighs)"),
         (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
         (cfg.tasks.pool.size >= 0, "tasks.pool.size", "must be >= 0 (0: no pool)"),
         (cfg.tasks.pool.retire_after >= 1, "tasks.pool.retire_after", "must be >= 1"),

@@ -72,6 +72,9 @@ class SFTConfig:
     # agent only: each drawn demonstration with its task's facts drawn afresh
     # (rollouts.tasks.agent_family.redraw), so the facts cannot be memorised, only copied
     redraw_facts: bool = False
+    # agent only: extra loss weight on each action token that spells a redrawn fact (a turn's
+    # tokens share weight 1, so a two-digit value would otherwise weigh ~1/100 of an edit)
+    fact_weight: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from jaxagent.train.build import (
 from rollouts.agent.demos import (
     copy_rows,
     demonstrate,
+    fact_tokens,
     path_copy_rows,
     scripted_calls,
     substitute_trajectory,
@@ -110,17 +111,23 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
         length = max(len(t.tokens) for t in demos) - 1 + (32 if s.redraw_facts else 0)
 
         def demo(i, rng):
-            if not s.redraw_facts:
-                return demos[i]
-            mapping = redraw(tasks[i], random.Random(int(rng.integers(2**63))))
-            return substitute_trajectory(demos[i], mapping, tokenizer)
+            """A demonstration (facts drawn afresh) and its loss weights over the completion:
+            each turn weighs 1, and each token spelling a fact `sft.fact_weight` more."""
+            traj, mapping = demos[i], {}
+            if s.redraw_facts:
+                mapping = redraw(tasks[i], random.Random(int(rng.integers(2**63))))
+                traj = substitute_trajectory(traj, mapping, tokenizer)
+            weights = turn_weights(traj.policy_mask)
+            if s.fact_weight:
+                facts = fact_tokens(traj, mapping, tokenizer)
+                weights = [w + s.fact_weight * f for w, f in zip(weights, facts)]
+            return traj, weights[traj.prompt_len:]
 
         def draw(rng):
             rows = [demo(i, rng) for i in rng.integers(0, len(demos), s.batch_size)]
-            return pack([t.tokens[:t.prompt_len] for t in rows],
-                        [t.tokens[t.prompt_len:] for t in rows], bucket=length,
-                        completion_masks=[turn_weights(t.policy_mask[t.prompt_len:])
-                                          for t in rows])
+            return pack([t.tokens[:t.prompt_len] for t, _ in rows],
+                        [t.tokens[t.prompt_len:] for t, _ in rows], bucket=length,
+                        completion_masks=[w for _, w in rows])
 
         if not s.copy_steps:
             return draw, None, None

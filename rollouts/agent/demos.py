@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import random
+import re
 from collections.abc import Callable, Sequence
 
 from rollouts.agent.feedback import action_spans
@@ -132,6 +133,25 @@ def substitute_trajectory(traj: Trajectory, mapping: dict[str, str], tokenizer) 
         start = end
     return dataclasses.replace(traj, tokens=tokens, policy_mask=mask, logprobs=[0.0] * len(tokens),
                                prompt_len=len(tokens) if prompt_len is None else prompt_len)
+
+
+def fact_tokens(traj: Trajectory, mapping: dict[str, str], tokenizer) -> list[bool]:
+    """True at the action tokens that spell a whole occurrence of a value of `mapping` (in a
+    redrawn demonstration: the facts the actions copy from the context)."""
+    out = [False] * len(traj.tokens)
+    values = [v for v in mapping.values() if v]
+    if not values:
+        return out
+    pattern = re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, sorted(
+        values, key=len, reverse=True))) + r")(?!\w)")
+    for a, b in action_spans(traj.policy_mask):
+        action = traj.tokens[a:b]
+        ends = [len(tokenizer.decode(action[:i])) for i in range(len(action) + 1)]
+        for m in pattern.finditer(tokenizer.decode(action)):
+            for i in range(len(action)):
+                if ends[i] < m.end() and ends[i + 1] > m.start():
+                    out[a + i] = True
+    return out
 
 
 def value_spans(tokenizer, action: Sequence[int], call: ToolCall,

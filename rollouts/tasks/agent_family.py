@@ -104,10 +104,11 @@ def _exception(rng: random.Random, names: str) -> dict:
     err, k = rng.choice(errors), rng.randint(2, 9)
     classes = "".join(f"\n\nclass {e}(Exception):\n    pass\n" for e in errors)
     path = f"{pkg}/{mod}.py"
-    head = (f'"""{mod.capitalize()} of the {pkg} package."""\n\nfrom {pkg} import errors\n\n\n'
-            f"def {fn}(n):\n    \"\"\"{k} units per n; a negative n raises one of the package's "
-            f"errors.\"\"\"\n")
-    tail = f"    return n * {k}\n"
+    # the rate in a constant of its own: the line an edit anchors on holds no drawn value
+    head = (f'"""{mod.capitalize()} of the {pkg} package."""\n\nfrom {pkg} import errors\n\n'
+            f"RATE = {k}\n\n\ndef {fn}(n):\n    \"\"\"RATE units per n; a negative n raises one "
+            "of the package's errors.\"\"\"\n")
+    tail = "    return n * RATE\n"
     test = (f"import pytest\n\nfrom {pkg} import errors\nfrom {pkg}.{mod} import {fn}\n\n\n"
             f"def test_{fn}():\n    assert {fn}(2) == {2 * k}\n"
             f"    with pytest.raises(errors.{err}):\n        {fn}(-1)\n")
@@ -243,8 +244,8 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
         err, k, k2 = facts["error"], facts["k"], rng.randint(2, 9)
         # the new error stays distinct from the other classes of errors.py
         others = set(facts["errors"]) - {err}
-        old = [err, f"n * {k}", f"{k} units", f"== {2 * k}"]
-        new = [rng.choice([e for e in _ERRORS if e not in others]), f"n * {k2}", f"{k2} units",
+        old = [err, f"RATE = {k}", f"== {2 * k}"]
+        new = [rng.choice([e for e in _ERRORS if e not in others]), f"RATE = {k2}",
                f"== {2 * k2}"]
     elif family == "edge_case":
         old, new = [str(facts["default"])], [str(rng.randint(-99, -1))]

@@ -14,6 +14,7 @@ from rollouts.agent import AgentConfig, ToolEnvironment
 from rollouts.agent.demos import (
     copy_rows,
     demonstrate,
+    fact_tokens,
     path_copy_rows,
     scripted_calls,
     substitute_trajectory,
@@ -152,4 +153,9 @@ def test_a_redrawn_demonstration_is_the_demonstration_of_the_redrawn_task():
             assert TOK.decode(got.tokens) == TOK.decode(want.tokens)
             assert (got.tokens, got.policy_mask, got.prompt_len) == (
                 want.tokens, want.policy_mask, want.prompt_len), task.id
+            # the facts the actions copy: each flagged run spells a new value, inside an action
+            facts = fact_tokens(got, mapping, TOK)
+            assert all(got.policy_mask[i] for i, f in enumerate(facts) if f)
+            runs = [TOK.decode(got.tokens[a:b]) for a, b in action_spans(facts)]
+            assert runs and set(runs) <= set(mapping.values()), (runs, mapping)
     assert redraw(agent_family_tasks(2, templates=["helper"])[0], rng) == {}
