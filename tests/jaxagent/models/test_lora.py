@@ -121,29 +121,34 @@ def test_dropout_keeps_the_adapters_mean_output():
         "nd,dr,rhk->nhk", dropped, a, b), rtol=1e-5, atol=1e-5)
 
 
-def test_moe_adapts_attention_and_dense_mlp_layers_only():
+def test_moe_adapts_attention_dense_mlp_layers_and_experts():
     cfg = ModelConfig(family="qwen3_moe", vocab_size=VOCAB, hidden_size=30, intermediate_size=43,
                       num_layers=2, num_heads=3, num_kv_heads=1, head_dim=10, num_experts=3,
                       moe_intermediate_size=11, mlp_only_layers=(0,),
                       lora=LoraConfig(rank=3, targets=("*_proj",)))
     model = randomise_b(init_model(cfg))
     _, factors, _ = split_adapters(model)
-    owners = {p[:3] for p, _ in nnx.to_flat_state(factors)}
-    assert owners == {("layers", 0, "attn"), ("layers", 0, "mlp"), ("layers", 1, "attn")}
+    owners = {p[:5] for p, _ in nnx.to_flat_state(factors) if p[2] == "mlp"}
+    assert owners == {("layers", 0, "mlp", "lora", n) for n in ("gate_proj", "up_proj", "down_proj")
+                      } | {("layers", 1, "mlp", "lora", n) for n in ("gate_up_proj", "down_proj")}
     np.testing.assert_allclose(merged(model)(ids()), model(ids()), atol=2e-5)
 
 
-def test_targets_reaching_only_moe_experts_are_a_config_error():
-    cfg = ModelConfig(family="mixtral", vocab_size=VOCAB, hidden_size=30, num_layers=2,
+MIXTRAL = ModelConfig(family="mixtral", vocab_size=VOCAB, hidden_size=30, num_layers=2,
                       num_heads=3, num_kv_heads=1, head_dim=10, num_experts=3,
-                      moe_intermediate_size=11, lora=LoraConfig(rank=3))  # the default targets
-    abstract = lambda cfg: nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # noqa: E731
-    with pytest.raises(ConfigError, match=r"model.lora.targets: 'gate_proj' would adapt MoE "
-                                          r"experts only"):
-        abstract(cfg)
-    wildcard = abstract(dataclasses.replace(cfg, lora=LoraConfig(rank=3, targets=("*_proj",))))
-    owners = {p[:3] for p, _ in nnx.to_flat_state(split_adapters(wildcard)[1])}
-    assert owners == {("layers", 0, "attn"), ("layers", 1, "attn")}
+                      moe_intermediate_size=11)
+
+
+@pytest.mark.parametrize("lora, message", [
+    (LoraConfig(rank=3, targets=("q_proj", "gate_proj")),
+     r"model.lora.targets: \['gate_proj'\] adapts one of gate_proj and up_proj"),
+    (LoraConfig(rank=3, dropout=0.1), r"model.lora.dropout: 0.1 with MoE expert adapters"),
+])
+def test_what_moe_experts_cannot_take_is_a_config_error(lora, message):
+    with pytest.raises(ConfigError, match=message):
+        nnx.eval_shape(lambda: Decoder(dataclasses.replace(MIXTRAL, lora=lora), rngs=nnx.Rngs(0)))
+    # a model without sparse layers takes either
+    nnx.eval_shape(lambda: Decoder(dataclasses.replace(TINY, lora=lora), rngs=nnx.Rngs(0)))
 
 
 # ---------------------------------------------------------------------------------------------
