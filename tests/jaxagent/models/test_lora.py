@@ -21,7 +21,7 @@ from jaxagent.models.adapters import (load_adapter, merged, read_adapter_config,
 from jaxagent.models.config import LoraConfig, ModelConfig
 from jaxagent.models.hf import CheckpointError
 from jaxagent.models.llama import Decoder
-from jaxagent.models.lora import Adapter, LoraParam, lora_targets
+from jaxagent.models.lora import Adapter, ExpertLoraParam, LoraParam, lora_targets
 
 VOCAB = 97
 TINY = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=30, intermediate_size=43,
@@ -131,7 +131,7 @@ def test_moe_adapts_attention_dense_mlp_layers_and_experts():
     owners = {p[:5] for p, _ in nnx.to_flat_state(factors) if p[2] == "mlp"}
     assert owners == {("layers", 0, "mlp", "lora", n) for n in ("gate_proj", "up_proj", "down_proj")
                       } | {("layers", 1, "mlp", "lora", n) for n in ("gate_up_proj", "down_proj")}
-    np.testing.assert_allclose(merged(model)(ids()), model(ids()), atol=2e-5)
+    np.testing.assert_allclose(forward(merged(model), ids()), forward(model, ids()), atol=2e-5)
 
 
 MIXTRAL = ModelConfig(family="mixtral", vocab_size=VOCAB, hidden_size=30, num_layers=2,
@@ -164,11 +164,21 @@ FAMILIES = {
               dict(targets=("q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"),
                    dropout=0.05)),
     "qwen3": ("Qwen3", dict(tie_word_embeddings=False), dict(targets=("*_proj",), rslora=True)),
-    # attention only: peft maps gate/up/down_proj onto the fused experts too, which we do not
+    # attention only with a dense layer: peft maps gate/up/down_proj onto the experts alone
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=11,
                                    mlp_only_layers=[0], experts_implementation="eager"),
                   dict(targets=("q_proj", "k_proj", "v_proj", "o_proj"))),
+    # every layer sparse: attention and every expert's gate-up (rank 2r) and down adapters
+    "qwen3_moe_experts": ("Qwen3Moe", dict(num_experts=7, num_experts_per_tok=2,
+                                           moe_intermediate_size=13,
+                                           experts_implementation="eager"),
+                          dict(targets=("*_proj",), rslora=True)),
+    "mixtral_experts": ("Mixtral", dict(num_local_experts=7, num_experts_per_tok=3,
+                                        intermediate_size=13, experts_implementation="eager"),
+                        dict(targets=("q_proj", "gate_proj", "up_proj", "down_proj"))),
 }
+# peft's names for the experts' projections: Qwen3-MoE's are ours, Mixtral's w1, w3, w2
+PEFT_NAMES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -196,21 +206,25 @@ def test_peft_reads_what_we_write(family):
     theirs = peft.PeftModel.from_pretrained(hf, tmp / "adapter").eval()
     assert theirs.peft_config["default"].lora_dropout == lora.dropout
     tokens = ids()
-    np.testing.assert_allclose(ours(tokens), peft_logits(theirs, tokens), atol=1e-4)
-    assert np.abs(ours(tokens) - base(tokens)).max() > 1e-2  # the adapters matter
+    np.testing.assert_allclose(forward(ours, tokens), peft_logits(theirs, tokens), atol=1e-4)
+    assert np.abs(forward(ours, tokens) - forward(base, tokens)).max() > 1e-2  # the adapters matter
+    experts = nnx.state(ours, ExpertLoraParam)
+    if experts:  # and the experts' among them
+        nnx.update(ours, jax.tree.map(jnp.zeros_like, experts))
+        assert np.abs(forward(ours, tokens) - peft_logits(theirs, tokens)).max() > 1e-2
 
 
 def test_we_read_what_peft_writes(family):
     hf, tmp, lora = family
-    targets = sorted(lora_targets(lora))
+    names = PEFT_NAMES.get(hf.config.model_type, {})
+    targets = sorted(names.get(t, t) for t in lora_targets(lora))
     theirs = peft.get_peft_model(hf, peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, use_rslora=lora.rslora, target_modules=targets,
         lora_dropout=lora.dropout, init_lora_weights=False))  # random nonzero B
     theirs.eval().save_pretrained(tmp / "adapter")
     ours = load_adapter(from_pretrained(tmp / "base", dtype="float32"), tmp / "adapter")
     read = read_adapter_config(tmp / "adapter")[0]
-    assert dataclasses.replace(read, targets=tuple(sorted(read.targets))) == dataclasses.replace(
-        lora, targets=tuple(targets))
+    assert read == dataclasses.replace(lora, targets=tuple(sorted(lora_targets(lora))))
     tokens = ids()
     np.testing.assert_allclose(ours(tokens), peft_logits(theirs, tokens), atol=1e-4)
 
