@@ -240,6 +240,10 @@ def test_unsupported_adapter_config_is_named(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(CheckpointError, match=r"adapter_config.json: use_dora=True"):
         load_adapter(without_adapters(model), tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config,
+                                                              "rank_pattern": {"q_proj": 8}}))
+    with pytest.raises(CheckpointError, match=r"rank_pattern=\{'q_proj': 8\} is not supported"):
+        load_adapter(without_adapters(model), tmp_path)
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
     with pytest.raises(CheckpointError, match=r"adapter_model.safetensors: tensor .* has shape"):
         load_adapter(without_adapters(model), tmp_path)
