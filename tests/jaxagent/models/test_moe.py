@@ -1,5 +1,6 @@
 """The sparse MoE MLP against float64 NumPy references of the routing math, HF's load-balancing
-loss, and a dense one-hot formulation. Dimensions are distinct and odd (D 13, F 11, E 5 ...)."""
+loss, and a dense one-hot formulation; LoRA adapters on the experts against the merged
+weights. Dimensions are distinct and odd (D 13, F 11, E 5 ...)."""
 
 import dataclasses
 
