@@ -2,12 +2,17 @@
 
     python benchmarks/lora.py memory      # Qwen2.5-0.5B and 7B shapes, abstract (no weights)
     python benchmarks/lora.py sampler     # a small model on this machine: publish and decode
+    python benchmarks/lora.py experts     # Qwen3-30B-A3B shape: trainable bytes by target
 
 memory: the bytes of the trainable parameters, their gradients and AdamW state, the frozen
 weights, and the compiled RL step's peak (`rl_step` with a KL penalty, so full fine-tuning
 holds its reference copy; XLA's memory analysis of the step lowered on abstract arrays:
 arguments + outputs + temporaries - donated). Full fine-tuning keeps float32 masters; LoRA
 keeps the frozen base in bfloat16 and the adapters in float32; both compute in bfloat16.
+
+experts: the trainable bytes (float32 adapters; abstract, no weights) of a MoE model's
+adapters on the attention, on the experts (gate-up fused at rank 2r, down at r: A [E, in, r'],
+B [E, r', P, out] per layer) and on both, against the bfloat16 base's bytes.
 
 sampler: `WeightStore.publish` of a training step's weights (full: every weight; LoRA: the
 adapters, then merged into the sampler's base or kept beside it) and greedy decoding with
@@ -28,6 +33,10 @@ QWEN = {
     "7B": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
                num_heads=28, num_kv_heads=4, head_dim=128, tie_embeddings=False),
 }
+# Qwen3-30B-A3B: every layer sparse, 128 experts, 8 per token.
+QWEN3_MOE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+                 num_heads=32, num_kv_heads=4, head_dim=128, tie_embeddings=False,
+                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -90,6 +99,35 @@ def memory(args) -> None:
                   f"{gib(r['peak'])} | {gib(r['temp'])} |", flush=True)
 
 
+def expert_params(args) -> None:
+    import jax
+    from flax import nnx
+
+    from jaxagent.config import OptimizerConfig
+    from jaxagent.models import Decoder
+    from jaxagent.models.adapters import split_trainable
+    from jaxagent.models.config import LoraConfig, ModelConfig
+    from jaxagent.optim import make_optimizer
+
+    targets = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+               "experts": ("gate_proj", "up_proj", "down_proj"), "both": TARGETS}
+    gib = lambda b: f"{b / 2**30:8.3f}"  # noqa: E731
+    print("| shape | rank | targets | trainable GiB | trainable + grads + AdamW GiB | "
+          "vs the bf16 base |")
+    print("|---|---:|---|---:|---:|---:|")
+    for rank in (16, 64):
+        for name, names in targets.items():
+            cfg = ModelConfig(family="qwen3_moe", **QWEN3_MOE, param_dtype="bfloat16",
+                              lora=LoraConfig(rank=rank, alpha=2.0 * rank, targets=names))
+            params, frozen = split_trainable(nnx.state(nnx.eval_shape(
+                lambda cfg=cfg: Decoder(cfg, rngs=nnx.Rngs(0)))))
+            trainable = nbytes(params)
+            opt_state = nbytes(jax.eval_shape(make_optimizer(OptimizerConfig(), 100).init, params))
+            print(f"| Qwen3-30B-A3B | {rank} | {name} | {gib(trainable)} | "
+                  f"{gib(2 * trainable + opt_state)} | {100 * trainable / nbytes(frozen):5.2f}% |",
+                  flush=True)
+
+
 def sampler(args) -> None:
     import jax
     import numpy as np
@@ -141,7 +179,7 @@ def sampler(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=("memory", "sampler"))
+    p.add_argument("what", choices=("memory", "sampler", "experts"))
     p.add_argument("--shapes", default="0.5B,7B")
     p.add_argument("--batch", type=int, default=None, help="rows (memory: 8; sampler: 16)")
     p.add_argument("--seq", type=int, default=1024, help="memory: tokens per row")
@@ -157,6 +195,8 @@ def main() -> None:
     if args.what == "memory":
         args.batch = args.batch or 8
         memory(args)
+    elif args.what == "experts":
+        expert_params(args)
     else:
         args.batch = args.batch or 16
         sampler(args)

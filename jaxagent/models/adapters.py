@@ -5,13 +5,20 @@ peft stores a factor pair per module as `lora_A.weight` [r, in] and `lora_B.weig
 (an embedding: `lora_embedding_A` [r, V], `lora_embedding_B` [D, r]), its `in`/`out` the HF
 weight's flattened axes; ours are A [in..., r] and B [r, out...], so each is a reshape and a
 transpose (lora.py).
+
+MoE experts (peft with transformers >= 5, whose experts are fused 3-D parameters
+`mlp.experts.gate_up_proj` [E, 2F, D] and `mlp.experts.down_proj` [E, D, F]): peft targets them
+with `target_parameters` and wraps the experts module once per parameter, gate_up_proj inside
+(`experts.base_layer.lora_*` when down_proj is wrapped too) and down_proj outside
+(`experts.lora_*`). Its factors are `lora_A.weight` [E r', in] (row e r' + j) and
+`lora_B.weight` [out, r' E] (column j E + e); the fused adapter has rank and alpha patterns
+r' = 2r, 2 alpha.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import jax
@@ -23,7 +30,13 @@ from safetensors.numpy import load_file, save_file
 from jaxagent.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 from jaxagent.models.hf import CheckpointError, read_json, save_pretrained
 from jaxagent.models.llama import Decoder
-from jaxagent.models.lora import LoraParam, merge
+from jaxagent.models.lora import (
+    EXPERT_WEIGHTS,
+    ExpertLoraParam,
+    LoraParam,
+    lora_targets,
+    merge,
+)
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -96,11 +109,40 @@ def _hf_module(path: tuple) -> str:
     return f"model.layers.{layer}.{'self_attn' if block == 'attn' else 'mlp'}.{name}"
 
 
-def _hf_key(path: tuple) -> str:
+# peft's rank and alpha patterns for the experts' fused gate-up adapter
+_FUSED = r".*\.gate_up_proj"
+
+
+def _hf_key(path: tuple, var: nnx.Variable, lora: LoraConfig) -> str:
     factor = "A" if path[-1] == "a" else "B"
     if path[-2] == "embed_tokens":
         return f"{_PREFIX}{_hf_module(path)}.lora_embedding_{factor}"
+    if isinstance(var, ExpertLoraParam):
+        inner = path[-2] == "gate_up_proj" and "down_proj" in lora_targets(lora)
+        experts = f"model.layers.{path[1]}.mlp.experts{'.base_layer' if inner else ''}"
+        return f"{_PREFIX}{experts}.lora_{factor}.weight"
     return f"{_PREFIX}{_hf_module(path)}.lora_{factor}.weight"
+
+
+def _to_peft(path: tuple, x: np.ndarray, expert: bool) -> np.ndarray:
+    """Our factor -> peft's: A [in..., r] -> [r, in], B [r, out...] -> [out, r]; an expert's
+    A [E, in, r'] -> [E r', in], B [E, r', P, out] -> [P out, r' E]."""
+    if expert and path[-1] == "a":
+        return x.transpose(0, 2, 1).reshape(-1, x.shape[1])
+    if expert:
+        return x.reshape(*x.shape[:2], -1).transpose(2, 1, 0).reshape(-1, x.shape[0] * x.shape[1])
+    return x.reshape(-1, x.shape[-1]).T if path[-1] == "a" else x.reshape(x.shape[0], -1).T
+
+
+def _from_peft(path: tuple, x: np.ndarray, shape: tuple, expert: bool) -> np.ndarray:
+    """The inverse of `_to_peft` for a factor of our `shape`."""
+    if expert and path[-1] == "a":
+        e, i, r = shape
+        return x.reshape(e, r, i).transpose(0, 2, 1)
+    if expert:
+        e, r, p, o = shape
+        return x.reshape(p * o, r, e).transpose(2, 1, 0).reshape(shape)
+    return x.T.reshape(shape)
 
 
 def save_adapter(model: Decoder, path: str | Path, base_model: str | None = None) -> Path:
@@ -112,17 +154,21 @@ def save_adapter(model: Decoder, path: str | Path, base_model: str | None = None
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _, factors, _ = split_adapters(model)
-    tensors = {}
+    tensors, modules, parameters = {}, set(), set()
     for p, var in nnx.to_flat_state(factors):
+        expert = isinstance(var, ExpertLoraParam)
         x = np.asarray(jax.device_get(var[...]), np.float32)
-        flat = x.reshape(-1, lora.rank).T if p[-1] == "a" else x.reshape(lora.rank, -1).T
-        tensors[_hf_key(p)] = np.ascontiguousarray(flat)
+        tensors[_hf_key(p, var, lora)] = np.ascontiguousarray(_to_peft(p, x, expert))
+        (parameters if expert else modules).add(p[-2])
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    targets = sorted({p[-2] for p, _ in nnx.to_flat_state(factors)})
+    fused = "gate_up_proj" in parameters
     (path / CONFIG_FILE).write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "use_rslora": lora.rslora,
-        "target_modules": targets, "lora_dropout": lora.dropout, "bias": "none",
+        "target_modules": sorted(modules), "target_parameters": sorted(parameters) or None,
+        "rank_pattern": {_FUSED: 2 * lora.rank} if fused else {},
+        "alpha_pattern": {_FUSED: 2 * lora.alpha} if fused else {},
+        "lora_dropout": lora.dropout, "bias": "none",
         "fan_in_fan_out": False, "modules_to_save": None, "inference_mode": True,
     }, indent=2))
     return path
@@ -140,8 +186,7 @@ def save_policy(model: Decoder, path: str | Path, base_model: str | None = None)
 
 # adapter_config.json settings we do not implement, with the value that means "off"
 _UNSUPPORTED = {"bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
-                "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
-                "target_parameters": None}
+                "layers_to_transform": None}
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -157,18 +202,33 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
     for key, off in _UNSUPPORTED.items():
         if hf.get(key, off) not in (off, None, [], {}):
             raise CheckpointError(f"{file}: {key}={hf[key]!r} is not supported")
-    targets = hf.get("target_modules")
+    targets = hf.get("target_modules") or []
     if targets == "all-linear":
         targets = LoraConfig.targets  # every projection, the head not
-    if isinstance(targets, str) or not targets or set(targets) - set(LORA_TARGETS):
+    if isinstance(targets, str) or set(targets) - set(LORA_TARGETS):
         raise CheckpointError(f"{file}: target_modules {targets!r} is not supported (a list of "
                               f"{', '.join(LORA_TARGETS)}, or all-linear)")
+    # the experts' fused parameters, by their last name ("mlp.experts.down_proj" -> down_proj)
+    parameters = {t.rpartition(".")[2] for t in hf.get("target_parameters") or []}
+    if parameters - set(EXPERT_WEIGHTS):
+        raise CheckpointError(f"{file}: target_parameters {hf['target_parameters']!r} is not "
+                              f"supported (MoE experts' {' and '.join(EXPERT_WEIGHTS)})")
+    targets = {*targets, *(("gate_proj", "up_proj") if "gate_up_proj" in parameters else ()),
+               *(("down_proj",) if "down_proj" in parameters else ())}
+    if not targets:
+        raise CheckpointError(f"{file}: no target_modules or target_parameters")
     try:
         lora = LoraConfig(rank=int(hf["r"]), alpha=float(hf["lora_alpha"]),
-                          rslora=bool(hf.get("use_rslora", False)), targets=tuple(targets),
+                          rslora=bool(hf.get("use_rslora", False)), targets=tuple(sorted(targets)),
                           dropout=float(hf.get("lora_dropout", 0.0)))
     except KeyError as e:
         raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
+    # the only rank and alpha patterns: those peft gives the experts' fused gate-up adapter
+    fused = "gate_up_proj" in parameters
+    for key, value in (("rank_pattern", 2 * lora.rank), ("alpha_pattern", 2 * lora.alpha)):
+        if (hf.get(key) or {}) != ({_FUSED: value} if fused else {}):
+            raise CheckpointError(f"{file}: {key}={hf[key]!r} is not supported (only "
+                                  f"{{{_FUSED!r}: {value}}} with the experts' gate_up_proj)")
     return lora, hf.get("base_model_name_or_path")
 
 
@@ -187,16 +247,15 @@ def load_adapter(model: Decoder, path: str | Path) -> Decoder:
     _, factors, _ = split_adapters(_abstract(cfg))
     flat = dict(nnx.to_flat_state(factors))
     for p, var in flat.items():
-        key = _hf_key(p)
+        key, expert = _hf_key(p, var, lora), isinstance(var, ExpertLoraParam)
         if key not in tensors:
             raise CheckpointError(f"{file}: missing tensor {key!r}")
         x = tensors.pop(key)
-        expected = ((lora.rank, math.prod(var.shape[:-1])) if p[-1] == "a"
-                    else (math.prod(var.shape[1:]), lora.rank))
+        expected = _to_peft(p, np.zeros(var.shape, np.float32), expert).shape
         if x.shape != expected:
             raise CheckpointError(f"{file}: tensor {key!r} has shape {x.shape}, expected "
                                   f"{expected} from the model and r={lora.rank}")
-        var.set_value(jnp.asarray(x.T.reshape(var.shape), jnp.float32))
+        var.set_value(jnp.asarray(_from_peft(p, x, var.shape, expert), jnp.float32))
     if tensors:
         raise CheckpointError(f"{file}: tensors the model has no place for, e.g. "
                               f"{next(iter(tensors))!r}")

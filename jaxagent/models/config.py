@@ -69,9 +69,9 @@ class LoraConfig:
     # Dropout on each adapter's input (peft `lora_dropout`), in the training steps' loss pass
     # only: the sampler, eval, the proximal log-probs and the KL reference run without it.
     dropout: float = 0.0
-    # fnmatch patterns over LORA_TARGETS ("*_proj": every projection). Sparse MoE layers
-    # adapt their attention only: gate/up/down_proj reach the dense MLP layers, not experts
-    # (a config error on a model with no dense MLP layer).
+    # fnmatch patterns over LORA_TARGETS ("*_proj": every projection). In sparse MoE layers
+    # gate/up/down_proj adapt every expert (gate and up together, as one fused adapter of
+    # rank 2r: targeting one without the other is a config error there); the router takes none.
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                 "down_proj")
     # How the sampler runs the adapters: merged into its copy of the weights at each publish

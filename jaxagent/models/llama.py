@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.lora import adapted, check_lora, make_adapters
-from jaxagent.models.moe import MoE, all_sparse, is_moe_layer, load_balancing_loss
+from jaxagent.models.moe import MoE, any_sparse, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import constrain
 from jaxagent.models.params import param as _param
 from pallas_kernels.attention import (
@@ -362,7 +362,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         v, d, pd = cfg.vocab_size, cfg.hidden_size, cfg.param_dtype
-        check_lora(cfg.lora, cfg.tie_embeddings, all_sparse(cfg))
+        check_lora(cfg.lora, cfg.tie_embeddings, any_sparse(cfg))
         self.config = cfg
         self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd)
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])

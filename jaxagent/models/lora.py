@@ -8,6 +8,12 @@ W + s tensordot(A, B). A starts uniform in +-1/sqrt(fan_in) and B at zero, so an
 starts as its base; the embedding table's the other way round (as peft does). A module keeps
 its adapters in `self.lora`, an nnx.Dict by HF module name (`LORA_TARGETS`); the factors are
 `LoraParam`s, the only parameters a LoRA run trains: `nnx.split(model, LoraParam, ...)`.
+
+A MoE layer's experts take per-expert adapters over their stacked weights, as `peft` does
+(its ParamWrapper on transformers' fused expert tensors): expert e's update is s A_e B_e with
+A [E, in, r'], B [E, r', P, out]. gate_proj and up_proj adapt the experts together, as one
+adapter on the fused gate-up projection (P = 2 pieces, gate then up, sharing A) of rank
+r' = 2r and alpha 2 alpha, the rank and alpha peft gives it; down_proj has P = 1, r' = r.
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ class LoraParam(nnx.Param):
     """A factor (A or B) of a low-rank adapter."""
 
 
+class ExpertLoraParam(LoraParam):
+    """A factor of a MoE layer's per-expert adapters (leading expert axis)."""
+
+
+# The expert weights each expert adapter updates, in the order of B's pieces axis.
+EXPERT_WEIGHTS = {"gate_up_proj": ("w_gate", "w_up"), "down_proj": ("w_down",)}
+
+
 def lora_targets(cfg: LoraConfig) -> frozenset[str]:
     """The module names `cfg.targets` match (none without a rank)."""
     if not cfg.rank:
@@ -40,13 +54,13 @@ def lora_targets(cfg: LoraConfig) -> frozenset[str]:
                      if any(fnmatch.fnmatchcase(name, p) for p in cfg.targets))
 
 
-# The MLP's projections: in a sparse MoE layer they are the experts', which take no adapters.
+# The MLP's projections: in a sparse MoE layer they are the experts'.
 MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj"})
 
 
-def check_lora(lora: LoraConfig, tied: bool = False, sparse: bool = False) -> None:
+def check_lora(lora: LoraConfig, tied: bool = False, moe: bool = False) -> None:
     """ConfigError naming the `model.lora` field a LoRA config gets wrong (`tied`: for a model
-    whose LM head is its embedding table; `sparse`: whose every MLP is MoE experts)."""
+    whose LM head is its embedding table; `moe`: with sparse MoE layers)."""
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {lora.rank}")
     if not lora.rank:
@@ -60,13 +74,15 @@ def check_lora(lora: LoraConfig, tied: bool = False, sparse: bool = False) -> No
     if unmatched or not lora.targets:
         raise ConfigError(f"model.lora.targets: {unmatched or 'empty'} match no module; "
                           f"known: {', '.join(LORA_TARGETS)}")
-    for p in lora.targets:
-        if sparse and all(fnmatch.fnmatchcase(name, p) <= (name in MLP_TARGETS)
-                          for name in LORA_TARGETS):
-            raise ConfigError(f"model.lora.targets: {p!r} would adapt MoE experts only (every MLP "
-                              "layer of this model is sparse), and experts take no adapters; "
-                              "target the attention (q_proj, k_proj, v_proj, o_proj, or '*_proj' "
-                              "for whatever exists)")
+    mlp = lora_targets(lora) & MLP_TARGETS
+    if moe and len(mlp & {"gate_proj", "up_proj"}) == 1:
+        raise ConfigError(f"model.lora.targets: {sorted(mlp)} adapts one of gate_proj and up_proj: "
+                          "MoE experts adapt both together (one adapter on the fused gate-up "
+                          "projection, as peft's gate_up_proj); target both or neither")
+    if moe and mlp and lora.dropout:
+        raise ConfigError(f"model.lora.dropout: {lora.dropout} with MoE expert adapters "
+                          f"({sorted(mlp)}): the experts' adapters take no dropout (neither do "
+                          "peft's); set 0, or target the attention only")
     if "lm_head" in lora_targets(lora) and tied:
         raise ConfigError("model.lora.targets: lm_head needs model.tie_embeddings: false (a tied "
                           "model's head is the embedding table; target embed_tokens)")
@@ -81,8 +97,12 @@ def dropout_key(cfg: LoraConfig, seed: int, stage: int, step: int) -> jax.Array 
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stage), step)
 
 
-def lora_scale(cfg: LoraConfig) -> float:
-    return cfg.alpha / (math.sqrt(cfg.rank) if cfg.rslora else cfg.rank)
+def lora_scale(cfg: LoraConfig, rank: int | None = None) -> float:
+    """s of an adapter of `rank` (default `cfg.rank`); a fused adapter of rank n r has alpha
+    n alpha (peft's rank and alpha patterns), so s is unchanged unless rslora."""
+    r = rank or cfg.rank
+    alpha = cfg.alpha * r / cfg.rank
+    return alpha / (math.sqrt(r) if cfg.rslora else r)
 
 
 class Adapter(nnx.Module):
@@ -120,6 +140,41 @@ class Adapter(nnx.Module):
         return self.scale * jnp.tensordot(h, self.b[...].astype(dtype), axes=1)
 
 
+class ExpertAdapter(nnx.Module):
+    """Per-expert adapters of the stacked expert weights `EXPERT_WEIGHTS[name]`, W_p [E, in, out]
+    (P of them, fused into one adapter): A [E, in, r'] and B [E, r', P, out], r' = P r; expert
+    e's update of W_p is s A_e B_e[:, p]. A starts uniform in +-1/sqrt(in), B at zero (as peft's)."""
+
+    def __init__(self, cfg: LoraConfig, name: str, experts: int, ins: tuple[int, str],
+                 outs: tuple[int, str], *, rngs: nnx.Rngs):
+        self.weights = EXPERT_WEIGHTS[name]
+        r = cfg.rank * len(self.weights)
+        bound = 1 / math.sqrt(ins[0])
+        a = jax.random.uniform(rngs.params(), (experts, ins[0], r), jnp.float32, -bound, bound)
+        b = jnp.zeros((experts, r, len(self.weights), outs[0]), jnp.float32)
+        self.a = ExpertLoraParam(a, logical_axes=("expert", ins[1], None))
+        self.b = ExpertLoraParam(b, logical_axes=("expert", None, None, outs[1]))
+        self.scale = lora_scale(cfg, r)
+
+    def factors(self, dtype) -> dict[str, tuple[jax.Array, jax.Array, float]]:
+        """{expert weight name: (A, its B piece [E, r', out], s)} in `dtype`."""
+        a, b = self.a[...].astype(dtype), self.b[...].astype(dtype)
+        return {w: (a, b[:, :, i], self.scale) for i, w in enumerate(self.weights)}
+
+
+def make_expert_adapters(cfg: ModelConfig, *, rngs: nnx.Rngs) -> nnx.Dict:
+    """A MoE layer's expert adapters: gate_up_proj if gate_proj and up_proj are targeted,
+    down_proj if it is."""
+    targets = lora_targets(cfg.lora)
+    e, d, f = cfg.num_experts, (cfg.hidden_size, "embed"), (cfg.moe_intermediate_size, "mlp")
+    adapters = {}
+    if {"gate_proj", "up_proj"} <= targets:
+        adapters["gate_up_proj"] = ExpertAdapter(cfg.lora, "gate_up_proj", e, d, f, rngs=rngs)
+    if "down_proj" in targets:
+        adapters["down_proj"] = ExpertAdapter(cfg.lora, "down_proj", e, f, d, rngs=rngs)
+    return nnx.Dict(adapters)
+
+
 def make_adapters(cfg: ModelConfig, weights: dict, *, rngs: nnx.Rngs) -> nnx.Dict:
     """The adapters of a module's targeted weights: `weights` maps an HF module name to
     ((size, logical axis) of its inputs, ... of its outputs)."""
@@ -140,15 +195,22 @@ def adapted(lora: nnx.Dict, name: str, x: jax.Array, y: jax.Array,
 
 
 def merge(base: nnx.State, factors: nnx.State, cfg: LoraConfig) -> nnx.State:
-    """`base` with each adapted weight W replaced by W + s A B (summed in float32, in W's dtype)."""
-    s = lora_scale(cfg)
+    """`base` with each adapted weight W replaced by W + s A B (summed in float32, in W's dtype;
+    an expert adapter's W_p by W_p + s A_e B_e[:, p] for each expert e)."""
     weights = dict(nnx.to_flat_state(base))
     factor = dict(nnx.to_flat_state(factors))
     for path in [p for p in factor if p[-1] == "a"]:
         *owner, _, name, _ = path  # (..., "lora", name, "a")
-        target = (*owner, WEIGHT_OF[name])
-        a, b = factor[path][...], factor[(*path[:-1], "b")][...]
-        w = weights[target]
-        delta = s * jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
-        weights[target] = w.replace((w[...].astype(jnp.float32) + delta).astype(w.dtype))
+        a = factor[path][...].astype(jnp.float32)
+        b = factor[(*path[:-1], "b")][...].astype(jnp.float32)
+        s = lora_scale(cfg, a.shape[-1])
+        if isinstance(factor[path], ExpertLoraParam):
+            delta = s * jnp.einsum("EIR,ERPO->PEIO", a, b)
+            updates = dict(zip(EXPERT_WEIGHTS[name], delta))
+        else:
+            updates = {WEIGHT_OF[name]: s * jnp.tensordot(a, b, axes=1)}
+        for weight, delta in updates.items():
+            w = weights[(*owner, weight)]
+            weights[(*owner, weight)] = w.replace(
+                (w[...].astype(jnp.float32) + delta).astype(w.dtype))
     return nnx.from_flat_state(weights)

@@ -19,6 +19,9 @@ Three dispatches compute the sum over the chosen experts:
 - dense: every expert on every token, mixed by gates that are zero off the top-k: E/K times
   the expert FLOPs, no data movement; the plainest form of the math (a reference).
 
+Each dispatch also runs the experts' LoRA adapters (lora.py), if any: expert e's projection
+x W_e becomes x W_e + s (x A_e) B_e, both products through the dispatch's own per-expert matmul.
+
 Parameters carry logical axes ("expert", "embed", "mlp"); `sharding/` maps them to a mesh.
 """
 
@@ -32,7 +35,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxagent.models.config import ModelConfig
+from jaxagent.models.lora import make_expert_adapters
 from jaxagent.models.params import param
+
+# {expert weight name: (A [E, in, r], B [E, r, out], s)}: the experts' adapters (lora.py).
+Adapters = dict[str, tuple[jax.Array, jax.Array, float]]
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -41,9 +48,9 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
             and (layer + 1) % cfg.decoder_sparse_step == 0)
 
 
-def all_sparse(cfg: ModelConfig) -> bool:
-    """Whether every layer's MLP is a sparse MoE layer (none dense)."""
-    return all(is_moe_layer(cfg, i) for i in range(cfg.num_layers))
+def any_sparse(cfg: ModelConfig) -> bool:
+    """Whether some layer's MLP is a sparse MoE layer."""
+    return any(is_moe_layer(cfg, i) for i in range(cfg.num_layers))
 
 
 def route(logits: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Array]:
@@ -55,30 +62,46 @@ def route(logits: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Ar
     return weights, experts
 
 
-def _swiglu(x, w_gate, w_up, w_down, matmul):
-    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+def _swiglu(x, w_gate, w_up, w_down, matmul, adapters: Adapters | None, out=None):
+    """down(silu(gate(x)) * up(x)) per expert, each projection x W (+ s (x A) B with an
+    adapter); `matmul(x, W)` is the dispatch's per-expert product, `out` the down projection's
+    outer one (default `matmul`)."""
+    adapters = adapters or {}
+
+    def project(x, name, w, out=matmul):
+        y = out(x, w)
+        if name in adapters:
+            a, b, s = adapters[name]
+            y = y + s * out(matmul(x, a), b)
+        return y
+
+    h = jax.nn.silu(project(x, "w_gate", w_gate)) * project(x, "w_up", w_up)
+    return project(h, "w_down", w_down, out or matmul)
 
 
-def dropless_experts(x, weights, experts, w_gate, w_up, w_down) -> jax.Array:
+def dropless_experts(x, weights, experts, w_gate, w_up, w_down,
+                     adapters: Adapters | None = None) -> jax.Array:
     """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]) -> [N, D], every assignment kept."""
     n, k = experts.shape
     flat = experts.reshape(-1)  # assignment a = n * K + k
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
     grouped = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), group_sizes)
-    out_sorted = _swiglu(x[order // k], w_gate, w_up, w_down, grouped)  # [A, D]
+    out_sorted = _swiglu(x[order // k], w_gate, w_up, w_down, grouped, adapters)  # [A, D]
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
     return jnp.einsum("NKD,NK->ND", out, weights.astype(x.dtype))
 
 
-def dense_experts(x, weights, experts, w_gate, w_up, w_down) -> jax.Array:
+def dense_experts(x, weights, experts, w_gate, w_up, w_down,
+                  adapters: Adapters | None = None) -> jax.Array:
     """The same sum with every expert on every token and a [N, E] gate zero off the top-k."""
     dt = x.dtype
     one_hot = jax.nn.one_hot(experts, w_gate.shape[0], dtype=dt)  # [N, K, E]
     gates = jnp.einsum("NK,NKE->NE", weights.astype(dt), one_hot)
-    h = (jax.nn.silu(jnp.einsum("ND,EDF->NEF", x, w_gate.astype(dt)))
-         * jnp.einsum("ND,EDF->NEF", x, w_up.astype(dt)))
-    return jnp.einsum("NE,NEF,EFD->ND", gates, h, w_down.astype(dt))
+    per_expert = lambda a, w: jnp.einsum("NX,EXY->NEY" if a.ndim == 2 else "NEX,EXY->NEY",
+                                         a, w.astype(dt))
+    mixed = lambda h, w: jnp.einsum("NE,NEX,EXY->NY", gates, h, w.astype(dt))  # no [N, E, D]
+    return _swiglu(x, w_gate, w_up, w_down, per_expert, adapters, out=mixed)
 
 
 def capacity(num_tokens: int, k: int, num_experts: int, factor: float) -> int:
@@ -99,7 +122,8 @@ def capacity_slots(experts: jax.Array, keep: jax.Array, num_experts: int,
     return jnp.where(keep[None, :] & (slot < slots), slot, slots)
 
 
-def capacity_experts(x, weights, experts, w_gate, w_up, w_down, *, keep, factor) -> jax.Array:
+def capacity_experts(x, weights, experts, w_gate, w_up, w_down,
+                     adapters: Adapters | None = None, *, keep, factor) -> jax.Array:
     """Like `dropless_experts`, through [E, C, D] buffers; over-capacity assignments add 0."""
     n, k = experts.shape
     e = w_gate.shape[0]
@@ -109,7 +133,7 @@ def capacity_experts(x, weights, experts, w_gate, w_up, w_down, *, keep, factor)
     xs = jnp.broadcast_to(x, (k, *x.shape))  # [K, N, D]
     buffers = jnp.zeros((e, c, x.shape[-1]), x.dtype).at[expert_of, slot].set(xs, mode="drop")
     batched = lambda a, w: jnp.einsum("ECX,EXY->ECY", a, w.astype(a.dtype))
-    out = _swiglu(buffers, w_gate, w_up, w_down, batched)  # [E, C, D]
+    out = _swiglu(buffers, w_gate, w_up, w_down, batched, adapters)  # [E, C, D]
     back = out.at[expert_of, slot].get(mode="fill", fill_value=0)  # [K, N, D]
     return jnp.einsum("KND,NK->ND", back, weights.astype(x.dtype))
 
@@ -152,6 +176,7 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "mlp"), pd)
         self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), pd)
         self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), pd)
+        self.lora = make_expert_adapters(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
@@ -162,11 +187,13 @@ class MoE(nnx.Module):
         # in the compute dtype, as every other layer (float32 masters, bfloat16 compute)
         w = (self.w_gate[...].astype(x.dtype), self.w_up[...].astype(x.dtype),
              self.w_down[...].astype(x.dtype))
+        adapters = {w: f for adapter in self.lora.values()
+                    for w, f in adapter.factors(x.dtype).items()}
         if cfg.moe_dispatch == "capacity":
-            y = capacity_experts(tokens, weights, experts, *w, keep=mask.reshape(-1),
+            y = capacity_experts(tokens, weights, experts, *w, adapters, keep=mask.reshape(-1),
                                  factor=cfg.capacity_factor)
         elif cfg.moe_dispatch == "dense":
-            y = dense_experts(tokens, weights, experts, *w)
+            y = dense_experts(tokens, weights, experts, *w, adapters)
         else:
-            y = dropless_experts(tokens, weights, experts, *w)
+            y = dropless_experts(tokens, weights, experts, *w, adapters)
         return y.reshape(b, t, d), logits

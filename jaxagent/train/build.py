@@ -28,7 +28,7 @@ from jaxagent.models.adapters import (init_adapters, is_adapter_dir, load_adapte
 from jaxagent.models.hf import CheckpointError, resolve_checkpoint
 from jaxagent.models.llama import backend_name
 from jaxagent.models.lora import check_lora
-from jaxagent.models.moe import all_sparse
+from jaxagent.models.moe import any_sparse
 from jaxagent.rl import algorithms
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import LossOptions, logits_chunk_tokens
@@ -202,7 +202,7 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{key}: {message}")
     # an HF checkpoint's own ties and layers count (checked when it loads), not the config's
     own = cfg.init_from is None
-    check_lora(cfg.model.lora, own and cfg.model.tie_embeddings, own and all_sparse(cfg.model))
+    check_lora(cfg.model.lora, own and cfg.model.tie_embeddings, own and any_sparse(cfg.model))
     agent_tools(cfg)
     return cfg
 

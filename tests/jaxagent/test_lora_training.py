@@ -155,19 +155,52 @@ def test_sft_writes_peft_files_and_export_merges_them(tmp_path):
     assert np.abs(adapted(tokens) - without_adapters(adapted)(tokens)).max() > 1e-4  # trained
 
 
-def test_sharded_lora_step_equals_the_single_device_one():
-    """Base and adapters laid out by their logical axes (fsdp and tensor), the update the same."""
-    layout = Layout(MeshConfig(data=2, fsdp=2, tensor=2))
-    graphdef, weights = layout.split(init_model(CFG, seed=0))
+def sharded_step(cfg, mesh):
+    """One SFT step with base and adapters laid out by their logical axes over `mesh`, checked
+    equal to the single-device one: (each sharded factor's first shard's shape, the single-device
+    graphdef, factors before and after the step, frozen base, batch)."""
+    layout = Layout(mesh)
+    graphdef, weights = layout.split(init_model(cfg, seed=0))
     params, frozen = split_trainable(weights)
-    wq_a = params["layers"][0]["attn"]["lora"]["q_proj"]["a"].get_value()
-    assert wq_a.addressable_shards[0].data.shape == (12, 3)  # embed over fsdp, rank replicated
-    _, ref_params, ref_frozen, tx = setup()
-    batch = rollouts(8)
+    shards = jax.tree.map(lambda x: x.addressable_shards[0].data.shape, params)
+    ref_graphdef, ref_params, ref_frozen, tx = setup(cfg)
+    before, batch = copy(ref_params), rollouts(8)
     new, _, m = sft_step(graphdef, tx, params, layout.place(tx.init(params)), layout.batch(batch),
                          0, 0, frozen)
-    ref_new, _, ref_m = sft_step(graphdef, tx, ref_params, tx.init(ref_params), batch, 0, 0,
+    ref_new, _, ref_m = sft_step(ref_graphdef, tx, ref_params, tx.init(ref_params), batch, 0, 0,
                                  ref_frozen)
     np.testing.assert_allclose(m["sft/loss"], ref_m["sft/loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    return shards, ref_graphdef, before, ref_new, ref_frozen, batch
+
+
+def test_sharded_lora_step_equals_the_single_device_one():
+    shards = sharded_step(CFG, MeshConfig(data=2, fsdp=2, tensor=2))[0]
+    # embed over fsdp, rank replicated
+    assert shards["layers"][0]["attn"]["lora"]["q_proj"]["a"] == (12, 3)
+
+
+MOE = dataclasses.replace(CFG, family="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=11, lora=dataclasses.replace(LORA, targets=(
+                              "q_proj", "gate_proj", "up_proj", "down_proj")))
+
+
+@pytest.mark.slow  # three compiles of a MoE step
+def test_expert_adapters_shard_over_experts_train_and_reach_the_sampler():
+    """Expert adapters laid out over the expert mesh axis as the experts are; the sharded
+    step equals the single-device one, trains them, and the merged sampler gives its logits."""
+    shards, graphdef, before, new, frozen, batch = sharded_step(
+        MOE, MeshConfig(data=2, expert=2, tensor=2))
+    experts = shards["layers"][1]["mlp"]["lora"]
+    assert experts["gate_up_proj"]["a"] == (2, 24, 6)  # experts over `expert`, 4 -> 2
+    assert experts["down_proj"]["b"] == (2, 3, 1, 24)
+    # every B trained, the experts' included (A's gradient is 0 while B is)
+    moved = {p[:-1]: np.abs(v[...] - before_v[...]).max() > 0 for (p, v), (_, before_v) in zip(
+        nnx.to_flat_state(new), nnx.to_flat_state(before)) if p[-1] == "b"}
+    assert all(moved.values()) and ("layers", 1, "mlp", "lora", "gate_up_proj") in moved
+    to_sampler = SamplerWeights.create(MOE, Layout(MeshConfig()), graphdef, frozen)
+    store = to_sampler.store(new, None)
+    store.publish(1, new)
+    np.testing.assert_allclose(nnx.merge(to_sampler.graphdef, store.take(1))(batch.tokens),
+                               merged_model(graphdef, new, frozen)(batch.tokens), atol=2e-5)

@@ -21,7 +21,7 @@ from jaxagent.models.adapters import (load_adapter, merged, read_adapter_config,
 from jaxagent.models.config import LoraConfig, ModelConfig
 from jaxagent.models.hf import CheckpointError
 from jaxagent.models.llama import Decoder
-from jaxagent.models.lora import Adapter, LoraParam, lora_targets
+from jaxagent.models.lora import Adapter, ExpertLoraParam, LoraParam, lora_targets
 
 VOCAB = 97
 TINY = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=30, intermediate_size=43,
@@ -32,11 +32,14 @@ EVERYTHING = LoraConfig(rank=5, alpha=7.0, targets=("*_proj", "embed_tokens", "l
 
 def randomise_b(model, seed=0):
     """Nonzero B (and embedding A) factors: a fresh adapter is the identity."""
-    _, factors, _ = split_adapters(model)
-    keys = iter(jax.random.split(jax.random.key(seed), 64))
-    factors = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), factors)
-    nnx.update(model, factors)
+    nnx.update(model, _perturbed(split_adapters(model)[1], jax.random.key(seed)))
     return model
+
+
+@jax.jit  # one program: eager, each factor's shape would compile its own
+def _perturbed(factors, key):
+    keys = iter(jax.random.split(key, 64))
+    return jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), factors)
 
 
 def ids(shape=(2, 11), seed=1):
@@ -121,29 +124,34 @@ def test_dropout_keeps_the_adapters_mean_output():
         "nd,dr,rhk->nhk", dropped, a, b), rtol=1e-5, atol=1e-5)
 
 
-def test_moe_adapts_attention_and_dense_mlp_layers_only():
+def test_moe_adapts_attention_dense_mlp_layers_and_experts():
     cfg = ModelConfig(family="qwen3_moe", vocab_size=VOCAB, hidden_size=30, intermediate_size=43,
                       num_layers=2, num_heads=3, num_kv_heads=1, head_dim=10, num_experts=3,
                       moe_intermediate_size=11, mlp_only_layers=(0,),
                       lora=LoraConfig(rank=3, targets=("*_proj",)))
     model = randomise_b(init_model(cfg))
     _, factors, _ = split_adapters(model)
-    owners = {p[:3] for p, _ in nnx.to_flat_state(factors)}
-    assert owners == {("layers", 0, "attn"), ("layers", 0, "mlp"), ("layers", 1, "attn")}
-    np.testing.assert_allclose(merged(model)(ids()), model(ids()), atol=2e-5)
+    owners = {p[:5] for p, _ in nnx.to_flat_state(factors) if p[2] == "mlp"}
+    assert owners == {("layers", 0, "mlp", "lora", n) for n in ("gate_proj", "up_proj", "down_proj")
+                      } | {("layers", 1, "mlp", "lora", n) for n in ("gate_up_proj", "down_proj")}
+    np.testing.assert_allclose(forward(merged(model), ids()), forward(model, ids()), atol=2e-5)
 
 
-def test_targets_reaching_only_moe_experts_are_a_config_error():
-    cfg = ModelConfig(family="mixtral", vocab_size=VOCAB, hidden_size=30, num_layers=2,
+MIXTRAL = ModelConfig(family="mixtral", vocab_size=VOCAB, hidden_size=30, num_layers=2,
                       num_heads=3, num_kv_heads=1, head_dim=10, num_experts=3,
-                      moe_intermediate_size=11, lora=LoraConfig(rank=3))  # the default targets
-    abstract = lambda cfg: nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # noqa: E731
-    with pytest.raises(ConfigError, match=r"model.lora.targets: 'gate_proj' would adapt MoE "
-                                          r"experts only"):
-        abstract(cfg)
-    wildcard = abstract(dataclasses.replace(cfg, lora=LoraConfig(rank=3, targets=("*_proj",))))
-    owners = {p[:3] for p, _ in nnx.to_flat_state(split_adapters(wildcard)[1])}
-    assert owners == {("layers", 0, "attn"), ("layers", 1, "attn")}
+                      moe_intermediate_size=11)
+
+
+@pytest.mark.parametrize("lora, message", [
+    (LoraConfig(rank=3, targets=("q_proj", "gate_proj")),
+     r"model.lora.targets: \['gate_proj'\] adapts one of gate_proj and up_proj"),
+    (LoraConfig(rank=3, dropout=0.1), r"model.lora.dropout: 0.1 with MoE expert adapters"),
+])
+def test_what_moe_experts_cannot_take_is_a_config_error(lora, message):
+    with pytest.raises(ConfigError, match=message):
+        nnx.eval_shape(lambda: Decoder(dataclasses.replace(MIXTRAL, lora=lora), rngs=nnx.Rngs(0)))
+    # a model without sparse layers takes either
+    nnx.eval_shape(lambda: Decoder(dataclasses.replace(TINY, lora=lora), rngs=nnx.Rngs(0)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,14 +167,25 @@ FAMILIES = {
               dict(targets=("q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"),
                    dropout=0.05)),
     "qwen3": ("Qwen3", dict(tie_word_embeddings=False), dict(targets=("*_proj",), rslora=True)),
-    # attention only: peft maps gate/up/down_proj onto the fused experts too, which we do not
+    # attention only with a dense layer: peft maps gate/up/down_proj onto the experts alone
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=11,
                                    mlp_only_layers=[0], experts_implementation="eager"),
                   dict(targets=("q_proj", "k_proj", "v_proj", "o_proj"))),
+    # every layer sparse: attention and every expert's gate-up (rank 2r) and down adapters
+    "qwen3_moe_experts": ("Qwen3Moe", dict(num_experts=7, num_experts_per_tok=2,
+                                           moe_intermediate_size=13,
+                                           experts_implementation="eager"),
+                          dict(targets=("*_proj",), rslora=True)),
+    "mixtral_experts": ("Mixtral", dict(num_local_experts=7, num_experts_per_tok=3,
+                                        intermediate_size=13, experts_implementation="eager"),
+                        dict(targets=("q_proj", "gate_proj", "up_proj", "down_proj"))),
 }
+# peft's names for the experts' projections: Qwen3-MoE's are ours, Mixtral's w1, w3, w2
+PEFT_NAMES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
 
 
-@pytest.fixture(params=sorted(FAMILIES))
+@pytest.fixture(params=[pytest.param(f, marks=pytest.mark.slow) if f == "mixtral_experts" else f
+                        for f in sorted(FAMILIES)])  # one experts family by default
 def family(request, tmp_path):
     arch, options, lora = FAMILIES[request.param]
     torch.manual_seed(0)
@@ -191,21 +210,25 @@ def test_peft_reads_what_we_write(family):
     theirs = peft.PeftModel.from_pretrained(hf, tmp / "adapter").eval()
     assert theirs.peft_config["default"].lora_dropout == lora.dropout
     tokens = ids()
-    np.testing.assert_allclose(ours(tokens), peft_logits(theirs, tokens), atol=1e-4)
-    assert np.abs(ours(tokens) - base(tokens)).max() > 1e-2  # the adapters matter
+    np.testing.assert_allclose(forward(ours, tokens), peft_logits(theirs, tokens), atol=1e-4)
+    assert np.abs(forward(ours, tokens) - forward(base, tokens)).max() > 1e-2  # the adapters matter
+    experts = nnx.state(ours, ExpertLoraParam)
+    if experts:  # and the experts' among them
+        nnx.update(ours, jax.tree.map(jnp.zeros_like, experts))
+        assert np.abs(forward(ours, tokens) - peft_logits(theirs, tokens)).max() > 1e-2
 
 
 def test_we_read_what_peft_writes(family):
     hf, tmp, lora = family
-    targets = sorted(lora_targets(lora))
+    names = PEFT_NAMES.get(hf.config.model_type, {})
+    targets = sorted(names.get(t, t) for t in lora_targets(lora))
     theirs = peft.get_peft_model(hf, peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, use_rslora=lora.rslora, target_modules=targets,
         lora_dropout=lora.dropout, init_lora_weights=False))  # random nonzero B
     theirs.eval().save_pretrained(tmp / "adapter")
     ours = load_adapter(from_pretrained(tmp / "base", dtype="float32"), tmp / "adapter")
     read = read_adapter_config(tmp / "adapter")[0]
-    assert dataclasses.replace(read, targets=tuple(sorted(read.targets))) == dataclasses.replace(
-        lora, targets=tuple(targets))
+    assert read == dataclasses.replace(lora, targets=tuple(sorted(lora_targets(lora))))
     tokens = ids()
     np.testing.assert_allclose(ours(tokens), peft_logits(theirs, tokens), atol=1e-4)
 
@@ -216,6 +239,10 @@ def test_unsupported_adapter_config_is_named(tmp_path):
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(CheckpointError, match=r"adapter_config.json: use_dora=True"):
+        load_adapter(without_adapters(model), tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config,
+                                                              "rank_pattern": {"q_proj": 8}}))
+    with pytest.raises(CheckpointError, match=r"rank_pattern=\{'q_proj': 8\} is not supported"):
         load_adapter(without_adapters(model), tmp_path)
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
     with pytest.raises(CheckpointError, match=r"adapter_model.safetensors: tensor .* has shape"):

@@ -1,5 +1,6 @@
 """The sparse MoE MLP against float64 NumPy references of the routing math, HF's load-balancing
-loss, and a dense one-hot formulation. Dimensions are distinct and odd (D 13, F 11, E 5 ...)."""
+loss, and a dense one-hot formulation; LoRA adapters on the experts against the merged
+weights. Dimensions are distinct and odd (D 13, F 11, E 5 ...)."""
 
 import dataclasses
 
@@ -12,7 +13,8 @@ from flax import nnx
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from jaxagent.models import moe as moe_lib
-from jaxagent.models.config import ModelConfig
+from jaxagent.models.config import LoraConfig, ModelConfig
+from jaxagent.models.lora import ExpertLoraParam, LoraParam
 
 D, F, E, K, N = 13, 11, 5, 2, 23
 CFG = ModelConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K)
@@ -173,3 +175,69 @@ def test_sparse_layers_follow_hf_rule():
 def test_bad_moe_config_is_named():
     with pytest.raises(ValueError, match=r"model.num_experts_per_tok \(6\) must be in \[1, model.num_experts \(5\)\]"):
         moe_lib.MoE(dataclasses.replace(CFG, num_experts_per_tok=6), rngs=nnx.Rngs(0))
+
+
+LORA = LoraConfig(rank=3, alpha=7.0, targets=("gate_proj", "up_proj", "down_proj"))
+
+
+def with_random_adapters(cfg, seed=3):
+    layer = make_moe(dataclasses.replace(cfg, lora=LORA))
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    nnx.update(layer, jax.tree.map(lambda f: 0.5 * jax.random.normal(next(keys), f.shape),
+                                   nnx.state(layer, ExpertLoraParam)))  # B = 0 is the base
+    return layer
+
+
+def merged64(layer):
+    """The layer's weights in float64 with each expert's W_p + s A_e B_e[:, p] merged in."""
+    w = weights64(layer)
+    for adapter in layer.lora.values():
+        a, b = np.asarray(adapter.a[...], np.float64), np.asarray(adapter.b[...], np.float64)
+        for p, name in enumerate(adapter.weights):
+            w[name] = w[name] + adapter.scale * np.einsum("eir,ero->eio", a, b[:, :, p])
+    return w
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity", "dense"])
+def test_expert_adapters_equal_their_merged_weights(dispatch):
+    layer = with_random_adapters(dataclasses.replace(CFG, moe_dispatch=dispatch,
+                                                     capacity_factor=E / K))  # no drops
+    assert {n: a.a.shape + a.b.shape for n, a in layer.lora.items()} == {
+        "gate_up_proj": (E, D, 6, E, 6, 2, F), "down_proj": (E, F, 3, E, 3, 1, D)}
+    x = tokens()
+    y, _ = layer(x, jnp.ones((1, N), bool))
+    w, x64 = merged64(layer), np.asarray(x[0], np.float64)
+    ref = moe64(w, x64, K, True)
+    np.testing.assert_allclose(np.asarray(y[0]), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    assert np.abs(ref - moe64(weights64(layer), x64, K, True)).max() > 0.1 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_expert_adapter_gradients_reach_the_adapters_only(dispatch):
+    """d loss / d(A, B) through the dispatch equals it through the dense formulation of the
+    merged weights W + s A B; the base weights and router are not differentiated."""
+    layer = with_random_adapters(dataclasses.replace(CFG, moe_dispatch=dispatch,
+                                                     capacity_factor=E / K))
+    graph, factors, base = nnx.split(layer, LoraParam, ...)
+    x = tokens()
+    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=(1, N, D)), jnp.float32)
+    weights, experts = moe_lib.route(x[0] @ layer.router[...], K, True)
+
+    def adapted(factors):
+        return (nnx.merge(graph, factors, base)(x, jnp.ones((1, N), bool))[0] * cotangent).sum()
+
+    def merged(factors):
+        w = {n: getattr(layer, n)[...] for n in ("w_gate", "w_up", "w_down")}
+        for name, adapter in layer.lora.items():
+            a, b = factors["lora"][name]["a"][...], factors["lora"][name]["b"][...]
+            for p, n in enumerate(adapter.weights):
+                w[n] = w[n] + adapter.scale * jnp.einsum("EIR,ERO->EIO", a, b[:, :, p])
+        y = moe_lib.dense_experts(x[0], weights, experts, w["w_gate"], w["w_up"], w["w_down"])
+        return (y * cotangent[0]).sum()
+
+    grads, ref = jax.grad(adapted)(factors), jax.grad(merged)(factors)
+    assert {p for p, _ in nnx.to_flat_state(grads)} == {
+        ("lora", n, f) for n in ("gate_up_proj", "down_proj") for f in "ab"}
+    for (p, g), (_, r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref)):
+        assert np.abs(r[...]).max() > 0, p
+        np.testing.assert_allclose(g[...], r[...], rtol=1e-4, atol=1e-4 * np.abs(r[...]).max())
