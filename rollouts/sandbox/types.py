@@ -13,6 +13,13 @@ STATUSES: tuple[str, ...] = ("passed", "failed", "error", "timeout", "oom", "hac
 SKIP_KINDS = ("skipped", "xfailed")  # how a test the original run did not pass ended
 
 
+def check_skips(skips: object, field: str) -> None:
+    """ValueError naming `field` unless `skips` is None or maps test ids to SKIP_KINDS."""
+    if skips is not None and not (isinstance(skips, dict) and all(
+            isinstance(n, str) and k in SKIP_KINDS for n, k in skips.items())):
+        raise ValueError(f"{field} must map test ids to one of {SKIP_KINDS}, got {skips!r:.200}")
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-run resource limits, enforced with rlimits and (where writable) cgroups."""
@@ -74,10 +81,7 @@ class RunRequest:
     def __post_init__(self) -> None:
         if self.grading not in ("isolated", "in-process"):
             raise ValueError(f"RunRequest.grading must be 'isolated' or 'in-process', got {self.grading!r}")
-        if self.skips is not None and not all(
-                isinstance(n, str) and k in SKIP_KINDS for n, k in self.skips.items()):
-            raise ValueError(f"RunRequest.skips must map test ids to one of {SKIP_KINDS}, "
-                             f"got {self.skips!r:.200}")
+        check_skips(self.skips, "RunRequest.skips")
 
     def spec(self, limits: Limits) -> dict:
         """What the solution may see (it is in the memory the solution forks from)."""

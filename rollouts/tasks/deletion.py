@@ -32,12 +32,16 @@ from pathlib import Path, PurePosixPath
 
 from rollouts.sandbox import Limits, Sandbox
 from rollouts.sandbox.session import Session
+from rollouts.sandbox.types import check_skips
 from rollouts.tasks.embedded import git
 from rollouts.tasks.leaks import Body, Leak, Readings, find_leaks, generated
 from rollouts.tasks.repo import choose_grading, load_repo_task
 from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
 STUB = "raise NotImplementedError"
+# How a test of the original run that did not pass may end (session outcome -> the grader's
+# name): recorded in task.json, the grader lets exactly these end so again.
+_SKIPS = {"skipped": "skipped", "xfail": "xfailed"}
 # Files a solution may not edit (the grader calls it a hack), so their copies are not deleted.
 _NOT_VENDORED = {"conftest.py", "sitecustomize.py", "usercustomize.py"}
 
@@ -344,7 +348,8 @@ def make_deletion_tasks(
     base = load_repo_task(repo, list(test_command), test_paths=tuple(test_paths))
     files = {path: c for path, c in base.files.items() if not generated(path, c)}
     original = _outcomes(files, test_command, backend, limits)
-    bad = sorted(t for t, kind in original.items() if kind not in ("passed", "skipped"))
+    bad = sorted(t for t, kind in original.items() if kind not in ("passed", "xpass", *_SKIPS))
+    skips = {t: _SKIPS[kind] for t, kind in original.items() if kind in _SKIPS}
     if not original or bad:
         dropped = sorted(set(base.files) - set(files))
         without = (f" (they run without the {len(dropped)} generated artefacts a task drops, "
@@ -397,7 +402,8 @@ def make_deletion_tasks(
                 if has_git:
                     git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
             reference = {path: files[path] for path in by_path}
-            task = replace(base, id=task_id, files=deleted, repo=str(task_dir / "repo"))
+            task = replace(base, id=task_id, files=deleted, repo=str(task_dir / "repo"),
+                           metadata={**base.metadata, "skips": skips})
             try:
                 grading = choose_grading(task, json.dumps(reference), sandbox)
             except TaskFormatError as e:  # e.g. a reference the grader will not take
@@ -416,6 +422,7 @@ def make_deletion_tasks(
                 "reference": reference,
                 "grading": grading,
                 "dropped": sorted(set(base.files) - set(files)),  # generated artefacts
+                "skips": skips,  # tests (or modules) the original run skipped or xfailed
             }
             (task_dir / "task.json").write_text(json.dumps(spec, indent=1))
             made.append(Made(task_id, feature, targets))
@@ -442,6 +449,10 @@ def load_deletion_task(task_dir: str | Path) -> Task:
     for key in ("id", "prompt", "test_command", "test_paths", "target_tests", "reference"):
         if key not in spec:
             raise TaskFormatError(f"{spec_file}: missing field {key!r}")
+    try:
+        check_skips(spec.get("skips"), "field 'skips'")
+    except ValueError as e:
+        raise TaskFormatError(f"{spec_file}: {e}") from None
     task = load_repo_task(task_dir / "repo", spec["test_command"], spec["id"], spec["prompt"],
                           tuple(spec["test_paths"]), spec.get("grading", "isolated"))
     bundle = task_dir / "history.bundle"
@@ -452,5 +463,6 @@ def load_deletion_task(task_dir: str | Path) -> Task:
         "repo_key": spec.get("repo_key", spec["id"]),
         "reference": json.dumps(spec["reference"]),
         "git_source": str(bundle) if bundle.exists() else None,
+        "skips": spec.get("skips"),  # None for a task made before skips were recorded
     }
     return replace(task, metadata=metadata)
