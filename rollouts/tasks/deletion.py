@@ -26,7 +26,7 @@ import json
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
@@ -157,7 +157,7 @@ def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target
             text = deleted.get(leak.path)
             if (not isinstance(text, str) or not leak.path.endswith(".py")
                     or PurePosixPath(leak.path).name in _NOT_VENDORED
-                    or any(leak.path.startswith(p.rstrip("/") + "/") for p in test_paths)):
+                    or _in_tests(leak.path, test_paths)):
                 continue
             name = _enclosing(text, leak.line)
             target = Target(leak.path, name) if name else None
@@ -169,20 +169,36 @@ def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target
         feature += extra
 
 
-def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]:
-    """Every documented function or method outside the tests whose body can be deleted."""
-    out = []
+def _in_tests(path: str, test_paths: Sequence[str]) -> bool:
+    return any(path.startswith(p.rstrip("/") + "/") for p in test_paths)
+
+
+def _sources(files: dict[str, str | bytes], test_paths: Sequence[str]) -> Iterator[tuple[str, str, ast.Module]]:
+    """(path, text, tree) of each Python source outside the tests."""
     for path, text in sorted(files.items()):
-        if (not path.endswith(".py") or isinstance(text, bytes)
-                or any(path.startswith(p.rstrip("/") + "/") for p in test_paths)):
+        if not path.endswith(".py") or isinstance(text, bytes) or _in_tests(path, test_paths):
             continue
         try:
-            tree = ast.parse(text)
+            yield path, text, ast.parse(text)
         except SyntaxError:  # a template or another Python's file: nothing to delete from
             continue
-        for name, node in _functions(tree).items():
-            if ast.get_docstring(node) and len(node.body) > 1:
-                out.append(Target(path, name))
+
+
+def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]:
+    """Every documented function or method outside the tests whose body can be deleted."""
+    return [Target(path, name) for path, _, tree in _sources(files, test_paths)
+            for name, node in _functions(tree).items()
+            if ast.get_docstring(node) and len(node.body) > 1]
+
+
+def every_body(files: dict[str, str | bytes], test_paths: Sequence[str]) -> list[Body]:
+    """The body of every function outside the tests, as leak patterns: all a feature and the
+    vendored copies it takes along may delete."""
+    out = []
+    for path, text, tree in _sources(files, test_paths):
+        lines = text.splitlines(keepends=True)
+        out += [Body(f"{path}::{name}", "".join(lines[start:end]))
+                for name, start, end, _ in _body_spans(text, list(_functions(tree)), False)]
     return out
 
 
@@ -358,7 +374,9 @@ def make_deletion_tasks(
                               f"failing: {bad or 'no tests ran'}")
     has_git = (repo / ".git").is_dir()
     made, skipped = [], []
-    readings = Readings()  # the files' readings, made once for every feature's scan
+    # the files' readings, made once for every feature's scan (a file over its budget is
+    # searched once for every body a feature may delete)
+    readings = Readings(anticipated=lambda: every_body(files, test_paths))
     # one sandbox grades every feature's reference (it starts on the first run)
     with Sandbox(backend, workers=1, limits=limits) as sandbox:
         for feature in features or [[t] for t in candidates(files, test_paths)]:

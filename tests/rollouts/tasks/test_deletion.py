@@ -17,6 +17,8 @@ from rollouts.tasks.deletion import (
     Target,
     candidates,
     delete_bodies,
+    deleted_bodies,
+    every_body,
     load_deletion_task,
     make_deletion_tasks,
     with_vendored_copies,
@@ -60,6 +62,11 @@ def test_delete_bodies_keeps_signatures_and_docstrings():
     assert candidates({"m.py": SOURCE, "tests/test_m.py": SOURCE, "tmpl.py": "def {{ name }}():\n"},
                       ["tests"]) == [
         Target("m.py", "f"), Target("m.py", "C.m")]  # bare has no docstring to prompt from
+    # what a scan anticipates: every body outside the tests, documented or not, as deleted
+    files = {"m.py": SOURCE, "tests/test_m.py": SOURCE, "tmpl.py": "def {{ name }}():\n"}
+    every = [Target("m.py", "f"), Target("m.py", "C.m"), Target("m.py", "C.bare")]
+    assert [(b.name, b.source) for b in every_body(files, ["tests"])] == [
+        (b.name, b.source) for b in deleted_bodies(files, every)]
     with pytest.raises(ValueError, match="must look like"):
         Target.parse("m.py:f")
 
