@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+import bz2
 import gzip
 import hashlib
 import html
 import io
 import json
+import lzma
 import pickle
 import random
 import re
@@ -297,6 +299,13 @@ def test_a_content_over_the_budget_is_read_once_for_every_anticipated_body(monke
     reads.clear()
     assert find_leaks([moved], files, readings=readings) == want
     assert reads == ["trace.json.gz"]
+
+
+def test_compressed_files_are_read_to_the_archive_limit_only(monkeypatch):
+    monkeypatch.setattr(leaks, "ARCHIVE_BYTES", 1000)
+    text = "".join(f"x{i} = {i}\n" for i in range(5000)).encode()
+    for module in (gzip, bz2, lzma):
+        assert leaks._members(module.compress(text)) == [("", text[:1000])], module
 
 
 def test_readings_do_not_invent_copies():
