@@ -377,7 +377,8 @@ class Body:
                 # what any copy holds, to pass over a text that holds none at once: its runs,
                 # or for a whole renamed body, each of its runs of WINDOW tokens
                 key = (kind, min(length, WINDOW))
-                self._any[key] = np.union1d(self._any.get(key, []), runs.of_length(key[1]))
+                self._any[key] = np.union1d(self._any.get(key, runs.of_length(key[1])),
+                                            runs.of_length(key[1]))
             self.forms.append((n, patterns))
 
     def _places(self, view: _View) -> Iterator[tuple[int, float, int]]:
@@ -522,9 +523,9 @@ def _read(path: str, content: str | bytes) -> tuple[list[tuple[str, Scanned]], i
     return [(where[len(path):], Scanned(text)) for where, text in found], sum(len(t) for _, t in found)
 
 
-def _search(scans: list[tuple[str, Scanned]], bodies: Sequence[Body]) -> list[tuple[str, int, Body]]:
-    """(member, line, body) of the first copy of each body in each text of a content."""
-    return [(member, line, body) for member, scanned in scans for body in bodies
+def _search(scans: list[tuple[str, Scanned]], bodies: Sequence[Body]) -> list[tuple[int, int, Body]]:
+    """(index in `scans`, line, body) of the first copy of each body in each text of a content."""
+    return [(i, line, body) for i, (_, scanned) in enumerate(scans) for body in bodies
             if (line := body.find(scanned)) is not None]
 
 
@@ -557,7 +558,7 @@ class Readings:
         self._anticipated = anticipated
         self._more: list[Body] | None = None  # anticipated(), on the first content over budget
         self._kept: dict[bytes, list[tuple[str, Scanned]]] = {}
-        # content over budget -> (its members, body source -> {member: line of its copy})
+        # content over budget -> (its members, body source -> {member's index: line of a copy})
         self._found: dict[bytes, tuple[list[str], dict[str, dict[str, int]]]] = {}
 
     def find(self, key: bytes, path: str, content: str | bytes,
@@ -565,14 +566,15 @@ class Readings:
         """(member, line, body) of the first copy of each of `bodies` in each text of
         `content` (`key`: its digest)."""
         if key in self._kept:
-            return _search(self._kept[key], bodies)
+            scans = self._kept[key]
+            return [(scans[i][0], line, body) for i, line, body in _search(scans, bodies)]
         members, found = self._found.get(key, ([], {}))
         if missing := list({b.source: b for b in bodies if b.source not in found}.values()):
             scans, size = _read(path, content)
             if key not in self._found and size <= self.budget:
                 self.budget -= size
                 self._kept[key] = scans
-                return _search(scans, bodies)
+                return self.find(key, path, content, bodies)
             if key not in self._found:  # its one read, if all a run asks for was anticipated
                 if self._more is None:
                     self._more = list(self._anticipated())
@@ -580,11 +582,11 @@ class Readings:
                 missing += list({b.source: b for b in self._more if b.source not in asked}.values())
                 members = [member for member, _ in scans]
             found.update({b.source: {} for b in missing})
-            for member, line, body in _search(scans, _likely(missing, scans)):
-                found[body.source][member] = line
+            for i, line, body in _search(scans, _likely(missing, scans)):
+                found[body.source][i] = line
             self._found[key] = members, found
-        return [(member, found[b.source][member], b) for member in members for b in bodies
-                if member in found[b.source]]
+        return [(member, found[b.source][i], b) for i, member in enumerate(members) for b in bodies
+                if i in found[b.source]]
 
 
 def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],
@@ -604,7 +606,7 @@ def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],
         if found is None:
             found = [(member, line, body.name) for member, line, body in (
                 readings.find(key, path, content, bodies) if readings is not None
-                else _search(_read(path, content)[0], bodies))]
+                else Readings(budget=0).find(key, path, content, bodies))]  # keeps nothing
             if cache is not None:
                 cache[key] = found
         leaks += [Leak(path, line, name, member) for member, line, name in found]

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.tasks.deletion import Target, load_deletion_task, make_deletion_tasks
 from rollouts.tasks import leaks
+from rollouts.tasks.deletion import Target, load_deletion_task, make_deletion_tasks
 from rollouts.tasks.embedded import git
 from rollouts.tasks.leaks import (
     _BASE,
