@@ -354,7 +354,7 @@ class Body:
         self.name, self.source = name, source
         self.lines = sum(1 for line in source.splitlines() if line.strip())  # of code, for stats
         self.forms: list[tuple[int, dict[str, _Pattern]]] = []  # (words, kind -> pattern)
-        self._any: dict[tuple[str, int], np.ndarray] = {}  # (kind, length) -> run hashes
+        self.probes: dict[tuple[str, int], np.ndarray] = {}  # (kind, length) -> run hashes
         for text in dict.fromkeys([source, _without_comments(source)]):
             toks, _ = _tokens(text)
             is_word = np.fromiter((bool(_WORD.match(t)) for t in toks), bool, len(toks))
@@ -377,7 +377,7 @@ class Body:
                 # what any copy holds, to pass over a text that holds none at once: its runs,
                 # or for a whole renamed body, each of its runs of WINDOW tokens
                 key = (kind, min(length, WINDOW))
-                self._any[key] = np.union1d(self._any.get(key, runs.of_length(key[1])),
+                self.probes[key] = np.union1d(self.probes.get(key, runs.of_length(key[1])),
                                             runs.of_length(key[1]))
             self.forms.append((n, patterns))
 
@@ -388,7 +388,7 @@ class Body:
         idiom elsewhere). A place reveals the body's words its runs cover, at most as many
         as it holds (an idiom the body repeats, found once, reveals it once)."""
         if not any(np.isin(view.runs(kind).of_length(length), hashes).any()
-                   for (kind, length), hashes in self._any.items()):
+                   for (kind, length), hashes in self.probes.items()):
             return
         for words, patterns in self.forms:
             for kind, pattern in patterns.items():
@@ -534,7 +534,7 @@ def _likely(bodies: Sequence[Body], scans: list[tuple[str, Scanned]]) -> list[Bo
     in one pass over each reading for all of them."""
     wanted: dict[tuple[str, int], list[np.ndarray]] = {}
     for body in bodies:
-        for key, hashes in body._any.items():
+        for key, hashes in body.probes.items():
             wanted.setdefault(key, []).append(hashes)
     held = {}
     for key, arrays in wanted.items():
@@ -542,7 +542,7 @@ def _likely(bodies: Sequence[Body], scans: list[tuple[str, Scanned]]) -> list[Bo
         runs = [view.runs(key[0]).of_length(key[1]) for _, scanned in scans for view in scanned.views]
         held[key] = np.unique(np.concatenate([r[np.isin(r, union)] for r in runs] or [union[:0]]))
     return [body for body in bodies
-            if any(np.isin(hashes, held[key]).any() for key, hashes in body._any.items())]
+            if any(np.isin(hashes, held[key]).any() for key, hashes in body.probes.items())]
 
 
 class Readings:
