@@ -53,7 +53,8 @@ _TOOLS_DIR = "/tools"  # host binaries (ruff) bound read-only inside the sandbox
 _CONTROL_DIR = "/session"  # a docker session container's token and lifeline (read-only)
 CONTAINER_MODES = ("session", "command")
 _PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$")
-PYTEST_FLAGS = ("-q", "-rA", "-p", "no:cacheprovider")  # -rA: one outcome line per test
+# -rA: one outcome line per test; skips too, by node id, once not folded by reason
+PYTEST_FLAGS = ("-q", "-rA", "--no-fold-skipped", "-p", "no:cacheprovider")
 
 
 def pytest_outcomes(output: str) -> dict[str, tuple[str, str]]:

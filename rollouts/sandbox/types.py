@@ -10,6 +10,14 @@ from rollouts.sandbox.guest.wire import encode_files
 
 Status = Literal["passed", "failed", "error", "timeout", "oom", "hack"]
 STATUSES: tuple[str, ...] = ("passed", "failed", "error", "timeout", "oom", "hack")
+SKIP_KINDS = ("skipped", "xfailed")  # how a test the original run did not pass ended
+
+
+def check_skips(skips: object, field: str) -> None:
+    """ValueError naming `field` unless `skips` is None or maps test ids to SKIP_KINDS."""
+    if skips is not None and not (isinstance(skips, dict) and all(
+            isinstance(n, str) and k in SKIP_KINDS for n, k in skips.items())):
+        raise ValueError(f"{field} must map test ids to one of {SKIP_KINDS}, got {skips!r:.200}")
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,9 @@ class RunRequest:
     executed in the grader before the `cases`; `files` are written into the
     work dir first. mode "pytest" (repository tasks): `files` is the pristine
     repository, `edits` the solution's files, `protected` the test paths the
-    solution may not touch, `pytest_args` the test command's arguments.
+    solution may not touch, `pytest_args` the test command's arguments, `skips` the
+    tests (or modules) that skipped or failed as expected in the original run, node id ->
+    "skipped" or "xfailed": only they may end so again (None: every test must pass).
     """
 
     program: str
@@ -66,10 +76,12 @@ class RunRequest:
     # solution's modules as proxies (nothing it runs can touch the verdict); "in-process"
     # runs pytest in the solution's process, for APIs that cannot cross as plain data.
     grading: Literal["isolated", "in-process"] = "isolated"
+    skips: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.grading not in ("isolated", "in-process"):
             raise ValueError(f"RunRequest.grading must be 'isolated' or 'in-process', got {self.grading!r}")
+        check_skips(self.skips, "RunRequest.skips")
 
     def spec(self, limits: Limits) -> dict:
         """What the solution may see (it is in the memory the solution forks from)."""
@@ -83,6 +95,7 @@ class RunRequest:
             "protected": list(self.protected),
             "pytest_args": list(self.pytest_args),
             "grading": self.grading,
+            "skips": self.skips,
         }
 
     def secret(self, nonce: str) -> dict:

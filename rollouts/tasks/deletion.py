@@ -26,18 +26,22 @@ import json
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 from rollouts.sandbox import Limits, Sandbox
 from rollouts.sandbox.session import Session
+from rollouts.sandbox.types import check_skips
 from rollouts.tasks.embedded import git
 from rollouts.tasks.leaks import Body, Leak, Readings, find_leaks, generated
 from rollouts.tasks.repo import choose_grading, load_repo_task
 from rollouts.tasks.task import Task, TaskFormatError, pytest_args
 
 STUB = "raise NotImplementedError"
+# How a test of the original run that did not pass may end (session outcome -> the grader's
+# name): recorded in task.json, the grader lets exactly these end so again.
+_SKIPS = {"skipped": "skipped", "xfail": "xfailed"}
 # Files a solution may not edit (the grader calls it a hack), so their copies are not deleted.
 _NOT_VENDORED = {"conftest.py", "sitecustomize.py", "usercustomize.py"}
 
@@ -153,7 +157,7 @@ def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target
             text = deleted.get(leak.path)
             if (not isinstance(text, str) or not leak.path.endswith(".py")
                     or PurePosixPath(leak.path).name in _NOT_VENDORED
-                    or any(leak.path.startswith(p.rstrip("/") + "/") for p in test_paths)):
+                    or _in_tests(leak.path, test_paths)):
                 continue
             name = _enclosing(text, leak.line)
             target = Target(leak.path, name) if name else None
@@ -165,20 +169,36 @@ def with_vendored_copies(files: dict[str, str | bytes], feature: Sequence[Target
         feature += extra
 
 
-def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]:
-    """Every documented function or method outside the tests whose body can be deleted."""
-    out = []
+def _in_tests(path: str, test_paths: Sequence[str]) -> bool:
+    return any(path.startswith(p.rstrip("/") + "/") for p in test_paths)
+
+
+def _sources(files: dict[str, str | bytes], test_paths: Sequence[str]) -> Iterator[tuple[str, str, ast.Module]]:
+    """(path, text, tree) of each Python source outside the tests."""
     for path, text in sorted(files.items()):
-        if (not path.endswith(".py") or isinstance(text, bytes)
-                or any(path.startswith(p.rstrip("/") + "/") for p in test_paths)):
+        if not path.endswith(".py") or isinstance(text, bytes) or _in_tests(path, test_paths):
             continue
         try:
-            tree = ast.parse(text)
+            yield path, text, ast.parse(text)
         except SyntaxError:  # a template or another Python's file: nothing to delete from
             continue
-        for name, node in _functions(tree).items():
-            if ast.get_docstring(node) and len(node.body) > 1:
-                out.append(Target(path, name))
+
+
+def candidates(files: dict[str, str], test_paths: Sequence[str]) -> list[Target]:
+    """Every documented function or method outside the tests whose body can be deleted."""
+    return [Target(path, name) for path, _, tree in _sources(files, test_paths)
+            for name, node in _functions(tree).items()
+            if ast.get_docstring(node) and len(node.body) > 1]
+
+
+def every_body(files: dict[str, str | bytes], test_paths: Sequence[str]) -> list[Body]:
+    """The body of every function outside the tests, as leak patterns: all a feature and the
+    vendored copies it takes along may delete."""
+    out = []
+    for path, text, tree in _sources(files, test_paths):
+        lines = text.splitlines(keepends=True)
+        out += [Body(f"{path}::{name}", "".join(lines[start:end]))
+                for name, start, end, _ in _body_spans(text, list(_functions(tree)), False)]
     return out
 
 
@@ -344,7 +364,8 @@ def make_deletion_tasks(
     base = load_repo_task(repo, list(test_command), test_paths=tuple(test_paths))
     files = {path: c for path, c in base.files.items() if not generated(path, c)}
     original = _outcomes(files, test_command, backend, limits)
-    bad = sorted(t for t, kind in original.items() if kind not in ("passed", "skipped"))
+    bad = sorted(t for t, kind in original.items() if kind not in ("passed", "xpass", *_SKIPS))
+    skips = {t: _SKIPS[kind] for t, kind in original.items() if kind in _SKIPS}
     if not original or bad:
         dropped = sorted(set(base.files) - set(files))
         without = (f" (they run without the {len(dropped)} generated artefacts a task drops, "
@@ -353,7 +374,9 @@ def make_deletion_tasks(
                               f"failing: {bad or 'no tests ran'}")
     has_git = (repo / ".git").is_dir()
     made, skipped = [], []
-    readings = Readings()  # the files' readings, made once for every feature's scan
+    # the files' readings, made once for every feature's scan (a file over its budget is
+    # searched once for every body a feature may delete)
+    readings = Readings(anticipated=lambda: every_body(files, test_paths))
     # one sandbox grades every feature's reference (it starts on the first run)
     with Sandbox(backend, workers=1, limits=limits) as sandbox:
         for feature in features or [[t] for t in candidates(files, test_paths)]:
@@ -397,7 +420,8 @@ def make_deletion_tasks(
                 if has_git:
                     git(Path(tmp), "bundle", "create", "-q", str(task_dir / "history.bundle"), "--all")
             reference = {path: files[path] for path in by_path}
-            task = replace(base, id=task_id, files=deleted, repo=str(task_dir / "repo"))
+            task = replace(base, id=task_id, files=deleted, repo=str(task_dir / "repo"),
+                           metadata={**base.metadata, "skips": skips})
             try:
                 grading = choose_grading(task, json.dumps(reference), sandbox)
             except TaskFormatError as e:  # e.g. a reference the grader will not take
@@ -416,6 +440,7 @@ def make_deletion_tasks(
                 "reference": reference,
                 "grading": grading,
                 "dropped": sorted(set(base.files) - set(files)),  # generated artefacts
+                "skips": skips,  # tests (or modules) the original run skipped or xfailed
             }
             (task_dir / "task.json").write_text(json.dumps(spec, indent=1))
             made.append(Made(task_id, feature, targets))
@@ -442,6 +467,10 @@ def load_deletion_task(task_dir: str | Path) -> Task:
     for key in ("id", "prompt", "test_command", "test_paths", "target_tests", "reference"):
         if key not in spec:
             raise TaskFormatError(f"{spec_file}: missing field {key!r}")
+    try:
+        check_skips(spec.get("skips"), "field 'skips'")
+    except ValueError as e:
+        raise TaskFormatError(f"{spec_file}: {e}") from None
     task = load_repo_task(task_dir / "repo", spec["test_command"], spec["id"], spec["prompt"],
                           tuple(spec["test_paths"]), spec.get("grading", "isolated"))
     bundle = task_dir / "history.bundle"
@@ -452,5 +481,6 @@ def load_deletion_task(task_dir: str | Path) -> Task:
         "repo_key": spec.get("repo_key", spec["id"]),
         "reference": json.dumps(spec["reference"]),
         "git_source": str(bundle) if bundle.exists() else None,
+        "skips": spec.get("skips"),  # None for a task made before skips were recorded
     }
     return replace(task, metadata=metadata)

@@ -35,7 +35,7 @@ import tokenize
 import urllib.parse
 import zipfile
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -193,8 +193,9 @@ def _members(data: bytes) -> list[tuple[str, bytes]] | None:
             return None
     for magic, module in ((b"\x1f\x8b", gzip), (b"BZh", bz2), (b"\xfd7zXZ\x00", lzma)):
         if data.startswith(magic):
-            try:
-                return [("", module.decompress(data)[:ARCHIVE_BYTES])]
+            try:  # no further than what is read (a 14 MB trace expands to 163 MB)
+                with module.open(io.BytesIO(data)) as f:
+                    return [("", f.read(ARCHIVE_BYTES))]
             except (OSError, EOFError, ValueError, lzma.LZMAError):
                 return None
     return None
@@ -350,9 +351,10 @@ class Body:
     copy of the feature."""
 
     def __init__(self, name: str, source: str):
-        self.name = name
+        self.name, self.source = name, source
         self.lines = sum(1 for line in source.splitlines() if line.strip())  # of code, for stats
         self.forms: list[tuple[int, dict[str, _Pattern]]] = []  # (words, kind -> pattern)
+        self.probes: dict[tuple[str, int], np.ndarray] = {}  # (kind, length) -> run hashes
         for text in dict.fromkeys([source, _without_comments(source)]):
             toks, _ = _tokens(text)
             is_word = np.fromiter((bool(_WORD.match(t)) for t in toks), bool, len(toks))
@@ -370,14 +372,14 @@ class Body:
                 starts = np.arange(len(stream) - length + 1)
                 first, last = ((starts, starts + length) if kind == "words"
                                else (before[starts], before[starts + length]))
-                patterns[kind] = _Pattern(_Runs(stream).of_length(length), length, first, last)
+                runs = _Runs(stream)
+                patterns[kind] = _Pattern(runs.of_length(length), length, first, last)
+                # what any copy holds, to pass over a text that holds none at once: its runs,
+                # or for a whole renamed body, each of its runs of WINDOW tokens
+                key = (kind, min(length, WINDOW))
+                self.probes[key] = np.union1d(self.probes.get(key, runs.of_length(key[1])),
+                                            runs.of_length(key[1]))
             self.forms.append((n, patterns))
-        # every form's runs of each kind and length, to pass over a text that holds none at once
-        self._any: dict[tuple[str, int], np.ndarray] = {}
-        for _, patterns in self.forms:
-            for kind, p in patterns.items():
-                key = (kind, p.length)
-                self._any[key] = np.union1d(self._any.get(key, p.hashes), p.hashes)
 
     def _places(self, view: _View) -> Iterator[tuple[int, float, int]]:
         """(line, share of the body's words, words) of each place of `view` that holds runs
@@ -386,7 +388,7 @@ class Body:
         idiom elsewhere). A place reveals the body's words its runs cover, at most as many
         as it holds (an idiom the body repeats, found once, reveals it once)."""
         if not any(np.isin(view.runs(kind).of_length(length), hashes).any()
-                   for (kind, length), hashes in self._any.items()):
+                   for (kind, length), hashes in self.probes.items()):
             return
         for words, patterns in self.forms:
             for kind, pattern in patterns.items():
@@ -515,23 +517,76 @@ class Scanned:
             self.views.append(_View(toks, np.full(len(toks), line, np.int32) if line else lines))
 
 
+def _read(path: str, content: str | bytes) -> tuple[list[tuple[str, Scanned]], int]:
+    """The readings of each text of `content` (by archive member), and its characters."""
+    found = list(texts(path, content))
+    return [(where[len(path):], Scanned(text)) for where, text in found], sum(len(t) for _, t in found)
+
+
+def _search(scans: list[tuple[str, Scanned]], bodies: Sequence[Body]) -> list[tuple[int, int, Body]]:
+    """(index in `scans`, line, body) of the first copy of each body in each text of a content."""
+    return [(i, line, body) for i, (_, scanned) in enumerate(scans) for body in bodies
+            if (line := body.find(scanned)) is not None]
+
+
+def _likely(bodies: Sequence[Body], scans: list[tuple[str, Scanned]]) -> list[Body]:
+    """The bodies some run of which one of `scans` holds (the others hold no copy there), found
+    in one pass over each reading for all of them."""
+    wanted: dict[tuple[str, int], list[np.ndarray]] = {}
+    for body in bodies:
+        for key, hashes in body.probes.items():
+            wanted.setdefault(key, []).append(hashes)
+    held = {}
+    for key, arrays in wanted.items():
+        union = np.unique(np.concatenate(arrays))
+        runs = [view.runs(key[0]).of_length(key[1]) for _, scanned in scans for view in scanned.views]
+        held[key] = np.unique(np.concatenate([r[np.isin(r, union)] for r in runs] or [union[:0]]))
+    return [body for body in bodies
+            if any(np.isin(hashes, held[key]).any() for key, hashes in body.probes.items())]
+
+
 class Readings:
-    """Each content's readings (`Scanned`, with their token runs hashed), made once and kept
-    across calls with different bodies (the features made from one repository) while the
-    text kept is under `budget` characters (about 50 bytes of memory each)."""
+    """Each content's readings (`Scanned`, with their token runs hashed), made once for the
+    bodies of every feature of a run and kept while the text kept is under `budget`
+    characters (about 50 bytes of memory each). A content over the budget left is read once
+    too: it is then searched for every body `anticipated` returns (each function a feature
+    may delete) along with those asked for, and only where each was found is kept; a body
+    that was not anticipated has it read again."""
 
-    def __init__(self, budget: int = 8 << 20):
+    def __init__(self, budget: int = 8 << 20, anticipated: Callable[[], Iterable[Body]] = tuple):
         self.budget = budget
+        self._anticipated = anticipated
+        self._more: list[Body] | None = None  # anticipated(), on the first content over budget
         self._kept: dict[bytes, list[tuple[str, Scanned]]] = {}
+        # content over budget -> (its members, body source -> {member's index: line of a copy})
+        self._found: dict[bytes, tuple[list[str], dict[str, dict[str, int]]]] = {}
 
-    def of(self, key: bytes, path: str, content: str | bytes) -> list[tuple[str, Scanned]]:
+    def find(self, key: bytes, path: str, content: str | bytes,
+             bodies: Sequence[Body]) -> list[tuple[str, int, Body]]:
+        """(member, line, body) of the first copy of each of `bodies` in each text of
+        `content` (`key`: its digest)."""
         if key in self._kept:
-            return self._kept[key]
-        made = [(where[len(path):], Scanned(text)) for where, text in texts(path, content)]
-        if len(content) <= self.budget:
-            self.budget -= len(content)
-            self._kept[key] = made
-        return made
+            scans = self._kept[key]
+            return [(scans[i][0], line, body) for i, line, body in _search(scans, bodies)]
+        members, found = self._found.get(key, ([], {}))
+        if missing := list({b.source: b for b in bodies if b.source not in found}.values()):
+            scans, size = _read(path, content)
+            if key not in self._found and size <= self.budget:
+                self.budget -= size
+                self._kept[key] = scans
+                return self.find(key, path, content, bodies)
+            if key not in self._found:  # its one read, if all a run asks for was anticipated
+                if self._more is None:
+                    self._more = list(self._anticipated())
+                asked = {b.source for b in missing}
+                missing += list({b.source: b for b in self._more if b.source not in asked}.values())
+                members = [member for member, _ in scans]
+            found.update({b.source: {} for b in missing})
+            for i, line, body in _search(scans, _likely(missing, scans)):
+                found[body.source][i] = line
+            self._found[key] = members, found
+        return [(member, found[b.source][i], b) for i, member in enumerate(members) for b in bodies
+                if i in found[b.source]]
 
 
 def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],
@@ -549,10 +604,9 @@ def find_leaks(bodies: Iterable[Body], files: Mapping[str, str | bytes],
         key = hashlib.sha1(content if isinstance(content, bytes) else content.encode()).digest()
         found = cache.get(key) if cache is not None else None
         if found is None:
-            scans = (readings.of(key, path, content) if readings is not None else
-                     [(where[len(path):], Scanned(text)) for where, text in texts(path, content)])
-            found = [(member, line, body.name) for member, scanned in scans for body in bodies
-                     if (line := body.find(scanned)) is not None]
+            found = [(member, line, body.name) for member, line, body in (
+                readings.find(key, path, content, bodies) if readings is not None
+                else Readings(budget=0).find(key, path, content, bodies))]  # keeps nothing
             if cache is not None:
                 cache[key] = found
         leaks += [Leak(path, line, name, member) for member, line, name in found]

@@ -24,7 +24,8 @@ class Task:
     run by the grader with `candidate` (and the entry point's name) bound to the
     solution. `repo`/`test_command` describe repository tasks (see `repo.py`).
     `metadata["reference"]`, when present, is a completion known to pass;
-    `metadata["grading"]` (repository tasks) is "isolated" or "in-process" (see `grading`).
+    `metadata["grading"]` (repository tasks) is "isolated" or "in-process" (see `grading`);
+    `metadata["skips"]`, the tests that skipped in the original run (`RunRequest.skips`).
     """
 
     id: str
@@ -95,6 +96,7 @@ class Task:
             protected=tuple(self.metadata.get("test_paths", ())),
             pytest_args=pytest_args(self.test_command),
             grading=self.grading,
+            skips=self.metadata.get("skips"),
         )
 
 

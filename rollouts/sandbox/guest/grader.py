@@ -25,6 +25,7 @@ import time
 import codec
 import confine
 import proxy
+import pytest_verdict
 import runner
 import wire
 
@@ -463,27 +464,31 @@ def _expected_tests(spec: dict) -> set[str]:
 
 
 class _Tally:
-    """What a pytest run reported: the collected node ids, each test's first non-pass
-    outcome and the first failure's message. In-process, fed from the solution's frames;
-    isolated, a pytest plugin in the grader itself."""
+    """What a pytest run reported: the collected node ids, each test's (or skipped module's)
+    first non-pass outcome ("failed", "skipped", "xfailed") and what it said. In-process, fed
+    from the solution's frames; isolated, a pytest plugin in the grader itself."""
 
     def __init__(self):
         self.collected: list[str] = []
         self.outcomes: dict[str, str] = {}
-        self.message = ""
+        self.messages: dict[str, str] = {}  # node id -> its first non-pass, in report order
 
     def report(self, nodeid: str, when: str, outcome: str, detail: str) -> None:
         if self.outcomes.get(nodeid, "passed") == "passed":  # keep the first non-pass
             self.outcomes[nodeid] = outcome
-        if outcome != "passed" and not self.message:
-            self.message = f"{nodeid} ({when}) {outcome}: {detail}"[:1500]
+            if outcome != "passed":
+                self.messages[nodeid] = f"{nodeid} ({when}) {outcome}: {detail}"[:1500]
 
     def pytest_collection_finish(self, session) -> None:
         self.collected = [item.nodeid for item in session.items]
 
+    def pytest_collectreport(self, report) -> None:
+        if report.skipped:
+            self.report(report.nodeid, "collect", "skipped", "")
+
     def pytest_runtest_logreport(self, report) -> None:
         detail = str(report.longrepr)[-1000:] if report.failed else ""
-        self.report(report.nodeid, report.when, report.outcome, detail)
+        self.report(report.nodeid, report.when, pytest_verdict.outcome(report), detail)
 
 
 def _run_pytest(spec: dict, solution: Solution, workdir: str) -> dict:
@@ -528,21 +533,33 @@ def _changed_tests(spec: dict, workdir: str) -> list[str]:
 
 
 def _pytest_verdict(spec: dict, tally: _Tally, exit_code: list) -> dict:
-    """Every test the pristine files define must have been collected; all passed, exit 0."""
-    collected, message = tally.collected, tally.message
+    """Every test the pristine files define must have been collected; all passed, exit 0.
+
+    With the task's record of the original run's skips (`spec["skips"]`, node id -> "skipped"
+    or "xfailed"), a recorded test that ends the same way again is not graded, and neither are
+    the tests of a recorded module skipped again as it was collected; any other test must pass
+    as before: a skip, an expected failure or a missing outcome the original run did not have
+    fails the run, whatever caused it."""
+    accepted = {n for n, kind in (spec.get("skips") or {}).items() if tally.outcomes.get(n) == kind}
+    collected = tally.collected
     for test in sorted(_expected_tests(spec)):
-        if not any(n == test or n.startswith(test + "[") for n in collected):
+        if not any(n == test or n.startswith(test + "[") for n in collected) and not any(
+                test.startswith(a + "::") for a in accepted):
             raise Abort(
                 "hack",
                 f"test {test} was not run (deselected, skipped at collection or hidden)",
             )
-    passed = sum(tally.outcomes.get(n) == "passed" for n in collected)
-    ok = bool(collected) and passed == len(collected) and exit_code == [0]
+    graded = [n for n in collected if n not in accepted]
+    passed = sum(tally.outcomes.get(n) == "passed" for n in graded)
+    ok = bool(graded) and passed == len(graded) and exit_code == [0]
+    message = next((m for n, m in tally.messages.items() if n not in accepted), "")
     if not collected:
         message = "no tests collected"
+    elif not graded:
+        message = "every test collected ended as the original run's skips: none was graded"
     elif not ok and not message:
         message = f"pytest exited with status {exit_code}"
-    return {"status": "passed" if ok else "failed", "tests_passed": passed, "tests_total": len(collected),
+    return {"status": "passed" if ok else "failed", "tests_passed": passed, "tests_total": len(graded),
             "message": message}  # fmt: skip
 
 

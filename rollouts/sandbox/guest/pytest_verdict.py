@@ -12,6 +12,11 @@ import socket
 import wire
 
 
+def outcome(report) -> str:
+    """A test report's outcome, an expected failure told apart from a skip ("xfailed")."""
+    return "xfailed" if report.skipped and hasattr(report, "wasxfail") else report.outcome
+
+
 class Reporter:
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -21,10 +26,14 @@ class Reporter:
             self.sock, ["collected", [item.nodeid for item in session.items]]
         )
 
+    def pytest_collectreport(self, report) -> None:
+        if report.skipped:  # a module skipped as it was collected (`importorskip`)
+            wire.send_sock(self.sock, ["report", report.nodeid, "collect", "skipped", ""])
+
     def pytest_runtest_logreport(self, report) -> None:
         if report.when == "call" or report.outcome != "passed":
             detail = str(report.longrepr)[-1000:] if report.failed else ""
             wire.send_sock(
                 self.sock,
-                ["report", report.nodeid, report.when, report.outcome, detail],
+                ["report", report.nodeid, report.when, outcome(report), detail],
             )

@@ -69,6 +69,15 @@ def test_pytest_runs_in_the_session_with_per_test_outcomes(session):
     assert result.exit_code == 1
     assert outcomes["tests/test_a.py::test_f"][0] == "passed"
     assert outcomes["tests/test_a.py::test_g"][0] == "failed"
+    # skips by node id (a test, a parameter, a module skipped as it is collected), xfails
+    session.write_text("tests/test_b.py", "import pytest\n\n@pytest.mark.parametrize('a', [1, 2])\n"
+                       "def test_p(a):\n    if a == 2:\n        pytest.skip('two')\n\n"
+                       "@pytest.mark.xfail(reason='bug')\ndef test_x():\n    assert 0\n")
+    session.write_text("tests/test_c.py", "import pytest\npytest.importorskip('no_such_module')\n")
+    _, outcomes = session.run_pytest(["tests"])
+    assert {t: kind for t, (kind, _) in outcomes.items() if "test_a" not in t} == {
+        "tests/test_b.py::test_p[1]": "passed", "tests/test_b.py::test_p[2]": "skipped",
+        "tests/test_b.py::test_x": "xfail", "tests/test_c.py": "skipped"}
 
 
 def test_commands_are_isolated_limited_and_capped(session):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -16,12 +17,15 @@ from rollouts.tasks.deletion import (
     Target,
     candidates,
     delete_bodies,
+    deleted_bodies,
+    every_body,
     load_deletion_task,
     make_deletion_tasks,
     with_vendored_copies,
 )
 from rollouts.tasks.embedded import build_embedded_repo, git
 from rollouts.tasks.leaks import Body
+from rollouts.tasks.task import TaskFormatError
 
 SHIPPED = Path(__file__).resolve().parents[3] / "rollouts" / "tasks" / "data" / "textkit_tasks"
 
@@ -58,6 +62,11 @@ def test_delete_bodies_keeps_signatures_and_docstrings():
     assert candidates({"m.py": SOURCE, "tests/test_m.py": SOURCE, "tmpl.py": "def {{ name }}():\n"},
                       ["tests"]) == [
         Target("m.py", "f"), Target("m.py", "C.m")]  # bare has no docstring to prompt from
+    # what a scan anticipates: every body outside the tests, documented or not, as deleted
+    files = {"m.py": SOURCE, "tests/test_m.py": SOURCE, "tmpl.py": "def {{ name }}():\n"}
+    every = [Target("m.py", "f"), Target("m.py", "C.m"), Target("m.py", "C.bare")]
+    assert [(b.name, b.source) for b in every_body(files, ["tests"])] == [
+        (b.name, b.source) for b in deleted_bodies(files, every)]
     with pytest.raises(ValueError, match="must look like"):
         Target.parse("m.py:f")
 
@@ -175,6 +184,51 @@ def test_history_shows_commits_but_never_the_deleted_code(made, tmp_path):
     assert git(clone, "show", "HEAD:textkit/roman.py") == task.files["textkit/roman.py"]
     reference = json.loads(task.metadata["reference"])
     assert "divmod" in reference["textkit/roman.py"]
+
+
+SKIPPING = {
+    "calc/__init__.py": "",
+    "calc/ops.py": 'def double(x):\n    """Twice x."""\n    y = x + x\n    return y\n',
+    "tests/test_ops.py": "import sys\n\nimport pytest\n\nfrom calc.ops import double\n\n\n"
+    "def test_double():\n    assert double(21) == 42\n\n\n"
+    "@pytest.mark.skipif(sys.platform != 'plan9', reason='plan 9 only')\n"
+    "def test_plan9():\n    assert double(1) == 3\n\n\n"
+    "@pytest.mark.xfail(reason='floats')\ndef test_exact():\n    assert double(0.1) + 0.1 == 0.3\n",
+    "tests/test_numpy.py": "import pytest\n\nnp = pytest.importorskip('no_such_numpy')\n\n\n"
+    "def test_array():\n    assert False\n",
+}
+
+
+def test_a_repository_whose_tests_skip_makes_tasks_whose_skips_alone_are_accepted(tmp_path):
+    """One skipped test, one expected failure and one module skipped as it is collected in
+    the original run: recorded in task.json, they end so again under the reference and do not
+    refuse the task; without the record the reference fails, as before."""
+    repo = tmp_path / "calc"
+    for path, text in SKIPPING.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "calc")
+    made, skipped = make_deletion_tasks(repo, tmp_path / "out")
+    assert skipped == [] and [(t.task_id, t.targets) for t in made] == [
+        ("calc-double", ("tests/test_ops.py::test_double",))]
+    task = load_deletion_task(tmp_path / "out" / "calc-double")
+    assert task.metadata["skips"] == {"tests/test_ops.py::test_plan9": "skipped",
+                                      "tests/test_ops.py::test_exact": "xfailed",
+                                      "tests/test_numpy.py": "skipped"}
+    unrecorded = dataclasses.replace(task, metadata={**task.metadata, "skips": None})
+    with Sandbox("bwrap", workers=1) as sb:
+        ref, deleted, old = sb.map([task.request(task.metadata["reference"]), task.request("{}"),
+                                    unrecorded.request(task.metadata["reference"])])
+    assert (ref.status, ref.tests_passed, ref.tests_total) == ("passed", 1, 1), ref
+    assert (deleted.status, deleted.tests_passed) == ("failed", 0), deleted
+    assert old.status != "passed" and "test_array was not run" in old.message, old
+    (tmp_path / "out" / "calc-double" / "task.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "out" / "calc-double" / "task.json").read_text()),
+         "skips": ["tests/test_ops.py::test_plan9"]}))
+    with pytest.raises(TaskFormatError, match="task.json: field 'skips' must map test ids to one of"):
+        load_deletion_task(tmp_path / "out" / "calc-double")
 
 
 def test_cli_refuses_a_repository_whose_tests_fail(tmp_path, capsys):

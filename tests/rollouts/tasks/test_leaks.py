@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import bz2
 import gzip
+import hashlib
 import html
 import io
 import json
+import lzma
 import pickle
 import random
 import re
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from rollouts.tasks import leaks
 from rollouts.tasks.deletion import Target, load_deletion_task, make_deletion_tasks
 from rollouts.tasks.embedded import git
 from rollouts.tasks.leaks import (
@@ -258,6 +262,50 @@ def test_readings_kept_across_bodies_find_what_fresh_ones_do():
         assert want and find_leaks(some, files, readings=kept) == want
         assert find_leaks(some, files, readings=small) == want
     assert len(kept._kept) == len(files) and not small._kept
+
+
+def test_a_content_over_the_budget_is_read_once_for_every_anticipated_body(monkeypatch):
+    """A file whose text is over the readings budget (here a gzipped trace, small as bytes) is
+    read once, for every body a run anticipates; only where each was found is kept, and that
+    finds what fresh readings do. A body not anticipated has it read again."""
+    reads, real = [], leaks.texts
+
+    def counted(path, content, depth=0):
+        if depth == 0:  # a file, not an archive's member
+            reads.append(path)
+        return real(path, content, depth)
+
+    monkeypatch.setattr(leaks, "texts", counted)
+    rng = random.Random(5)
+    rows = "".join(f'{{"ts": {rng.randrange(10**9)}, "dur": {rng.random():.6f}}},\n'
+                   for _ in range(1500))
+    trace = rows + "\n".join(SPLIT_CODE) + "\n" + rows
+    files = {"trace.json.gz": gzip.compress(trace.encode()), "area.py": AREA, "notes.md": PERIMETER}
+    area, split = Body("area", AREA_BODY), Body("split", SPLIT_BODY)
+    perimeter = Body("perimeter", PERIMETER.split('"""\n', 1)[1])
+    volume = Body("volume", VOLUME.split('"""\n', 1)[1])
+    budget = len(trace) - 1
+    assert len(files["trace.json.gz"]) < budget  # charged by its text, not its bytes
+    readings = Readings(budget=budget, anticipated=lambda: [area, split, perimeter, volume])
+    for feature in ([split], [area], [perimeter, split], [volume]):
+        want = find_leaks(feature, files)
+        reads.clear()
+        assert find_leaks(feature, files, readings=readings) == want
+        assert sorted(reads) == ([] if feature != [split] else sorted(files)), feature
+    assert find_leaks([split], files) == [Leak("trace.json.gz", 1501, "split", "!")]
+    assert set(readings._kept) == {hashlib.sha1(files[p].encode()).digest() for p in ("area.py", "notes.md")}
+    moved = Body("split as it once was", SPLIT_BODY.replace("depth", "level"))
+    want = find_leaks([moved], files)
+    reads.clear()
+    assert find_leaks([moved], files, readings=readings) == want
+    assert reads == ["trace.json.gz"]
+
+
+def test_compressed_files_are_read_to_the_archive_limit_only(monkeypatch):
+    monkeypatch.setattr(leaks, "ARCHIVE_BYTES", 1000)
+    text = "".join(f"x{i} = {i}\n" for i in range(5000)).encode()
+    for module in (gzip, bz2, lzma):
+        assert leaks._members(module.compress(text)) == [("", text[:1000])], module
 
 
 def test_readings_do_not_invent_copies():
