@@ -38,7 +38,7 @@ def _cmd_generate(args) -> int:
     cfg = _load_config(args)
     layout = sampling_layout(cfg)
     # an HF directory, or a run's workdir (its newest checkpoint, with the run's own config)
-    model, tokenizer, cfg = load_policy(cfg, args.model, layout)
+    model, tokenizer, cfg = load_policy(cfg, args.model, layout, args.overrides)
     if args.model is None and cfg.init_from is None:
         console.print("[yellow]No --model or checkpoint: sampling the tiny default model at "
                       "random init.[/yellow]")
@@ -129,7 +129,8 @@ def _cmd_sft(args) -> int:
 def _cmd_export(args) -> int:
     from jaxagent.train.evaluate import run_export
 
-    out = run_export(_load_config(args), args.checkpoint, args.out, merge=args.merge)
+    out = run_export(_load_config(args), args.checkpoint, args.out, merge=args.merge,
+                     overrides=args.overrides)
     print(f"written to {out}")
     return 0
 
@@ -151,7 +152,7 @@ def _cmd_eval(args) -> int:
                         "samples per task")
     cfg = _load_config(args)
     scores, rows = run_eval(cfg, checkpoint=args.checkpoint, tasks=args.tasks, ks=ks,
-                            samples=args.samples)
+                            samples=args.samples, overrides=args.overrides)
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

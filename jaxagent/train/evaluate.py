@@ -114,14 +114,15 @@ def episode_row(traj: Trajectory, tokenizer) -> dict:
             "text": tokenizer.decode(traj.tokens[traj.prompt_len:])}
 
 
-def load_policy(cfg: Config, checkpoint: str | None, layout: Layout):
+def load_policy(cfg: Config, checkpoint: str | None, layout: Layout, overrides=()):
     """(model, tokenizer, cfg) from an HF directory, a run's workdir (its newest orbax
-    checkpoint, with the run's own config) or, with no checkpoint, the config's model; every
+    checkpoint, with the run's own config and the command line's `overrides` on top) or, with
+    no checkpoint, the config's model; every
     weight made on the sampler's mesh of `layout` (`sampling_layout`), as the RL loop loads
     onto the trainer's."""
     path = Path(checkpoint) if checkpoint else None
     if path is not None and (path / "checkpoints").is_dir():
-        run_cfg = load_config(path / "config.yaml")
+        run_cfg = load_config(path / "config.yaml", overrides)
         model, tokenizer = load_model_and_tokenizer(run_cfg, layout=layout, sampling=True)
         graphdef, weights = nnx.split(model)
         params, frozen = split_trainable(weights)  # with LoRA the run saved its adapters
@@ -137,11 +138,12 @@ def load_policy(cfg: Config, checkpoint: str | None, layout: Layout):
     return model, tokenizer, cfg
 
 
-def run_export(cfg: Config, checkpoint: str, out: str | Path, *, merge: bool = False) -> Path:
+def run_export(cfg: Config, checkpoint: str, out: str | Path, *, merge: bool = False,
+               overrides=()) -> Path:
     """`jaxagent export`: the policy at `checkpoint` (see `load_policy`) as an HF checkpoint;
     with adapters as a PEFT directory over the base it was trained on, or with `merge` as a
     full HF checkpoint with the adapters merged in."""
-    model, tokenizer, run_cfg = load_policy(cfg, checkpoint, sampling_layout(cfg))
+    model, tokenizer, run_cfg = load_policy(cfg, checkpoint, sampling_layout(cfg), overrides)
     is_run = (Path(checkpoint) / "checkpoints").is_dir()
     base = base_checkpoint(run_cfg.init_from if is_run else checkpoint)
     out = save_policy(merged(model) if merge else model, out, base)
@@ -151,13 +153,13 @@ def run_export(cfg: Config, checkpoint: str, out: str | Path, *, merge: bool = F
 
 
 def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = None,
-             ks=(1,), samples: int | None = None) -> tuple[dict, list[dict]]:
+             ks=(1,), samples: int | None = None, overrides=()) -> tuple[dict, list[dict]]:
     """`jaxagent eval`: (pass@k scores, one row per rollout) of a checkpoint (see
     `load_policy`) on `tasks` (a task spec) or the config's held-out split. An agent config
     (`agent.enabled`) plays episodes instead (`evaluate_agent`: pass@k and the agent/...
     metrics, one row per episode)."""
     layout = sampling_layout(cfg)
-    model, tokenizer, cfg = load_policy(cfg, checkpoint, layout)
+    model, tokenizer, cfg = load_policy(cfg, checkpoint, layout, overrides)
     sampler = make_sampler(model, tokenizer, cfg, layout.sampler_activations)
     if cfg.agent.enabled:
         return _run_agent_eval(cfg, sampler, tokenizer, tasks, ks, samples)

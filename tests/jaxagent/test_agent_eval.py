@@ -80,6 +80,10 @@ def test_agent_training_run_evaluates_held_out_episodes(tmp_path):
     assert [r["step"] for r in evals] == [0, 1]  # before RL and at the end
     assert all(r["eval/agent/episodes"] == 4 and "eval/agent/solved_tested_first" in r
                for r in evals)
+    # `jaxagent eval` of the run: its own config, with the command line's overrides on top
+    scores, rows = run_eval(load_config(None), checkpoint=str(tmp_path),
+                            overrides=["eval.samples=1"])
+    assert scores["eval/agent/episodes"] == 2 and len(rows) == 2
 
 
 def test_agent_tools_selects_the_offered_tools():
