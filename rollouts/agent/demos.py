@@ -9,13 +9,12 @@ import dataclasses
 import difflib
 import json
 import random
-import re
 from collections.abc import Callable, Sequence
 
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall
 from rollouts.environment import Environment, Trajectory
-from rollouts.tasks.agent_family import made_up_word, substitute
+from rollouts.tasks.agent_family import made_up_word, substitute, whole
 from rollouts.tasks.task import Task
 
 
@@ -142,8 +141,7 @@ def fact_tokens(traj: Trajectory, mapping: dict[str, str], tokenizer) -> list[bo
     values = [v for v in mapping.values() if v]
     if not values:
         return out
-    pattern = re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, sorted(
-        values, key=len, reverse=True))) + r")(?!\w)")
+    pattern = whole(values)
     for a, b in action_spans(traj.policy_mask):
         action = traj.tokens[a:b]
         ends = [len(tokenizer.decode(action[:i])) for i in range(len(action) + 1)]

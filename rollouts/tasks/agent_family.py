@@ -256,14 +256,19 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
     return dict(zip(old, new))
 
 
+def whole(texts) -> re.Pattern:
+    """Whole occurrences of any of `texts`: not inside a longer word or number (`65` in `1650`,
+    `-7` in `1-7`), the longest first."""
+    keys = sorted(texts, key=len, reverse=True)
+    return re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, keys)) + r")(?!\w)")
+
+
 def substitute(text: str, mapping: dict[str, str]) -> str:
-    """`text` with every whole occurrence of a key of `mapping` (not inside a longer word or
-    number) replaced by its value, all at once."""
+    """`text` with every whole occurrence of a key of `mapping` replaced by its value, all at
+    once."""
     if not mapping:
         return text
-    keys = sorted(mapping, key=len, reverse=True)
-    pattern = re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, keys)) + r")(?!\w)")
-    return pattern.sub(lambda m: mapping[m.group(0)], text)
+    return whole(mapping).sub(lambda m: mapping[m.group(0)], text)
 
 
 def _held_out(key: str) -> bool:
