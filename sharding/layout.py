@@ -105,8 +105,10 @@ class Layout:
         call). Cast them first where they are, and the smaller copy moves."""
         if self.sampler_mesh is self.mesh:
             return params
-        spread = jax.jit(lambda t: t, out_shardings=shardings(params, self.publish_mesh,
-                                                              self.rules))(params)
+        # one function for every publish: jit caches by function, so a fresh lambda would
+        # trace and compile the copy again at each step
+        spread = jax.jit(_identity, out_shardings=shardings(params, self.publish_mesh,
+                                                            self.rules))(params)
         # This process's blocks, each on its device, are the sampler's arrays.
         return jax.tree.map(
             lambda x, s: jax.make_array_from_single_device_arrays(
@@ -122,3 +124,6 @@ class Layout:
         """`activations` for the sampler's mesh (`Sampler(activations=...)`)."""
         return activation_rules(self.sampler_mesh, self.rules)
 
+
+def _identity(tree: Any) -> Any:
+    return tree
