@@ -144,12 +144,21 @@ def fact_tokens(traj: Trajectory, mapping: dict[str, str], tokenizer) -> list[bo
     pattern = whole(values)
     for a, b in action_spans(traj.policy_mask):
         action = traj.tokens[a:b]
-        ends = [len(tokenizer.decode(action[:i])) for i in range(len(action) + 1)]
+        ends = _text_ends(tokenizer, action)
         for m in pattern.finditer(tokenizer.decode(action)):
-            for i in range(len(action)):
-                if ends[i] < m.end() and ends[i + 1] > m.start():
-                    out[a + i] = True
+            for i in _overlapping(ends, m.start(), m.end()):
+                out[a + i] = True
     return out
+
+
+def _text_ends(tokenizer, tokens: Sequence[int]) -> list[int]:
+    """The length of the text of each prefix of `tokens` (0 through all of them)."""
+    return [len(tokenizer.decode(list(tokens[:i]))) for i in range(len(tokens) + 1)]
+
+
+def _overlapping(ends: list[int], lo: int, hi: int) -> list[int]:
+    """The tokens (by `_text_ends`) whose text overlaps the characters [lo, hi)."""
+    return [i for i in range(len(ends) - 1) if ends[i] < hi and ends[i + 1] > lo]
 
 
 def value_spans(tokenizer, action: Sequence[int], call: ToolCall,
@@ -157,14 +166,14 @@ def value_spans(tokenizer, action: Sequence[int], call: ToolCall,
     """{argument: [start, end) of the tokens of `action` (`text`, the rendered `call`) that spell
     its value inside the JSON string quotes}. A token counts when its bytes overlap the value's
     (byte-level tokens: exactly the value)."""
-    ends = [len(tokenizer.decode(list(action[:i]))) for i in range(len(action) + 1)]
+    ends = _text_ends(tokenizer, action)
     spans, pos = {}, 0
     for key, value in call.args.items():
         # every format writes its arguments with json.dumps' default separators
         pair = f"{json.dumps(key)}: {json.dumps(value)}"
         at = text.index(pair, pos)
         lo, hi = at + len(json.dumps(key)) + 3, at + len(pair) - 1  # inside the quotes
-        toks = [i for i in range(len(action)) if ends[i] < hi and ends[i + 1] > lo]
+        toks = _overlapping(ends, lo, hi)
         at_lo = next(i for i, end in enumerate(ends) if end >= lo)  # an empty value's place
         spans[key] = (toks[0], toks[-1] + 1) if toks else (at_lo, at_lo)
         pos = at + len(pair)
