@@ -29,38 +29,46 @@ START=$SECONDS
 # time to the next, and none runs past its mark
 budget() { local left=$(( $1 - (SECONDS - START) )); echo $(( left > 10 ? left : 10 )); }
 
-# Real-size RL (9 min, one call): the sampler at the Qwen2.5-0.5B shape against the bandwidth
-# limit, Tunix's sampler alone on the same checkpoint, our GRPO step, Tunix's GRPOLearner with
-# the GPU to itself, and train-step MFU with float32 masters. Every result is a JSON line in
-# $OUT/rl.jsonl (or a JSON file) as soon as it exists, so a step cut short keeps the rest.
-# Second H200 lease (2026-11-26): ours ~60 s for 3 settings, Tunix's sampler ~100 s, our GRPO
-# step ~100 s with its compiles; Tunix's GRPO train step asked for 62 GiB at once (OOM at 45%).
+# Real-size RL (under 10 min, one call), in priority order, each step bounded; every result is
+# a JSON line in $OUT/rl.jsonl (or a JSON file) as soon as it exists, so a step cut short keeps
+# the rest. Third lease (H200): the prefill's document kernel compiled against its reference;
+# our sampler with it (a perfetto profile of a batch-64 decode segment, summed per kernel) and
+# with the XLA prefill before it; the decode step's attention forms; Tunix's GRPOLearner with
+# the GPU to itself (its train step asked for 62 GiB at once), then ours; train-step MFU with
+# float32 masters on cuDNN attention; Tunix's sampler at batch 16 and 64 with what is left.
 if [ "$STAGE" = rl ]; then
-  S='[[1,512,128],[16,512,128],[64,512,128]]'
   CK=/tmp/ckpts; mkdir -p $CK
   # the parent holds no GPU memory it does not use, so a peer worker beside it gets the rest
   export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.9
-  t=$(budget 75)
-  echo "== sampler 0.5b ours (${t}s)" | tee -a "$OUT/rl.log"
+  log() { echo "== $1 ($2 s)" | tee -a "$OUT/rl.log"; }
+  t=$(budget 40); log "doc kernel on GPU: prefill over a cache, compiled" $t
+  JAX_PLATFORMS=cuda timeout $t python3 -m pytest -n 0 -q -m gpu -p no:cacheprovider \
+    tests/pallas_kernels/test_doc_attention.py 2>&1 | quiet | tail -15 | tee -a "$OUT/rl.log"
+  S='[[64,512,128],[16,512,128],[1,512,128]]'
+  t=$(budget 120); log "sampler 0.5b ours, auto (prefill on the doc kernel), batch-64 trace" $t
   timeout $t python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 --settings "$S" \
-    --peers "" --checkpoint-dir $CK --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
-  t=$(budget 200)
-  echo "== sampler 0.5b tunix (${t}s)" | tee -a "$OUT/rl.log"
-  timeout $t python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 --settings "$S" \
-    --no-ours --tunix-python python3 --tunix-timeout $(( t - 15 )) --checkpoint-dir $CK \
-    --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
+    --peers "" --checkpoint-dir $CK --trace /tmp/trace --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
+  python3 benchmarks/trace_kernels.py /tmp/trace --steps 32 --top 30 2>&1 | tee -a "$OUT/rl.log"
+  cp "$(find /tmp/trace -name perfetto_trace.json.gz | head -1)" "$OUT/decode_trace_b64.json.gz"
+  t=$(budget 150); log "sampler 0.5b ours, XLA prefill (the previous default)" $t
+  timeout $t python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 \
+    --settings '[[64,512,128],[16,512,128]]' --peers "" --checkpoint-dir $CK \
+    --attention-backend xla --label ours-xla-prefill --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
+  t=$(budget 170); log "decode attention forms" $t
+  timeout $t python3 benchmarks/decode_attention.py --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
   G="--size qwen2.5-0.5b --prompts 8 --group 8 --prompt-len 256 --new-tokens 256 --dtype bfloat16 --warmup 1 --steps 2"
-  t=$(budget 310)
-  echo "== grpo step ours (${t}s)" | tee -a "$OUT/rl.log"
-  timeout $t python3 benchmarks/grpo_step.py $G --no-tunix --out "$OUT/grpo_ours.json" 2>&1 | quiet | tee -a "$OUT/rl.log"
-  t=$(budget 480)
-  echo "== grpo step tunix (${t}s)" | tee -a "$OUT/rl.log"
-  timeout $t python3 benchmarks/grpo_step.py $G --no-ours --tunix-python python3 --tunix-timeout $(( t - 20 )) \
+  t=$(budget 330); log "grpo step tunix, the GPU to itself" $t
+  timeout $t python3 benchmarks/grpo_step.py $G --no-ours --tunix-python python3 --tunix-timeout $(( t > 30 ? t - 15 : 15 )) \
     --out "$OUT/grpo_tunix.json" 2>&1 | quiet | tee -a "$OUT/rl.log"
-  t=$(budget 560)
-  echo "== train step, float32 masters (${t}s)" | tee -a "$OUT/rl.log"
-  timeout $t python3 benchmarks/train_step.py --gpu --attention-backend pallas --steps 5 --micro-batch 0 \
+  t=$(budget 430); log "grpo step ours" $t
+  timeout $t python3 benchmarks/grpo_step.py $G --no-tunix --out "$OUT/grpo_ours.json" 2>&1 | quiet | tee -a "$OUT/rl.log"
+  t=$(budget 490); log "train step, float32 masters, cuDNN attention" $t
+  timeout $t python3 benchmarks/train_step.py --gpu --attention-backend cudnn --steps 5 --micro-batch 0 \
     --logits-chunk-mib 1024 --param-dtype float32 2>&1 | quiet | tail -3 | tee -a "$OUT/rl.log"
+  t=$(budget 580); log "sampler 0.5b tunix" $t
+  timeout $t python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 \
+    --settings '[[16,512,128],[64,512,128]]' --no-ours --tunix-python python3 \
+    --tunix-timeout $(( t > 30 ? t - 10 : 20 )) --checkpoint-dir $CK --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
   exit 0
 fi
 

@@ -143,11 +143,12 @@ def main():
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="activations (parameters and AdamW stay float32)")
     p.add_argument("--tunix-timeout", type=float, default=None, help="seconds")
-    p.add_argument("--attention-backend", default=None,
-                   help="jaxagent's training attention (default: pallas on a GPU, else xla). XLA "
-                        "attention keeps [rows, heads, L, L] scores per layer for the backward: "
-                        "at 0.5B with 8 x (256 + 8 x 256)-token shared-prompt rows an H200 "
-                        "was asked for 99 GiB")
+    p.add_argument("--attention-backend", default="auto",
+                   help="jaxagent's model.attention_backend (auto: on a GPU the document kernel "
+                        "for the shared-prompt rows and the prefill, XLA for decode steps; "
+                        "else XLA). XLA attention keeps [rows, heads, L, L] scores per layer for "
+                        "the backward: at 0.5B with 8 x (256 + 8 x 256)-token shared-prompt rows "
+                        "an H200 was asked for 99 GiB")
     p.add_argument("--tunix-python", type=Path,
                    help="python of a venv with google-tunix (default: benchmarks/.venv-tunix, "
                         "created on first use)")
@@ -171,7 +172,7 @@ def main():
         prompts = make_prompts(args.prompts, args.prompt_len, vocab)
         common = (prompts, args.group, args.new_tokens, args.warmup, args.steps, args.lr,
                   args.dtype)
-        backend = args.attention_backend or ("pallas" if jax.default_backend() == "gpu" else "xla")
+        backend = args.attention_backend
         if not args.no_ours:
             results["jaxagent"] = run_ours(ckpt, *common, share_prompt=not args.no_share_prompt,
                                            attention_backend=backend)

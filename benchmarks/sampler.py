@@ -54,7 +54,7 @@ def prompts_for(batch, prompt_len, vocab, seed=0):
 
 def run_ours(ckpt: Path, settings, repeats: int, host_threads: int | None = None,
              dtype: str = "float32", on_result=None, seconds_left: float | None = None,
-             trace: Path | None = None):
+             trace: Path | None = None, attention_backend: str = "auto"):
     """Best seconds per setting (and the sampler); `on_result(setting, seconds, stats)` is
     called as each setting finishes; settings not started within `seconds_left` are NaN.
     `trace`: a perfetto trace of 32 new tokens at the first setting goes to that folder."""
@@ -62,7 +62,7 @@ def run_ours(ckpt: Path, settings, repeats: int, host_threads: int | None = None
     from rollouts.sampler import Sampler
 
     deadline = time.perf_counter() + (seconds_left or float("inf"))
-    model = from_pretrained(ckpt, dtype=dtype)
+    model = from_pretrained(ckpt, dtype=dtype, attention_backend=attention_backend)
     sampler = Sampler(model, host_threads=host_threads)
     out = []
     for batch, prompt_len, new in settings:
@@ -197,6 +197,8 @@ def main():
     p.add_argument("--checkpoint-dir", type=Path,
                    help="keep the random checkpoints here (made once, reused by later runs)")
     p.add_argument("--trace", type=Path, help="perfetto trace of our first setting (32 tokens)")
+    p.add_argument("--attention-backend", default="auto",
+                   help="our model.attention_backend (xla: the prefill before it ran the kernel)")
     p.add_argument("--out", type=Path, help="write results as JSON here")
     p.add_argument("--jsonl", type=Path, help="append one JSON line per result as it comes")
     args = p.parse_args()
@@ -249,7 +251,8 @@ def main():
             else:
                 ours, sampler, model = run_ours(ckpt, settings, args.repeats, dtype=dtype,
                                                 on_result=ours_done,
-                                                seconds_left=args.ours_timeout, trace=args.trace)
+                                                seconds_left=args.ours_timeout, trace=args.trace,
+                                                attention_backend=args.attention_backend)
             peer_times = {}
             if not args.gpu and not args.no_ours:  # one host thread (CPU splits a batch)
                 peer_times["ours-1thread"] = run_ours(ckpt, settings, args.repeats, 1)[0]

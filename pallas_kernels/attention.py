@@ -29,7 +29,8 @@ Backends of dense and document attention (``resolve_backend`` picks one per call
   splash  Pallas TPU splash attention (``causal_attention.py``): causal rows; TPU, and CPU
           interpreted.
   auto    per platform and rows. Dense attention: GPU cudnn for causal rows (pallas in
-          float32), pallas for segments, xla for cached rows; TPU splash for causal rows, else
+          float32), pallas for segments and a cached call's prefill, xla for its decode steps;
+          TPU splash for causal rows, else
           xla (splash on one chip only: jax cannot partition a Mosaic kernel over a mesh); CPU xla.
           Document attention: pallas, xla on TPU.
 
@@ -77,11 +78,13 @@ def check_rows(backend: str, rows: str) -> None:
 
 
 def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",
-                    platform: str | None = None, dtype=None, devices: int | None = None) -> str:
+                    platform: str | None = None, dtype=None, devices: int | None = None,
+                    queries: int = 1) -> str:
     """The backend ("xla", "pallas", "cudnn" or "splash") that attention of `kind` ("dense" or
     "doc") runs on `rows` (one of ``ROWS``) for the option `backend` (one of ``BACKENDS``), on
     `platform` (default: JAX's) in compute `dtype` (default: any the backend takes), under a
-    mesh of `devices` (default: the abstract mesh's, if one is set)."""
+    mesh of `devices` (default: the abstract mesh's, if one is set). `queries`: the call's
+    query length, which tells a cached call's prefill (several) from a decode step (one)."""
     if kind not in ("dense", "doc"):
         raise ValueError(f"attention {kind!r} has no backend option")
     check_rows(backend, rows)
@@ -89,21 +92,21 @@ def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",
     dtype = None if dtype is None else jnp.dtype(dtype).name
     devices = devices or max(jax.sharding.get_abstract_mesh().size, 1)
     if backend == "auto":
-        return _auto(kind, rows, platform, dtype, devices)
+        return _auto(kind, rows, platform, dtype, devices, queries)
     if platform not in _PLATFORMS.get(backend, (platform,)):
         raise ValueError(f"{backend} runs on {' or '.join(_PLATFORMS[backend])}, not {platform}")
     if backend == "cudnn" and dtype not in (None, *_CUDNN_DTYPES):
         raise ValueError(f"cudnn needs model.dtype bfloat16 (cuDNN's flash attention takes "
                          f"{' or '.join(_CUDNN_DTYPES)}), not {dtype}")
     if rows not in _RUNS[backend]:  # cached rows (check_rows): the sampler under a training kernel
-        return _auto(kind, rows, platform, dtype, devices)
+        return _auto(kind, rows, platform, dtype, devices, queries)
     if backend == "splash" and platform == "tpu" and devices > 1:
         raise ValueError(f"splash is a Mosaic kernel, which jax cannot partition over a mesh of "
                          f"{devices} devices (it would need a shard_map); use auto or xla")
     return backend
 
 
-def _auto(kind, rows, platform, dtype, devices):
+def _auto(kind, rows, platform, dtype, devices, queries):
     if kind == "dense" and rows == "causal":
         if platform == "gpu":
             return "cudnn" if dtype in _CUDNN_DTYPES else "pallas"
@@ -112,8 +115,10 @@ def _auto(kind, rows, platform, dtype, devices):
         return "xla"  # the doc kernel is written and tested for GPU (and CPU, interpreted)
     if kind == "doc":
         return "pallas"
-    # Dense decode steps are one query per row: XLA, as before these kernels.
-    return "pallas" if platform == "gpu" and rows == "segments" else "xla"
+    # A cached call's prefill runs the kernel on a GPU (XLA there stores [B, K, G, T, S] float32
+    # scores: 940 MB a layer for 64 prompts of 512 tokens); a decode step, one query per row, XLA.
+    kernel_rows = rows == "segments" or (rows == "cached" and queries > 1)
+    return "pallas" if platform == "gpu" and kernel_rows else "xla"
 
 
 def dense_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots, backend="auto",
@@ -134,7 +139,7 @@ def document_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_sl
 
 
 def _attend(kind, backend, rows, q, k, v, keys_transposed, **segments):
-    backend = resolve_backend(kind, backend, rows=rows, dtype=q.dtype)
+    backend = resolve_backend(kind, backend, rows=rows, dtype=q.dtype, queries=q.shape[1])
     if keys_transposed:
         if backend != "xla" or q.shape[1] != 1:
             raise ValueError("keys_transposed is for XLA decode steps (one query per row)")

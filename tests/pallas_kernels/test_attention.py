@@ -75,6 +75,16 @@ def test_auto_picks_per_platform_and_rows(platform, kind, rows, dtype, want):
                            devices=1) == want
 
 
+def test_auto_runs_a_cached_prefill_on_the_kernel_on_a_gpu():
+    """A cached call of several queries (the sampler's prefill) takes the document kernel on a
+    GPU; a decode step (one query) stays on XLA, as do both elsewhere."""
+    resolve = lambda queries, platform="gpu": resolve_backend(  # noqa: E731
+        "dense", rows="cached", platform=platform, dtype="bfloat16", devices=1, queries=queries)
+    assert (resolve(512), resolve(1)) == ("pallas", "xla")
+    assert resolve(512, "tpu") == resolve(512, "cpu") == "xla"
+    assert resolve_backend("dense", "cudnn", rows="cached", platform="gpu", queries=7) == "pallas"
+
+
 def test_splash_runs_on_one_tpu_chip_only():
     """jax cannot partition a Mosaic kernel over a mesh: auto falls back to XLA there, and an
     explicit splash says why."""

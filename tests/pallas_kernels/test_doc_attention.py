@@ -98,6 +98,40 @@ def test_decode_step_against_a_cache():
     np.testing.assert_allclose(out, want, atol=1e-5)
 
 
+def prefill_over_a_cache(seed, b, t, s, n, kv_heads, h):
+    """The sampler's prefill layout: left-padded prompts written at an offset into a cache whose
+    earlier slots hold a previous turn and whose tail is empty. -> (q, k, v, ids and slots)."""
+    rng = np.random.default_rng(seed)
+    offset = s // 5
+    q_slots = np.tile(np.arange(offset, offset + t, dtype=np.int32), (b, 1))
+    kv_slots = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    pads = rng.integers(0, t // 2, b)
+    q_seg = (np.arange(t)[None] >= pads[:, None]).astype(np.int32)
+    kv_seg = np.zeros((b, s), np.int32)
+    kv_seg[:, : offset // 2] = 1  # the previous turn, after its own left padding
+    kv_seg[:, offset:offset + t] = q_seg
+    q = rng.standard_normal((b, t, n, h))
+    k, v = (rng.standard_normal((b, kv_heads, s, h)) for _ in range(2))
+    return q, k, v, dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slots,
+                         kv_slots=kv_slots)
+
+
+@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_prefill_over_a_cache_matches_reference(gpu):
+    """`auto`'s prefill on a GPU: the kernel over the cache layout against the reference
+    (interpreted small here; compiled at the Qwen2.5-0.5B head layout with -m gpu)."""
+    dims = (2, 300, 900, 14, 2, 64) if gpu else (3, 21, 53, 6, 2, 16)
+    q, k, v, ids = prefill_over_a_cache(9, *dims)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    kw = {} if gpu else dict(block_sizes=BLOCKS, interpret=True)
+    got = doc_attention(*f32, **ids, **kw)
+    with jax.enable_x64(True):
+        want = doc_attention_reference(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)),
+                                       ids["q_segment_ids"], ids["kv_segment_ids"],
+                                       ids["q_slots"], ids["kv_slots"])
+    assert_close(got, np.asarray(want), 2e-3 if gpu else 1e-5)  # TF32 matmuls on the GPU
+
+
 def test_block_visibility_covers_every_visible_entry_and_skips_documents():
     rng = np.random.default_rng(5)
     for _ in range(20):

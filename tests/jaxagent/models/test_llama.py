@@ -109,6 +109,30 @@ def test_incremental_decoding_with_cache_equals_full_forward(model):
     assert np.asarray(cache.segment_ids)[:, 13:].sum() == 0
 
 
+def test_document_kernel_over_a_cache_equals_xla(model):
+    """`attention_backend: pallas` (the kernel, interpreted here; `auto`'s prefill on a GPU)
+    through a cache: a left-padded prefill, then decode steps, give the XLA model's logits."""
+    kernel = nnx.merge(nnx.graphdef(init_model(dataclasses.replace(CFG, attention_backend="pallas"))),
+                       nnx.state(model))
+    tokens = jnp.asarray(np.random.default_rng(5).integers(1, 83, (3, 11)))
+    segment_ids = jnp.asarray(np.arange(9)[None] >= np.array([[0], [4], [7]]), jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(segment_ids, 1) - 1, 0)
+    logits = {}
+    for name, m in (("xla", model), ("pallas", kernel)):
+        cache = KVCache.empty(CFG, 3, 16)
+        out, cache = forward(m, tokens[:, :9], positions, segment_ids, cache)
+        chunks = [out]
+        for t in range(9, 11):
+            step_pos = positions[:, -1:] + t - 8
+            out, cache = forward(m, tokens[:, t:t + 1], step_pos, jnp.ones((3, 1), jnp.int32), cache)
+            chunks.append(out)
+        logits[name] = jnp.concatenate(chunks, 1)
+    real = np.asarray(segment_ids.astype(bool))  # padded queries' logits are not used
+    real = np.concatenate([real, np.ones((3, 2), bool)], 1)
+    np.testing.assert_allclose(np.asarray(logits["pallas"])[real], np.asarray(logits["xla"])[real],
+                               atol=2e-5)
+
+
 def test_unknown_attention_backend_is_named():
     with pytest.raises(ValueError, match="model.attention_backend: unknown backend 'nope'"):
         init_model(dataclasses.replace(CFG, attention_backend="nope"))
