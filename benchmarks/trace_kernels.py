@@ -2,10 +2,12 @@
 (`jax.profiler.trace(..., create_perfetto_trace=True)`, e.g. `sampler.py --trace DIR`) summed
 by name, busiest first, per step.
 
-    python benchmarks/trace_kernels.py DIR --steps 32 --top 25
+    python benchmarks/trace_kernels.py DIR --steps 32 --top 25 --module decode_segment
 
 Reads every `perfetto_trace.json.gz` under DIR. Device events are those of processes whose name
-says GPU (XLA names them "/device:GPU:0" and its streams); host events are left out.
+says GPU (XLA names them "/device:GPU:0" and its streams); host events are left out. Each
+program's (`hlo_module`'s) total comes first; `--module` keeps the kernels of the programs whose
+name contains it (e.g. the sampler's decode loop apart from its prefill).
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ def device_kernels(trace: dict) -> list[dict]:
     if not gpu:
         raise SystemExit(f"no GPU process in the trace; processes: {sorted(set(names.values()))}")
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+
+
+def module(event: dict) -> str:
+    return event.get("args", {}).get("hlo_module", "?")
 
 
 def summarise(kernels: list[dict], steps: int, top: int) -> str:
@@ -51,13 +57,22 @@ def main():
     p.add_argument("dir", type=Path)
     p.add_argument("--steps", type=int, default=1, help="divide the totals by this many steps")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--module", default=None, help="only programs whose name contains this")
     args = p.parse_args()
     files = sorted(args.dir.rglob("perfetto_trace.json.gz"))
     if not files:
         raise SystemExit(f"no perfetto_trace.json.gz under {args.dir}")
     for path in files:
         with gzip.open(path) as f:
-            print(f"## {path}\n\n" + summarise(device_kernels(json.load(f)), args.steps, args.top))
+            kernels = device_kernels(json.load(f))
+        programs = collections.defaultdict(float)
+        for e in kernels:
+            programs[module(e)] += float(e["dur"]) / 1e3
+        print(f"## {path}\n\nms on the GPU per program: "
+              + ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(programs.items(), key=lambda kv: -kv[1])))
+        if args.module:
+            kernels = [e for e in kernels if args.module in module(e)]
+        print(summarise(kernels, args.steps, args.top))
 
 
 if __name__ == "__main__":
