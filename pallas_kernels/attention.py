@@ -25,6 +25,7 @@ Backends of dense and document attention (``resolve_backend`` picks one per call
   xla     ``doc_attention/xla.py``: einsums over a materialised mask; any rows, any platform.
   pallas  the block-sparse doc kernel (``doc_attention/kernel.py``): any rows; GPU, and CPU
           interpreted. Named for the kernel, not "doc", which is already an attention kind.
+          Decode steps (one query per row) run its split-K decode kernel (``decode.py``).
   cudnn   cuDNN flash attention (``causal_attention.py``): causal rows, bfloat16/float16, GPU.
   splash  Pallas TPU splash attention (``causal_attention.py``): causal rows; TPU, and CPU
           interpreted.
@@ -48,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.causal_attention import cudnn_attention, splash_attention
-from pallas_kernels.doc_attention import doc_attention, visible
+from pallas_kernels.doc_attention import decode_attention, doc_attention, visible
 from pallas_kernels.doc_attention.xla import decode_attention_keys_transposed, xla_attention
 from pallas_kernels.nsa import nsa_attention
 
@@ -147,8 +148,9 @@ def _attend(kind, backend, rows, q, k, v, keys_transposed, **segments):
                        segments["kv_slots"])
         return decode_attention_keys_transposed(q, k, v, mask)
     interpret = jax.default_backend() == "cpu"
-    if backend == "pallas":
-        return doc_attention(q, k, v, **segments, interpret=interpret)
+    if backend == "pallas":  # a decode step (one query per row) on its own kernel
+        kernel = decode_attention if q.shape[1] == 1 else doc_attention
+        return kernel(q, k, v, **segments, interpret=interpret)
     ids = {name: segments[name] for name in ("q_segment_ids", "kv_segment_ids")}
     if backend == "cudnn":
         return cudnn_attention(q, k, v, **ids)
