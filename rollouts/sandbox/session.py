@@ -15,6 +15,7 @@ what is left and removes the work dir.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -124,7 +125,9 @@ class SessionContainer:
     that runs it under guest/limited.py, then kills whatever it left and empties /tmp (the
     host does that in a `docker exec` of its own when the wrapper cannot report it did).
     The host holds the write end of a FIFO whose read end is the container's pid 1: when
-    this process dies, the container ends and `--rm` removes it."""
+    this process dies, the container ends and `--rm` removes it. A child forked from the host
+    (`os.fork`, multiprocessing's fork) keeps neither: it closes its copy of the lifeline, so
+    the container still goes with the host, and its exit removes nothing."""
 
     def __init__(self, *, image: str, workdir: str, limits: Limits, tools: dict[str, str],
                  uid: int, control: Path):
@@ -141,6 +144,8 @@ class SessionContainer:
         self.name = f"jaxagent-session-{uuid.uuid4().hex[:12]}"
         # at close, when the session is dropped unclosed, or at exit: nothing keeps it
         self._finalizer = weakref.finalize(self, _remove_container, self.name, self.lifeline)
+        _OPEN.add(self)
+        _watch_forks()
         self.start()
 
     def start(self) -> None:
@@ -191,6 +196,23 @@ class SessionContainer:
 
     def close(self) -> None:
         self._finalizer()
+
+
+_OPEN: weakref.WeakSet[SessionContainer] = weakref.WeakSet()
+
+
+@functools.cache
+def _watch_forks() -> None:
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _forget_in_child() -> None:
+    """In a forked child: the parent's open session containers are not the child's (see
+    SessionContainer)."""
+    for container in list(_OPEN):
+        if container._finalizer.detach() is not None:  # still open in the parent
+            os.close(container.lifeline)
+    _OPEN.clear()
 
 
 def _docker_rm(name: str) -> None:

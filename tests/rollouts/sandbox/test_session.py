@@ -9,6 +9,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -193,6 +194,40 @@ def test_the_session_container_goes_with_its_session(request, tmp_path):
     while _container_exists(name) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _container_exists(name)
+
+
+def test_a_forked_child_neither_keeps_nor_removes_the_container(request, tmp_path):
+    """A child forked from the host that outlives it does not keep the container alive, and
+    a forked child's own exit (atexit included) does not remove its parent's container."""
+    root = Path(__file__).resolve().parents[3]
+    start = ("import os, sys, time; from rollouts.sandbox.session import Session; "
+             "s = Session({}, backend='docker', image=sys.argv[1]); "
+             "pid = os.fork()\n"
+             "if pid == 0: sys.exit(0)\n"  # a child that exits normally, finalizers and all
+             "os.waitpid(pid, 0); sleeper = os.fork()\n"
+             "if sleeper == 0: time.sleep(60); os._exit(0)\n"  # one that outlives the host
+             "print(s.container.name, sleeper, s.exec('echo ok').output.strip(), flush=True); "
+             "time.sleep(60)")  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    host = subprocess.Popen([sys.executable, "-c", start, request.getfixturevalue("docker_image")],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=root)  # fmt: skip
+    name, sleeper, ok = host.stdout.readline().split()
+    try:
+        assert ok == "ok" and _container_exists(name)  # the first child's exit removed nothing
+        host.kill()
+        host.wait()
+        deadline = time.monotonic() + 20
+        while _container_exists(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _container_exists(name)
+        os.kill(int(sleeper), 0)  # the sleeper still runs: the container went without it
+    finally:
+        host.stdout.close()
+        try:
+            os.kill(int(sleeper), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_containers_mode_is_checked():
