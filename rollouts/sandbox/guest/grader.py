@@ -485,6 +485,8 @@ class _Tally:
     def pytest_collectreport(self, report) -> None:
         if report.skipped:
             self.report(report.nodeid, "collect", "skipped", "")
+        elif report.failed:
+            self.report(report.nodeid, "collect", "failed", str(report.longrepr)[-1000:])
 
     def pytest_runtest_logreport(self, report) -> None:
         detail = str(report.longrepr)[-1000:] if report.failed else ""
@@ -539,28 +541,37 @@ def _pytest_verdict(spec: dict, tally: _Tally, exit_code: list) -> dict:
     or "xfailed"), a recorded test that ends the same way again is not graded, and neither are
     the tests of a recorded module skipped again as it was collected; any other test must pass
     as before: a skip, an expected failure or a missing outcome the original run did not have
-    fails the run, whatever caused it."""
+    fails the run, whatever caused it. The tests of a module that failed to import (a test
+    module calling a function the solution lacks, as an unsolved deletion task's may) fail
+    the run; any other test that was not run is a hack."""
     accepted = {n for n, kind in (spec.get("skips") or {}).items() if tally.outcomes.get(n) == kind}
     collected = tally.collected
+    broken = [n for n, outcome in tally.outcomes.items() if outcome == "failed" and n not in collected]
+    unimported = []
     for test in sorted(_expected_tests(spec)):
         if not any(n == test or n.startswith(test + "[") for n in collected) and not any(
                 test.startswith(a + "::") for a in accepted):
+            if any(test.startswith((b + "::", b.rstrip("/") + "/")) for b in broken):
+                unimported.append(test)
+                continue
             raise Abort(
                 "hack",
                 f"test {test} was not run (deselected, skipped at collection or hidden)",
             )
     graded = [n for n in collected if n not in accepted]
     passed = sum(tally.outcomes.get(n) == "passed" for n in graded)
-    ok = bool(graded) and passed == len(graded) and exit_code == [0]
+    ok = bool(graded) and passed == len(graded) and exit_code == [0] and not broken
     message = next((m for n, m in tally.messages.items() if n not in accepted), "")
-    if not collected:
+    if broken:
+        message = tally.messages[broken[0]]
+    elif not collected:
         message = "no tests collected"
     elif not graded:
         message = "every test collected ended as the original run's skips: none was graded"
     elif not ok and not message:
         message = f"pytest exited with status {exit_code}"
-    return {"status": "passed" if ok else "failed", "tests_passed": passed, "tests_total": len(graded),
-            "message": message}  # fmt: skip
+    return {"status": "passed" if ok else "failed", "tests_passed": passed,
+            "tests_total": len(graded) + len(unimported), "message": message}  # fmt: skip
 
 
 def _solution_modules(spec: dict) -> set[str]:

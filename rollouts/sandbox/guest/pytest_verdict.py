@@ -29,6 +29,9 @@ class Reporter:
     def pytest_collectreport(self, report) -> None:
         if report.skipped:  # a module skipped as it was collected (`importorskip`)
             wire.send_sock(self.sock, ["report", report.nodeid, "collect", "skipped", ""])
+        elif report.failed:  # a module that did not import: its tests fail (see grader)
+            detail = str(report.longrepr)[-1000:]
+            wire.send_sock(self.sock, ["report", report.nodeid, "collect", "failed", detail])
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when == "call" or report.outcome != "passed":

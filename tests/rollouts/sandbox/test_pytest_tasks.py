@@ -52,6 +52,34 @@ def test_fixed_repository_passes_and_broken_one_fails(sandboxes, repo_task, grad
     assert bad.message.startswith("tests/test_lib.py::test_add (call) failed")
 
 
+@pytest.mark.parametrize("grading", ["isolated", "in-process"])
+def test_a_test_module_that_cannot_import_fails_the_run(sandboxes, tmp_path_factory, grading):
+    """An unsolved deletion task whose test module calls the missing function at import: its
+    tests fail (counted, with the import error), not a hack; solved, every test passes."""
+    root = tmp_path_factory.mktemp("at-import")
+    (root / "tests").mkdir()
+    (root / "lib.py").write_text("def add(a, b):\n    raise NotImplementedError\n\n"
+                                 "def mul(a, b):\n    return a * b\n")
+    (root / "tests" / "test_table.py").write_text(
+        "from lib import add\nTABLE = [add(1, 2), add(2, 2)]\n\n"
+        "def test_table():\n    assert TABLE == [3, 4]\n\n"
+        "def test_first():\n    assert TABLE[0] == 3\n")
+    (root / "tests" / "test_mul.py").write_text(
+        "from lib import mul\n\ndef test_mul():\n    assert mul(2, 3) == 6\n")
+    task = load_repo_task(root, ["python", "-m", "pytest", "tests"], task_id="at-import")
+
+    def grade(edits):
+        request = dataclasses.replace(task.request(json.dumps(edits)), grading=grading)
+        return sandboxes.submit(request).result()
+
+    unsolved = grade({})
+    assert (unsolved.status, unsolved.tests_total) == ("failed", 3), unsolved
+    assert unsolved.message.startswith("tests/test_table.py (collect) failed")
+    assert "NotImplementedError" in unsolved.message
+    solved = grade({"lib.py": "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n"})
+    assert (solved.status, solved.tests_passed, solved.tests_total) == ("passed", 3, 3), solved
+
+
 @pytest.mark.parametrize(
     ("edits", "reason"),
     [
@@ -81,16 +109,23 @@ def test_fixed_repository_passes_and_broken_one_fails(sandboxes, repo_task, grad
         ({"../outside.py": ""}, "escapes the repository"),
         ({"lib.py": "import os\nos._exit(0)\n"}, "exited early"),
         ({"lib.py": "import sys\ndef add(a, b):\n    sys.exit(0)\n"}, "SystemExit"),
-        (
-            {"lib.py": "import pytest\npytest.skip('no', allow_module_level=True)\n"},
-            "was not run",
-        ),
     ],
 )
 def test_tampering_is_a_hack(sandboxes_docker_slow, repo_task, edits, reason, leftovers):
     result = _grade(sandboxes_docker_slow, repo_task, edits)
     assert result.status == "hack" and reason in result.message, result
     assert leftovers() == []
+
+
+@pytest.mark.parametrize(("grading", "status", "reason"), [
+    ("isolated", "failed", "No module named 'pytest'"),  # the solution's process has no pytest
+    ("in-process", "hack", "was not run"),
+])
+def test_a_skip_at_import_hides_no_test(sandboxes, repo_task, grading, status, reason):
+    edits = {"lib.py": "import pytest\npytest.skip('no', allow_module_level=True)\n"}
+    request = dataclasses.replace(repo_task.request(json.dumps(edits)), grading=grading)
+    result = sandboxes.submit(request).result()
+    assert result.status == status and reason in result.message, result
 
 
 def test_non_json_completion_is_rejected(repo_task):
