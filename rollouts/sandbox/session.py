@@ -53,20 +53,32 @@ _PYTHON_FLAGS = ("-S", "-B", "-E", "-s")
 _TOOLS_DIR = "/tools"  # host binaries (ruff) bound read-only inside the sandbox
 _CONTROL_DIR = "/session"  # a docker session container's token and lifeline (read-only)
 CONTAINER_MODES = ("session", "command")
-_PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$")
+_PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S.*)$")
 # -rA: one outcome line per test; skips too, by node id, once not folded by reason
 PYTEST_FLAGS = ("-q", "-rA", "--no-fold-skipped", "-p", "no:cacheprovider")
 
 
 def pytest_outcomes(output: str) -> dict[str, tuple[str, str]]:
-    """node id -> (outcome, reason) from pytest's `-rA` short test summary."""
+    """node id -> (outcome, reason) from pytest's `-rA` short test summary. A parametrized id
+    may hold spaces and " - " inside its brackets (`test_p[c - d]`): the id ends at the first
+    " - " outside them."""
     outcomes = {}
     for line in output.splitlines():
         m = _PYTEST_LINE.match(line.strip())
         if m is not None:
-            kind, test, why = m.groups()
-            outcomes[test] = (kind.lower(), why or "")
+            kind, rest = m.groups()
+            test, why = _split_reason(rest)
+            outcomes[test] = (kind.lower(), why)
     return outcomes
+
+
+def _split_reason(rest: str) -> tuple[str, str]:
+    depth = 0
+    for i, c in enumerate(rest):
+        depth += (c == "[") - (c == "]")
+        if depth == 0 and rest.startswith(" - ", i):
+            return rest[:i], rest[i + 3:]
+    return rest.rstrip(), ""
 
 
 def _check_docker_engine() -> None:

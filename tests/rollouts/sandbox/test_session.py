@@ -247,6 +247,17 @@ def test_pytest_outcomes_parses_the_short_summary():
     out = "PASSED t.py::a\nFAILED t.py::b - assert 1 == 2\nERROR t.py::c\nnoise\n"
     assert pytest_outcomes(out) == {
         "t.py::a": ("passed", ""), "t.py::b": ("failed", "assert 1 == 2"), "t.py::c": ("error", "")}
+    # parametrized ids with spaces, " - " and brackets inside them (pytest 8's own lines)
+    out = ("PASSED tests/t.py::test_p[a b]\nSKIPPED tests/t.py::test_p[e] - Skipped: why not\n"
+           "XFAIL tests/t.py::test_x[f g] - nope\n"
+           "FAILED tests/t.py::test_p[c - d] - AssertionError: assert 'c - d' != 'c ...\n"
+           "PASSED tests/t.py::test_q[[1, 2] - x]\n")
+    assert pytest_outcomes(out) == {
+        "tests/t.py::test_p[a b]": ("passed", ""),
+        "tests/t.py::test_p[e]": ("skipped", "Skipped: why not"),
+        "tests/t.py::test_x[f g]": ("xfail", "nope"),
+        "tests/t.py::test_p[c - d]": ("failed", "AssertionError: assert 'c - d' != 'c ..."),
+        "tests/t.py::test_q[[1, 2] - x]": ("passed", "")}
 
 
 def test_unsupported_backend_is_named():

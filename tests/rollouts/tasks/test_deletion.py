@@ -192,7 +192,8 @@ SKIPPING = {
     "tests/test_ops.py": "import sys\n\nimport pytest\n\nfrom calc.ops import double\n\n\n"
     "def test_double():\n    assert double(21) == 42\n\n\n"
     "@pytest.mark.skipif(sys.platform != 'plan9', reason='plan 9 only')\n"
-    "def test_plan9():\n    assert double(1) == 3\n\n\n"
+    "@pytest.mark.parametrize('x', ['a b', 'c - d'])\n"  # ids with spaces, " - " inside
+    "def test_plan9(x):\n    assert double(1) == 3\n\n\n"
     "@pytest.mark.xfail(reason='floats')\ndef test_exact():\n    assert double(0.1) + 0.1 == 0.3\n",
     "tests/test_numpy.py": "import pytest\n\nnp = pytest.importorskip('no_such_numpy')\n\n\n"
     "def test_array():\n    assert False\n",
@@ -214,7 +215,8 @@ def test_a_repository_whose_tests_skip_makes_tasks_whose_skips_alone_are_accepte
     assert skipped == [] and [(t.task_id, t.targets) for t in made] == [
         ("calc-double", ("tests/test_ops.py::test_double",))]
     task = load_deletion_task(tmp_path / "out" / "calc-double")
-    assert task.metadata["skips"] == {"tests/test_ops.py::test_plan9": "skipped",
+    assert task.metadata["skips"] == {"tests/test_ops.py::test_plan9[a b]": "skipped",
+                                      "tests/test_ops.py::test_plan9[c - d]": "skipped",
                                       "tests/test_ops.py::test_exact": "xfailed",
                                       "tests/test_numpy.py": "skipped"}
     unrecorded = dataclasses.replace(task, metadata={**task.metadata, "skips": None})
