@@ -91,6 +91,11 @@ PLACE_GAP = 2 * WINDOW
 # Archives are opened this many levels deep and expanded to at most this many bytes.
 ARCHIVE_DEPTH = 3
 ARCHIVE_BYTES = 64 << 20
+# A text read without being kept (`Readings`) is read in pieces of PIECE characters that
+# overlap by PIECE_OVERLAP, whole lines each: memory follows the piece, not the file (a 64 MiB
+# text read whole peaked near 6 GB). A copy longer than the overlap could fall between pieces.
+PIECE = 4 << 20
+PIECE_OVERLAP = 1 << 20
 
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|\S")
 _WORD = re.compile(r"[A-Za-z_0-9]")
@@ -505,7 +510,8 @@ class Scanned:
     (`_decoded`: escapes, then also HTML tags), decoded and bare (`_bare`: a copy with
     comments added, or a numbered listing), and each base64 run decoded."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, lines_before: int = 0):
+        """`lines_before`: the lines that came before `text` (a piece of a longer one)."""
         decoded = [_decoded(text, tags=False), _decoded(text, tags=True)]
         readings = [(t, 0) for t in dict.fromkeys([text, *decoded, _bare(decoded[-1])])]
         for reading, _ in list(readings):
@@ -514,13 +520,35 @@ class Scanned:
         self.views = []
         for reading, line in readings:
             toks, lines = _tokens(reading)
-            self.views.append(_View(toks, np.full(len(toks), line, np.int32) if line else lines))
+            lines = np.full(len(toks), line, np.int32) if line else lines
+            self.views.append(_View(toks, lines + np.int32(lines_before)))
 
 
-def _read(path: str, content: str | bytes) -> tuple[list[tuple[str, Scanned]], int]:
-    """The readings of each text of `content` (by archive member), and its characters."""
-    found = list(texts(path, content))
-    return [(where[len(path):], Scanned(text)) for where, text in found], sum(len(t) for _, t in found)
+def _pieces(text: str) -> Iterator[tuple[int, str]]:
+    """(lines before it, piece) of `text`: whole if it is at most PIECE characters, else pieces
+    each starting about PIECE characters after the last and about PIECE_OVERLAP longer, cut at
+    line ends (or mid-line in a line too long to wait for)."""
+    if len(text) <= PIECE:
+        yield 0, text
+        return
+    start, lines = 0, 0
+    while True:
+        end = _line_end(text, start + PIECE + PIECE_OVERLAP)
+        yield lines, text[start:end]
+        if end == len(text):
+            return
+        cut = _line_end(text, start + PIECE)
+        lines += text.count("\n", start, cut)
+        start = cut
+
+
+def _line_end(text: str, at: int) -> int:
+    """Just past the newline ending the line `at` is in, or `at` itself if that line runs on
+    for PIECE_OVERLAP // 4 more characters; len(text) from the end on."""
+    if at >= len(text):
+        return len(text)
+    newline = text.find("\n", at, at + PIECE_OVERLAP // 4)
+    return at if newline < 0 else newline + 1
 
 
 def _search(scans: list[tuple[str, Scanned]], bodies: Sequence[Body]) -> list[tuple[int, int, Body]]:
@@ -570,20 +598,23 @@ class Readings:
             return [(scans[i][0], line, body) for i, line, body in _search(scans, bodies)]
         members, found = self._found.get(key, ([], {}))
         if missing := list({b.source: b for b in bodies if b.source not in found}.values()):
-            scans, size = _read(path, content)
-            if key not in self._found and size <= self.budget:
-                self.budget -= size
-                self._kept[key] = scans
+            read = [(where[len(path):], text) for where, text in texts(path, content)]
+            if key not in self._found and sum(len(t) for _, t in read) <= self.budget:
+                self.budget -= sum(len(t) for _, t in read)
+                self._kept[key] = [(member, Scanned(text)) for member, text in read]
                 return self.find(key, path, content, bodies)
             if key not in self._found:  # its one read, if all a run asks for was anticipated
                 if self._more is None:
                     self._more = list(self._anticipated())
                 asked = {b.source for b in missing}
                 missing += list({b.source: b for b in self._more if b.source not in asked}.values())
-                members = [member for member, _ in scans]
+                members = [member for member, _ in read]
             found.update({b.source: {} for b in missing})
-            for i, line, body in _search(scans, _likely(missing, scans)):
-                found[body.source][i] = line
+            for i, (member, text) in enumerate(read):  # piece by piece, none kept
+                for lines_before, piece in _pieces(text):
+                    scans = [(member, Scanned(piece, lines_before))]
+                    for _, line, body in _search(scans, _likely(missing, scans)):
+                        found[body.source][i] = min(line, found[body.source].get(i, line))
             self._found[key] = members, found
         return [(member, found[b.source][i], b) for i, member in enumerate(members) for b in bodies
                 if i in found[b.source]]

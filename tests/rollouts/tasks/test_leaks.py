@@ -301,6 +301,26 @@ def test_a_content_over_the_budget_is_read_once_for_every_anticipated_body(monke
     assert reads == ["trace.json.gz"]
 
 
+def test_a_long_text_read_in_pieces_finds_what_a_whole_reading_does(monkeypatch):
+    """Pieces overlap, so a copy across a cut is found whole; lines count from the text's start;
+    a text without line breaks (minified) is cut mid-line."""
+    body = Body("split", SPLIT_BODY)
+    rng = random.Random(7)
+    filler = [f"row_{i} = {rng.randrange(10**6)}" for i in range(400)]
+    copy = "\n".join(SPLIT_CODE)
+    for at in (5, 150, 280, 395):
+        text = "\n".join(filler[:at] + [copy] + filler[at:])
+        files = {"big.py": text, "one_line.js": text.replace("\n", " ; ")}
+        whole = find_leaks([body], files)
+        assert [leak.line for leak in whole] == [at + 1, 1]
+        monkeypatch.setattr(leaks, "PIECE", 1000)
+        monkeypatch.setattr(leaks, "PIECE_OVERLAP", 800)
+        pieces = list(leaks._pieces(text))
+        assert len(pieces) > 3 and pieces[0][1].startswith("row_0")
+        assert find_leaks([body], files) == whole, at
+        monkeypatch.undo()
+
+
 def test_compressed_files_are_read_to_the_archive_limit_only(monkeypatch):
     monkeypatch.setattr(leaks, "ARCHIVE_BYTES", 1000)
     text = "".join(f"x{i} = {i}\n" for i in range(5000)).encode()
