@@ -7,6 +7,7 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh train      # only the ~0.5B train-step MFU runs
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh rl         # sampler and GRPO step vs Tunix, MFU
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh backends   # attention backends: cuDNN test, timings
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh lora       # train step: full vs LoRA r16/r64 at 0.5B
 #
 # Needs jax with a CUDA plugin (`pip install -e .[gpu]`); wheels missing on the machine (grain,
 # google-tunix and the four of its imports the lent machines lack: clu, google-metrax, perfetto,
@@ -91,6 +92,19 @@ if [ "$STAGE" = backends ]; then
     | quiet | tee "$OUT/gpu_tests_backends.log"
   timeout 150 python3 benchmarks/attention_backends.py --out "$OUT/attention_backends.jsonl" 2>&1 \
     | quiet | tee "$OUT/attention_backends.log"
+  exit 0
+fi
+
+# LoRA vs full fine-tuning at the 0.5B shape (about 3 min): the train step with float32
+# masters against rank 16 and 64 adapters on every projection over a bfloat16 base, cuDNN
+# attention, 16 x 1024 tokens; step ms and tokens/s.
+if [ "$STAGE" = lora ]; then
+  for args in "--param-dtype float32" "--param-dtype bfloat16 --lora-rank 16" \
+              "--param-dtype bfloat16 --lora-rank 64"; do
+    echo "== $args" | tee -a "$OUT/lora.log"
+    timeout 150 python3 benchmarks/train_step.py --gpu --attention-backend cudnn --steps 5 \
+      --logits-chunk-mib 1024 $args 2>&1 | quiet | tail -3 | tee -a "$OUT/lora.log"
+  done
   exit 0
 fi
 

@@ -69,12 +69,15 @@ def _timed(fn) -> float:
 
 def run_layout(model_cfg, layout, batch: int, seq: int, steps: int, micro_batch: int,
                logits_chunk: int):
+    """(compile s, median step s, temporaries' bytes); with `model_cfg.lora` the adapters
+    train over the frozen base, as `jaxagent train` runs LoRA."""
     import jax
     import numpy as np
     from flax import nnx
 
     from jaxagent.config import OptimizerConfig
     from jaxagent.models import init_model
+    from jaxagent.models.adapters import split_trainable
     from jaxagent.optim import make_optimizer
     from jaxagent.steps import TrainBatch, sft_step
     from sharding.config import DEFAULT_AXIS_RULES
@@ -91,31 +94,32 @@ def run_layout(model_cfg, layout, batch: int, seq: int, steps: int, micro_batch:
     tx = make_optimizer(OptimizerConfig(), 1000)
     if layout is None:
         with jax.default_device(jax.devices()[0]):
-            model = init_model(model_cfg)
-            graphdef, params = nnx.split(model)
+            graphdef, weights = nnx.split(init_model(model_cfg))
+            params, frozen = split_trainable(weights)
             opt_state = tx.init(params)
             data = jax.device_put(host, jax.devices()[0])
         activations = contextlib.nullcontext()
     else:
         mesh = build_mesh(layout)
-        model = init_model(model_cfg)
-        graphdef, params = nnx.split(model)
-        params, opt_state = place((params, tx.init(params)), mesh, DEFAULT_AXIS_RULES)
+        graphdef, weights = nnx.split(init_model(model_cfg))
+        params, frozen = split_trainable(weights)
+        params, opt_state, frozen = place((params, tx.init(params), frozen), mesh,
+                                          DEFAULT_AXIS_RULES)
         data = shard_batch(host, mesh, DEFAULT_AXIS_RULES)
         activations = activation_rules(mesh, DEFAULT_AXIS_RULES)
     t0 = time.perf_counter()
     with activations:  # the step is traced here: activations pinned to the mesh's layout
         step = sft_step.lower(graphdef, tx, params, opt_state, data, micro_batch,
-                              logits_chunk).compile()
+                              logits_chunk, frozen).compile()
     memory = step.memory_analysis()  # None where the backend does not say
     temp = memory.temp_size_in_bytes if memory is not None else None
-    params, opt_state, metrics = step(params, opt_state, data)
+    params, opt_state, metrics = step(params, opt_state, data, frozen)
     float(metrics["sft/loss"])
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        params, opt_state, metrics = step(params, opt_state, data)
+        params, opt_state, metrics = step(params, opt_state, data, frozen)
         float(metrics["sft/loss"])  # waits for the step
         times.append(time.perf_counter() - t0)
     return compile_s, sorted(times)[len(times) // 2], temp
@@ -147,6 +151,9 @@ def main() -> None:
     p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="GPU mode: parameter and optimizer dtype (compute is bf16)")
     p.add_argument("--attention-backend", default="xla")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train rank-r adapters on every projection over the frozen base "
+                        "(model.lora; --param-dtype is then the base's); 0: every weight")
     p.add_argument("--logits-chunk-mib", type=int, default=0,
                    help="LM-head chunks of at most this many MiB of float32 logits "
                         "(train.logits_chunk_mib); 0 = whole micro-batch")
@@ -161,7 +168,7 @@ def main() -> None:
     from flax import nnx
 
     from jaxagent.models import Decoder
-    from jaxagent.models.config import ModelConfig
+    from jaxagent.models.config import LoraConfig, ModelConfig
     from jaxagent.steps import logits_chunk_tokens
 
     if args.gpu:
@@ -176,7 +183,8 @@ def main() -> None:
         layouts = args.layouts.split(";") if args.layouts else CPU_LAYOUTS
         peak = measure_peak_cpu(jnp, jax)
     model_cfg = dataclasses.replace(model_cfg, remat=args.remat,
-                                    vocab_size=args.vocab_size or model_cfg.vocab_size)
+                                    vocab_size=args.vocab_size or model_cfg.vocab_size,
+                                    lora=LoraConfig(rank=args.lora_rank))
     abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     print(f"{platform.node()} {platform.processor() or platform.machine()}, "
