@@ -8,6 +8,10 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh rl         # sampler and GRPO step vs Tunix, MFU
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh backends   # attention backends: cuDNN test, timings
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh lora       # train step: full vs LoRA r16/r64 at 0.5B
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh async      # async vs sync RL, slow test suites
+#
+# A lease (15 minutes, starts included) takes about one rl call and one shorter one: what has
+# never run on a GPU comes first (rl's decode kernel and Tunix at G 4; backends; lora; async).
 #
 # Needs jax with a CUDA plugin (`pip install -e .[gpu]`); wheels missing on the machine (grain,
 # google-tunix and the four of its imports the lent machines lack: clu, google-metrax, perfetto,
@@ -105,6 +109,14 @@ if [ "$STAGE" = lora ]; then
     timeout 150 python3 benchmarks/train_step.py --gpu --attention-backend cudnn --steps 5 \
       --logits-chunk-mib 1024 $args 2>&1 | quiet | tail -3 | tee -a "$OUT/lora.log"
   done
+  exit 0
+fi
+
+# Async vs synchronous RL on one GPU (the async_vs_sync.py gpu scenario: a ~270M decoder,
+# 16 prompts x 8, test suites of 0.5-2 s in the process sandbox); not run on a GPU since
+# 2026-11-23 (1.18x), the aim is 1.5x.
+if [ "$STAGE" = async ]; then
+  timeout 480 python3 benchmarks/async_vs_sync.py --scenario gpu --steps 8 2>&1 | quiet | tee "$OUT/async.log"
   exit 0
 fi
 
