@@ -84,20 +84,6 @@ def test_equals_dense_attention_with_the_explicit_mask():
         np.testing.assert_allclose(g_kernel, g_dense, atol=2e-5)
 
 
-def test_decode_step_against_a_cache():
-    """One query per row at the end of a cache whose tail is empty (segment 0)."""
-    q, k, v, seg, slots = inputs(seed=4, names=("documents", "shared_prompt"))
-    q_last = jnp.asarray(q[:, 30:31], jnp.float32)
-    q_seg, q_slot = seg[:, 30:31], slots[:, 30:31]
-    kv_seg = np.where(slots <= 30, seg, 0)
-    out = doc_attention(q_last, *(jnp.asarray(x, jnp.float32) for x in (k, v)),
-                        q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slot,
-                        kv_slots=slots, block_sizes=BLOCKS, interpret=True)
-    want = doc_attention_reference(q_last, jnp.asarray(k), jnp.asarray(v), q_seg, kv_seg,
-                                   q_slot, slots)
-    np.testing.assert_allclose(out, want, atol=1e-5)
-
-
 def prefill_over_a_cache(seed, b, t, s, n, kv_heads, h):
     """The sampler's prefill layout: left-padded prompts written at an offset into a cache whose
     earlier slots hold a previous turn and whose tail is empty. -> (q, k, v, ids and slots)."""
