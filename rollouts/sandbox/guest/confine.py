@@ -37,6 +37,7 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 0x4000, 1 << 18
 _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP = 24, 38, 22
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_PR_SET_DUMPABLE = 4
 _SECCOMP_MODE_FILTER = 2
 _CAPABILITY_VERSION_3 = 0x20080522
 _EPERM, _ENOSYS = 1, 38
@@ -119,6 +120,12 @@ class _SockFprog(ctypes.Structure):
 
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
+
+
+def set_dumpable(dumpable: bool) -> None:
+    """PR_SET_DUMPABLE: a process that is not dumpable cannot be ptraced, nor its
+    /proc/<pid>/mem or fds opened, by other processes of its uid."""
+    _libc().prctl(_PR_SET_DUMPABLE, int(dumpable), 0, 0, 0)
 
 
 def _check(ret: int, what: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import ctypes
 import importlib.util
 import os
 import posixpath
@@ -32,8 +31,6 @@ import wire
 _SOLUTION_FD = 3
 _STATUS_FD = 4  # only the solution's stand-in init keeps it
 _WAIT_STATUS = struct.Struct("<i")
-_PR_SET_DUMPABLE = 4
-_LIBC = ctypes.CDLL(None, use_errno=True)
 _HEAD_BYTES = 4096
 _SIGNAL_STATUS = {
     signal.SIGXCPU: ("timeout", "CPU time limit exceeded"),
@@ -117,7 +114,7 @@ def _become_solution(
             return
         if own_pids:
             _stand_in_as_init()
-        _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self/mem, as anywhere
+        confine.set_dumpable(True)  # its own /proc/self/mem, as anywhere
     os.close(_STATUS_FD)
     confine.set_limits(spec["limits"])
     if spec["mode"] == "pytest" and spec["grading"] == "isolated":
@@ -137,7 +134,7 @@ def _stand_in_as_init() -> None:
     if child == 0:
         os.setsid()
         return
-    _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    confine.set_dumpable(False)
     os.closerange(0, _STATUS_FD)  # EOF on the channel must mean the solution is gone
     status = 0
     while True:

@@ -18,7 +18,6 @@ its command timed out and was cleaned up, runs nothing.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -26,15 +25,15 @@ import signal
 import sys
 import time
 
-_PR_SET_DUMPABLE = 4
 CLEANED = b"session_container.py: cleaned\n"  # run's report to the host, see run
 _CLEAN_S = 5.0  # SIGKILLed processes die in milliseconds; a stuck one fails the cleanup
 
 
 def init(lifeline: str) -> None:
     from cleanup import reap
+    from confine import set_dumpable
 
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    set_dumpable(False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Python's own handler would let it through
     signal.signal(signal.SIGCHLD, lambda *_: reap())  # orphans reparent to pid 1
     # Not blocking in the open, which would wait forever for a host that died before it;
@@ -53,11 +52,12 @@ def run(token_file: str, token: str, limits: str, argv: list[str]) -> int:
     stderr are the relay's pipe; we are not dumpable, so our fds stay ours) when that
     succeeded: without it the host cleans up itself."""
     import limited
+    from confine import set_dumpable
 
     with open(token_file) as f:
         if f.read() != token:
             raise SystemExit("session_container.py: a revoked command, not run")
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # see init
+    set_dumpable(False)  # see init
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:

@@ -22,11 +22,11 @@ import signal
 import sys
 import time
 
+import confine
 import grader
 import wire
 from cleanup import reap, remove_sysv_ipc, wipe
 
-_PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 _GRACE_S = 2.0
 # The only memory secret frames (tests, nonce) and verdicts pass through here;
@@ -35,11 +35,10 @@ _BUFFER = bytearray(1 << 20)
 
 
 def _harden() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
     # Not dumpable: same-uid solution processes cannot ptrace us or open /proc/<pid>/fd|mem.
-    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    confine.set_dumpable(False)
     # Orphans (daemonised grandchildren) reparent to us, so cleanup can find them.
-    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _descendants(root: int) -> list[int]:
