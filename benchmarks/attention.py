@@ -101,6 +101,8 @@ def main():
     ap.add_argument("--only", nargs="*", default=None, help="only these case names")
     ap.add_argument("--no-backward", action="store_true", help="forward only (CPU: dense fwd+bwd at 16k takes minutes)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--trace", default=None, help="a perfetto trace of each case's timed "
+                    "forward calls goes under this folder (benchmarks/trace_kernels.py sums it)")
     args = ap.parse_args()
     shape = X.NSAShape()  # the paper's l=32, d=16, l'=64, n=16, w=512
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
@@ -189,6 +191,9 @@ def main():
             for kind, f in (("fwd", fwd), ("fwd+bwd", fwdbwd))[: 1 if args.no_backward else 2]:
                 try:
                     row["ms"][f"{name}/{kind}"] = 1e3 * timed(f, q, k, v, idx, repeats=args.repeats)
+                    if args.trace and kind == "fwd":
+                        with jax.profiler.trace(f"{args.trace}/{t}-{name}", create_perfetto_trace=True):
+                            jax.block_until_ready(f(q, k, v, idx))
                 except Exception as e:  # noqa: BLE001  a missing backend (cuDNN, Triton) must not hide the others
                     row["ms"][f"{name}/{kind}"] = f"error: {type(e).__name__}: {str(e)[:200]}"
                 print(t, name, kind, row["ms"][f"{name}/{kind}"], flush=True)
