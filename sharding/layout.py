@@ -21,6 +21,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from jaxagent.errors import ConfigError
 from sharding.config import MeshConfig
 from sharding.mesh import build_mesh
 from sharding.rules import (
@@ -30,6 +31,21 @@ from sharding.rules import (
     shard_batch,
     shardings,
 )
+
+
+def process_devices(devices: list[jax.Device]) -> list[list[jax.Device]]:
+    """Each process's devices, by process index. Every process must have as many: each samples
+    on a mesh of its own devices, and a publish lays the weights out on all those meshes side
+    by side (`Layout.publish_mesh`), which needs them alike."""
+    groups = [[d for d in devices if d.process_index == p]
+              for p in sorted({d.process_index for d in devices})]
+    if len({len(g) for g in groups}) > 1:
+        counts = ", ".join(f"process {g[0].process_index}: {len(g)}" for g in groups)
+        raise ConfigError(f"sampler.mesh: the processes have unequal device counts ({counts}); "
+                          "each samples on a mesh of its own devices and a publish lays the "
+                          "weights out on all of them at once, so every process needs as many "
+                          "devices (give each process the same GPUs or CPU device count)")
+    return groups
 
 
 class Layout:
@@ -44,8 +60,8 @@ class Layout:
             # Default across processes: this process's devices, tensor parallel as in training.
             sampler = sampler_mesh or MeshConfig(data=-1, tensor=mesh.tensor)
             # Every process's sampler mesh, built alike from its devices (so all agree on each).
-            meshes = [build_mesh(sampler, [d for d in jax.devices() if d.process_index == p],
-                                 key="sampler.mesh") for p in range(jax.process_count())]
+            meshes = [build_mesh(sampler, devices, key="sampler.mesh")
+                      for devices in process_devices(jax.devices())]
             self.sampler_mesh = meshes[jax.process_index()]
             # all of them as one mesh over every device (`sampler_params` lays weights out on it)
             self.publish_mesh = Mesh(np.stack([m.devices for m in meshes]),

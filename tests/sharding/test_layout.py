@@ -1,6 +1,7 @@
 """The sampler on its own mesh: weights resharded from the trainer's mesh, same samples; across
 processes, the publish is one program on the devices (2 local processes, gloo)."""
 
+import collections
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from jaxagent.models import init_model
 from jaxagent.models.config import ModelConfig
 from rollouts.sampler import Sampler
 from sharding.config import MeshConfig
-from sharding.layout import Layout
+from sharding.layout import Layout, process_devices
 from sharding.rules import shardings
 
 MODEL = ModelConfig(vocab_size=72, hidden_size=24, intermediate_size=40, num_layers=2,
@@ -95,3 +96,16 @@ def test_publish_across_processes_moves_each_device_its_sampler_blocks(tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "process 0 of 2: ok" in out.stdout
     assert "process 1 of 2: ok" in (tmp_path / "process_1.log").read_text()
+
+
+def test_every_process_needs_as_many_devices():
+    """Each process's sampler mesh takes its own devices, and a publish lays the weights out on
+    all of them side by side: unequal counts are a config error naming them, not numpy's."""
+    from jaxagent.errors import ConfigError
+
+    fake = collections.namedtuple("Fake", "id process_index")
+    even = [fake(i, i // 4) for i in range(8)]
+    assert [[d.id for d in g] for g in process_devices(even)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ConfigError, match=r"sampler.mesh: the processes have unequal device "
+                                          r"counts \(process 0: 5, process 1: 3\)"):
+        process_devices([fake(i, int(i >= 5)) for i in range(8)])
