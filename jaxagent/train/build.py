@@ -50,7 +50,7 @@ from rollouts.tools import TOOLS, MemoryStore, NgramEmbedding
 from rollouts.tools.embedding import TransformerEmbedding, minilm_path
 from sharding.distributed import initialize
 from sharding.layout import Layout
-from sharding.rules import place
+from sharding.rules import place, shardings
 
 
 def expand_algorithm(r: RLConfig) -> RLConfig:
@@ -256,15 +256,16 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,
     checkpoint = checkpoint or cfg.init_from
     mesh = None if layout is None else layout.sampler_mesh if sampling else layout.mesh
     if checkpoint is None:
-        model, tokenizer = init_model(cfg.model, seed=cfg.seed), ByteTokenizer()
+        on_mesh = None if mesh is None else (lambda weights: shardings(weights, mesh, layout.rules))
+        model, tokenizer = init_model(cfg.model, seed=cfg.seed, shardings=on_mesh), ByteTokenizer()
     else:
         model, tokenizer = _load_checkpoint(cfg, checkpoint,
                                             {} if mesh is None else {"mesh": mesh,
                                                                      "rules": layout.rules})
     if mesh is None:
         return model, tokenizer
-    # Random init and fresh adapters are made whole, then placed; a checkpoint's weights are
-    # where they belong already (placing them moves nothing).
+    # Fresh adapters are made whole (they are small), then placed; random init and a
+    # checkpoint's weights are where they belong already (placing them moves nothing).
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, place(state, mesh, layout.rules)), tokenizer
 

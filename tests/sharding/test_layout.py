@@ -109,3 +109,21 @@ def test_every_process_needs_as_many_devices():
     with pytest.raises(ConfigError, match=r"sampler.mesh: the processes have unequal device "
                                           r"counts \(process 0: 5, process 1: 3\)"):
         process_devices([fake(i, int(i >= 5)) for i in range(8)])
+
+
+def test_random_init_on_a_mesh_makes_each_device_its_blocks():
+    """`init_model(..., shardings=)` (what a run without `init_from` does on a mesh): the same
+    weights as the unsharded init, each laid out by the rules from the start."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=40, intermediate_size=72, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=10)
+    layout = Layout(MeshConfig(fsdp=4, tensor=2))
+    on_mesh = lambda w: shardings(w, layout.mesh, layout.rules)  # noqa: E731
+    model = init_model(cfg, seed=3, shardings=on_mesh)
+    flat = [nnx.to_flat_state(tree) for tree in (nnx.state(model), nnx.state(init_model(cfg, seed=3)),
+                                                 on_mesh(nnx.state(model)))]
+    for (path, got), (_, want), (_, where) in zip(*flat, strict=True):
+        got = got.get_value()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.get_value()), err_msg=str(path))
+        assert got.sharding.is_equivalent_to(where.get_value(), got.ndim), path
+    wq = model.layers[0].attn.wq.get_value()
+    assert {s.data.shape for s in wq.addressable_shards} == {(10, 2, 10)}  # embed over fsdp 4, heads over tensor 2
