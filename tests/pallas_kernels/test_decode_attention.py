@@ -85,14 +85,19 @@ def test_compiled_kernel_matches_reference_at_the_sampler_layout():
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2, rtol=2e-2)
 
 
-def test_lowers_to_triton_for_a_gpu():
+@pytest.mark.parametrize(("b", "s", "n", "kv_heads", "h", "dtype"), [
+    (64, 640, 14, 2, 64, jnp.bfloat16),  # Qwen2.5-0.5B's heads, 5 blocks, one chunk
+    (3, 1152, 12, 2, 128, jnp.bfloat16),  # Qwen2.5-1.5B's, 9 blocks in 9 chunks
+    (2, 200, 8, 8, 64, jnp.float32),  # no grouping, a cache padded to 208
+])
+def test_lowers_to_triton_for_a_gpu(b, s, n, kv_heads, h, dtype):
     """`jax.export` for "cuda" runs the Triton lowering on this CPU host (an H100 named, as in
     nsa/test_lowering.py): power-of-two tiles, dynamic loop bounds, the scalar loads."""
     from jax import export
 
     target = "__gpu$xla.gpu.triton"
-    q, k, v, ids = caches(3, 64, 640, 14, 2, 64)
-    args = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q, k, v)]
+    q, k, v, ids = caches(3, b, s, n, kv_heads, h)
+    args = [jax.ShapeDtypeStruct(x.shape, dtype) for x in (q, k, v)]
     attend = jax.jit(lambda q, k, v: decode_attention(q, k, v, **ids))
     h100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
