@@ -31,9 +31,8 @@ Backends of dense and document attention (``resolve_backend`` picks one per call
           interpreted.
   auto    per platform and rows. Dense attention: GPU cudnn for causal rows (pallas in
           float32), pallas for segments and a cached call's prefill, xla for its decode steps;
-          TPU splash for causal rows, else
-          xla (splash on one chip only: jax cannot partition a Mosaic kernel over a mesh); CPU xla.
-          Document attention: pallas, xla on TPU.
+          TPU splash for causal rows, else xla (splash on one chip only: jax cannot partition
+          a Mosaic kernel over a mesh); CPU xla. Document attention: pallas, xla on TPU.
 
 Rows (``ROWS``), known where the model is called, not from the segment ids' values:
 "causal" one sequence per row from slot 0, then padding; "segments" any ids (packed documents,
