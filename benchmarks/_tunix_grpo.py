@@ -36,6 +36,9 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--dtype", default="float32", help="activations (parameters stay float32)")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="prompts per gradient-accumulation micro-batch (Tunix's "
+                        "train_micro_batch_size; 0: the whole batch at once)")
     args = p.parse_args()
     prompts = json.loads(args.prompts)
     prompt_len = max(len(x) for x in prompts)
@@ -52,7 +55,10 @@ def main():
         rollout_engine="vanilla",
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=total),
+            actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=total,
+            # one optimizer update per step either way; micro-batches accumulate its gradient
+            **({"mini_batch_size": len(prompts), "train_micro_batch_size": args.micro_batch}
+               if args.micro_batch else {})),
         rollout_config=base_rollout.RolloutConfig(
             max_tokens_to_generate=args.new_tokens, max_prompt_length=prompt_len,
             kv_cache_size=prompt_len + args.new_tokens + 8, temperature=1.0, top_p=1.0,

@@ -11,7 +11,7 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh async      # async vs sync RL, slow test suites
 #
 # A lease (15 minutes, starts included) takes about one rl call and one shorter one: what has
-# never run on a GPU comes first (rl's decode kernel and Tunix at G 4; backends; lora; async).
+# never run on a GPU comes first (rl's decode kernel and Tunix's GRPO step; backends; lora; async).
 #
 # Needs jax with a CUDA plugin (`pip install -e .[gpu]`); wheels missing on the machine (grain,
 # google-tunix and the four of its imports the lent machines lack: clu, google-metrax, perfetto,
@@ -41,7 +41,8 @@ budget() { local left=$(( $1 - (SECONDS - START) )); echo $(( left > 10 ? left :
 # steps) compiled against its reference, and the doc kernel's cached-prefill case that failed
 # there, whole messages in kernels.log; then our sampler under auto (XLA decode) and pallas (the
 # decode kernel) at batch 64/16/1 with a batch-64 profile of the kernel's decode loop; Tunix's
-# sampler; the GRPO step at G 4 (Tunix's train step asked for 70 GiB at G 8), Tunix first; MFU.
+# sampler; the GRPO step with Tunix's gradient accumulated over micro-batches of 2 prompts
+# (its train step asked for 70 GiB at once), Tunix first; MFU.
 if [ "$STAGE" = rl ]; then
   CK=/tmp/ckpts; mkdir -p $CK
   # the parent holds no GPU memory it does not use, so a peer worker beside it gets the rest
@@ -64,11 +65,11 @@ if [ "$STAGE" = rl ]; then
   timeout $t python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 --settings "$S" \
     --no-ours --tunix-python python3 --tunix-timeout $(( t > 30 ? t - 10 : 20 )) --checkpoint-dir $CK \
     --jsonl "$OUT/rl.jsonl" 2>&1 | quiet | tee -a "$OUT/rl.log"
-  G="--size qwen2.5-0.5b --prompts 8 --group 4 --prompt-len 256 --new-tokens 256 --dtype bfloat16 --warmup 1 --steps 2"
-  t=$(budget 460); log "grpo step tunix, G 4, the GPU to itself" $t
-  timeout $t python3 benchmarks/grpo_step.py $G --no-ours --tunix-python python3 --tunix-timeout $(( t > 30 ? t - 15 : 15 )) \
-    --out "$OUT/grpo_tunix.json" 2>&1 | quiet | tee -a "$OUT/rl.log"
-  t=$(budget 540); log "grpo step ours, G 4" $t
+  G="--size qwen2.5-0.5b --prompts 8 --group 8 --prompt-len 256 --new-tokens 256 --dtype bfloat16 --warmup 1 --steps 2"
+  t=$(budget 460); log "grpo step tunix, micro-batches of 2 prompts, the GPU to itself" $t
+  timeout $t python3 benchmarks/grpo_step.py $G --no-ours --tunix-python python3 --tunix-micro-batch 2 \
+    --tunix-timeout $(( t > 30 ? t - 15 : 15 )) --out "$OUT/grpo_tunix.json" 2>&1 | quiet | tee -a "$OUT/rl.log"
+  t=$(budget 540); log "grpo step ours" $t
   timeout $t python3 benchmarks/grpo_step.py $G --no-tunix --out "$OUT/grpo_ours.json" 2>&1 | quiet | tee -a "$OUT/rl.log"
   t=$(budget 590); log "train step, float32 masters, cuDNN attention, 4 micro-batches" $t
   timeout $t python3 benchmarks/train_step.py --gpu --attention-backend cudnn --steps 5 --micro-batch 4 \
