@@ -531,6 +531,9 @@ def _changed_tests(spec: dict, workdir: str) -> list[str]:
     return changed
 
 
+_PYTEST_USAGE_ERROR = 4  # also a conftest that raised as pytest loaded it
+
+
 def _pytest_verdict(spec: dict, tally: _Tally, exit_code: list) -> dict:
     """Every test the pristine files define must have been collected; all passed, exit 0.
 
@@ -539,11 +542,16 @@ def _pytest_verdict(spec: dict, tally: _Tally, exit_code: list) -> dict:
     the tests of a recorded module skipped again as it was collected; any other test must pass
     as before: a skip, an expected failure or a missing outcome the original run did not have
     fails the run, whatever caused it. The tests of a module that failed to import (a test
-    module calling a function the solution lacks, as an unsolved deletion task's may) fail
-    the run; any other test that was not run is a hack."""
+    module calling a function the solution lacks, as an unsolved deletion task's may), and a
+    run that stopped before collecting (a conftest that failed to load), fail it; any other
+    test that was not run is a hack."""
     accepted = {n for n, kind in (spec.get("skips") or {}).items() if tally.outcomes.get(n) == kind}
     collected = tally.collected
     broken = [n for n, outcome in tally.outcomes.items() if outcome == "failed" and n not in collected]
+    if not collected and exit_code == [_PYTEST_USAGE_ERROR]:  # stopped before collecting
+        return {"status": "failed", "tests_passed": 0, "tests_total": len(_expected_tests(spec)),
+                "message": "pytest stopped before collecting (exit status 4: a conftest that "
+                           "imports the solution failed to load)"}
     unimported = []
     for test in sorted(_expected_tests(spec)):
         if not any(n == test or n.startswith(test + "[") for n in collected) and not any(

@@ -54,8 +54,8 @@ def test_fixed_repository_passes_and_broken_one_fails(sandboxes, repo_task, grad
 
 @pytest.mark.parametrize("grading", ["isolated", "in-process"])
 def test_a_test_module_that_cannot_import_fails_the_run(sandboxes, tmp_path_factory, grading):
-    """An unsolved deletion task whose test module calls the missing function at import: its
-    tests fail (counted, with the import error), not a hack; solved, every test passes."""
+    """An unsolved deletion task whose test module (or conftest) calls the missing function at
+    import: its tests fail (counted, with the import error), not a hack; solved, all pass."""
     root = tmp_path_factory.mktemp("at-import")
     (root / "tests").mkdir()
     (root / "lib.py").write_text("def add(a, b):\n    raise NotImplementedError\n\n"
@@ -76,8 +76,18 @@ def test_a_test_module_that_cannot_import_fails_the_run(sandboxes, tmp_path_fact
     assert (unsolved.status, unsolved.tests_total) == ("failed", 3), unsolved
     assert unsolved.message.startswith("tests/test_table.py (collect) failed")
     assert "NotImplementedError" in unsolved.message
-    solved = grade({"lib.py": "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n"})
+    fixed = {"lib.py": "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n"}
+    solved = grade(fixed)
     assert (solved.status, solved.tests_passed, solved.tests_total) == ("passed", 3, 3), solved
+    # a pristine conftest that imports the missing function: pytest stops before collecting
+    (root / "tests" / "conftest.py").write_text(
+        "import pytest\nfrom lib import add\n\n@pytest.fixture\ndef three():\n    return add(1, 2)\n")
+    (root / "lib.py").write_text("raise ImportError('add was deleted')\n")
+    task = load_repo_task(root, ["python", "-m", "pytest", "tests"], task_id="at-conftest")
+    unsolved = grade({})
+    assert (unsolved.status, unsolved.tests_total) == ("failed", 3), unsolved
+    assert "stopped before collecting" in unsolved.message
+    assert grade(fixed).status == "passed"
 
 
 @pytest.mark.parametrize(
