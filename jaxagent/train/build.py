@@ -204,6 +204,8 @@ def validate(cfg: Config) -> Config:
     own = cfg.init_from is None
     check_lora(cfg.model.lora, own and cfg.model.tie_embeddings, own and any_sparse(cfg.model))
     agent_tools(cfg)
+    if cfg.sft.data == "agent":
+        demo_edit_tool(cfg)
     return cfg
 
 
@@ -436,6 +438,17 @@ def agent_tools(cfg: Config) -> list:
     if names and "finish" not in names:
         raise ConfigError("agent.tools: must include finish (episodes end with it)")
     return [t for t in TOOLS if not names or t.name in names]
+
+
+def demo_edit_tool(cfg: Config) -> str:
+    """The tool the warm-up's scripted episodes edit with: `edit` where offered (the whole tool
+    set), else the line-level `replace_line`."""
+    offered = {t.name for t in agent_tools(cfg)}
+    tool = next((t for t in ("edit", "replace_line") if t in offered), None)
+    if tool is None:
+        raise ConfigError("agent.tools: the warm-up's scripted episodes edit with edit or "
+                          "replace_line; list one of them")
+    return tool
 
 
 def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):

@@ -22,6 +22,7 @@ from jaxagent.steps import answer_accuracy, merged_model, pack, pack_documents, 
 from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (
     base_checkpoint,
+    demo_edit_tool,
     load_model_and_tokenizer,
     logits_chunk,
     make_progress,
@@ -178,7 +179,7 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
     """(trajectory, scripted calls): one scripted, graded episode per task through the
     configured environment (turn budget raised to fit the script), `rewards.workers` at a
     time; a demonstration that fails or is cut is a config error."""
-    scripts = [scripted_calls(task) for task in tasks]
+    scripts = [scripted_calls(task, demo_edit_tool(cfg)) for task in tasks]
     with make_scorer(cfg) as scorer:
         make_env = tool_env_factory(cfg, tokenizer, scorer, max_turns=max(
             cfg.agent.max_turns, *(len(c) for c in scripts)))

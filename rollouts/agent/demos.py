@@ -53,11 +53,52 @@ def reference_edits(path: str, before: str, after: str) -> list[ToolCall]:
     return calls
 
 
-def scripted_calls(task: Task) -> list[ToolCall]:
+def reference_line_edits(path: str, before: str, after: str) -> list[ToolCall]:
+    """`replace_line` calls turning `before` into `after`, bottom to top (so each line number
+    is the one the unedited file's view shows): a changed line becomes its new text, a hunk of
+    k old lines and m > k new ones k calls whose last holds the m - k + 1 remaining lines, and
+    a pure insertion rewrites the shorter neighbouring line with the new lines above or below
+    it. A hunk that deletes lines has no such script (the tool never removes a line)."""
+    old, new = before.splitlines(), after.splitlines()
+    calls = []
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for tag, i1, i2, j1, j2 in reversed(matcher.get_opcodes()):
+        if tag == "equal":
+            continue
+        if i2 - i1 > j2 - j1:
+            raise ValueError(f"{path}: lines {i1 + 1}-{i2} shrink to {j2 - j1}; replace_line "
+                             "cannot delete lines (use edit)")
+        if i1 == i2:  # an insertion: onto the line above or below, whichever is shorter
+            above = old[i1 - 1] if i1 > 0 else None
+            below = old[i1] if i1 < len(old) else None
+            if above is None and below is None:
+                raise ValueError(f"{path}: empty; replace_line needs a line to rewrite")
+            if below is None or (above is not None and len(above) <= len(below)):
+                calls.append(_line_call(path, i1, [above, *new[j1:j2]]))
+            else:
+                calls.append(_line_call(path, i1 + 1, [*new[j1:j2], below]))
+            continue
+        rest = new[j1 + i2 - i1 - 1:j2]  # the last old line takes every extra new line
+        calls.append(_line_call(path, i2, rest))
+        calls += [_line_call(path, i1 + k + 1, [new[j1 + k]]) for k in reversed(range(i2 - i1 - 1))]
+    return calls
+
+
+def _line_call(path: str, line: int, lines: list[str]) -> ToolCall:
+    return ToolCall("replace_line", {"path": path, "line": line, "text": "\n".join(lines)})
+
+
+EDIT_TOOLS = {"edit": reference_edits, "replace_line": reference_line_edits}
+
+
+def scripted_calls(task: Task, edit_tool: str = "edit") -> list[ToolCall]:
     """run_tests (see what fails), read_file (`metadata["reads"]`, a JSON list of paths in the
     order a solver would open them; default: the first file the reference changes), the edits
-    to each changed file's reference, run_tests, finish. The first action is the same for every
-    task, so even the tiny model learns to open an episode with a valid call."""
+    to each changed file's reference with `edit_tool` (`edit` or `replace_line`), run_tests,
+    finish. The first action is the same for every task, so even the tiny model learns to open
+    an episode with a valid call."""
+    if edit_tool not in EDIT_TOOLS:
+        raise ValueError(f"edit_tool {edit_tool!r}: scripted edits use one of {sorted(EDIT_TOOLS)}")
     # A repository task's reference is its passing edits as JSON {path: content}.
     try:
         reference = json.loads(task.metadata.get("reference") or "")
@@ -68,7 +109,8 @@ def scripted_calls(task: Task) -> list[ToolCall]:
     paths = sorted(reference)
     reads = json.loads(task.metadata["reads"]) if "reads" in task.metadata else paths[:1]
     return [ToolCall("run_tests", {}), *(ToolCall("read_file", {"path": p}) for p in reads),
-            *(c for p in paths for c in reference_edits(p, task.files.get(p, ""), reference[p])),
+            *(c for p in paths
+              for c in EDIT_TOOLS[edit_tool](p, task.files.get(p, ""), reference[p])),
             ToolCall("run_tests", {}), ToolCall("finish", {})]
 
 
@@ -164,20 +206,26 @@ def _overlapping(ends: list[int], lo: int, hi: int) -> list[int]:
 def value_spans(tokenizer, action: Sequence[int], call: ToolCall,
                 text: str) -> dict[str, tuple[int, int]]:
     """{argument: [start, end) of the tokens of `action` (`text`, the rendered `call`) that spell
-    its value inside the JSON string quotes}. A token counts when its bytes overlap the value's
-    (byte-level tokens: exactly the value)."""
+    its value (a string's inside its quotes)}. A token counts when its bytes overlap the
+    value's (byte-level tokens: exactly the value)."""
     ends = _text_ends(tokenizer, action)
     spans, pos = {}, 0
     for key, value in call.args.items():
         # every format writes its arguments with json.dumps' default separators
         pair = f"{json.dumps(key)}: {json.dumps(value)}"
         at = text.index(pair, pos)
-        lo, hi = at + len(json.dumps(key)) + 3, at + len(pair) - 1  # inside the quotes
+        quote = int(isinstance(value, str))
+        lo, hi = at + len(json.dumps(key)) + 2 + quote, at + len(pair) - quote
         toks = _overlapping(ends, lo, hi)
         at_lo = next(i for i, end in enumerate(ends) if end >= lo)  # an empty value's place
         spans[key] = (toks[0], toks[-1] + 1) if toks else (at_lo, at_lo)
         pos = at + len(pair)
     return spans
+
+
+# an edit's arguments copied from the file's view, and the one holding the fact
+COPIED_FROM_VIEW = {"edit": (["path", "search"], ["replace"]),
+                    "replace_line": (["path", "line"], ["text"])}
 
 
 def copy_rows(traj: Trajectory, calls: Sequence[ToolCall], tokenizer, render) -> list[
@@ -191,6 +239,8 @@ def copy_rows(traj: Trajectory, calls: Sequence[ToolCall], tokenizer, render) ->
       read_file path            from the previous read (`path` in its imports), or the prompt
       edit path and search      from the last read (the file's view)
       edit replace              from the first turn (the failing tests' output: the fact)
+      replace_line path, line   from the last read
+      replace_line text         from the first turn
 
     `render(call)` is the format's text of a call. The prefix ends at the last weighted value
     (the closing quote and the rest of the call are not needed to teach the copy)."""
@@ -208,8 +258,9 @@ def copy_rows(traj: Trajectory, calls: Sequence[ToolCall], tokenizer, render) ->
         if call.name == "read_file":
             sources = [(prompt if last_read is None else turn[last_read], ["path"])]
             last_read = k
-        elif call.name == "edit" and last_read is not None:
-            sources = [(turn[last_read], ["path", "search"]), (turn[0], ["replace"])]
+        elif call.name in COPIED_FROM_VIEW and last_read is not None:
+            view, fact = COPIED_FROM_VIEW[call.name]
+            sources = [(turn[last_read], view), (turn[0], fact)]
         else:
             continue
         for context, keys in sources:

@@ -5,14 +5,14 @@ states the behaviour incompletely:
 
   constant    a module constant has the wrong value; the right one shows only in the failing
               test output (`assert 12 == 37`)
-  exception   bad input must raise one of several package errors; which one shows only in the
-              failing test output (`DID NOT RAISE <class 'pkg.errors.QuotaError'>`)
+  exception   bad input raises ValueError but must raise one of several package errors; which
+              one shows only in the failing test output (`pytest.raises(errors.QuotaError)`)
   helper      a function must reuse a helper the prompt does not name, in a file it does not
               show: found with `search` or `read_file`
   hidden_file the bug sits in a module the prompt does not mention (reached by reading the
               function's imports), and the expected output shows only in the test output
-  edge_case   an empty input must give a fixed default; which one shows only in the failing
-              test's source line in the output (`assert largest_item([]) == -7`)
+  edge_case   an empty input gives None but must give a fixed default; which one shows only in
+              the failing test output (`assert largest_item([]) == -7`)
 
 Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
 Package and module names are made up per task (`names="made_up"`: paths must be copied from
@@ -108,17 +108,20 @@ def _exception(rng: random.Random, names: str) -> dict:
     head = (f'"""{mod.capitalize()} of the {pkg} package."""\n\nfrom {pkg} import errors\n\n'
             f"RATE = {k}\n\n\ndef {fn}(n):\n    \"\"\"RATE units per n; a negative n raises one "
             "of the package's errors.\"\"\"\n")
-    tail = "    return n * RATE\n"
+    # the check is there but raises the wrong error: the fix is one line, the error's name
+    check = "    if n < 0:\n        raise {}(n)\n    return n * RATE\n"
     test = (f"import pytest\n\nfrom {pkg} import errors\nfrom {pkg}.{mod} import {fn}\n\n\n"
             f"def test_{fn}():\n    assert {fn}(2) == {2 * k}\n"
             f"    with pytest.raises(errors.{err}):\n        {fn}(-1)\n")
     prompt = (f"`{fn}(n)` in {path} must refuse a negative n by raising one of the errors of "
-              f"{pkg}/errors.py; the tests say which. Make the tests pass.")
+              f"{pkg}/errors.py, not ValueError; the tests say which. Make the tests pass.")
     return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/errors.py": f'"""Errors."""\n{classes}',
-                      path: head + tail, f"tests/test_{mod}.py": test},
-            "reference": {path: head + f"    if n < 0:\n        raise errors.{err}(n)\n" + tail},
+                      path: head + check.format("ValueError"), f"tests/test_{mod}.py": test},
+            "reference": {path: head + check.format(f"errors.{err}")},
             "prompt": prompt, "facts": {"error": err, "errors": errors, "k": k},
-            "blind": {path: head + "    if n < 0:\n        raise ValueError(n)\n" + tail}}
+            # a guess from the prompt alone: the package's next error
+            "blind": {path: head + check.format(
+                f"errors.{errors[(errors.index(err) + 1) % len(errors)]}")}}
 
 
 def _helper(rng: random.Random, names: str) -> dict:
@@ -188,16 +191,18 @@ def _edge_case(rng: random.Random, names: str) -> dict:
     head = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n\n'
             f"def {fn}(xs):\n    \"\"\"The {'smallest' if pick == 'min' else 'largest'} of xs; "
             "an empty xs gives a fixed default.\"\"\"\n")
-    tail = f"    return {pick}(xs)\n"
+    # an empty xs gives None today: the fix is one line, the default's value
+    body = f"    return {pick}(xs) if xs else {{}}\n"
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
             f"    assert {fn}({xs!r}) == {min(xs) if pick == 'min' else max(xs)}\n"
             f"    assert {fn}([]) == {default}\n")
-    prompt = (f"`{fn}(xs)` in {path} fails on an empty list; it must return a fixed default "
-              "there, which the tests give. Make the tests pass.")
-    return {"files": {f"{pkg}/__init__.py": "", path: head + tail, f"tests/test_{mod}.py": test},
-            "reference": {path: head + f"    if not xs:\n        return {default}\n" + tail},
+    prompt = (f"`{fn}(xs)` in {path} returns None for an empty list; it must return a fixed "
+              "default there, which the tests give. Make the tests pass.")
+    return {"files": {f"{pkg}/__init__.py": "", path: head + body.format(None),
+                      f"tests/test_{mod}.py": test},
+            "reference": {path: head + body.format(default)},
             "prompt": prompt, "facts": {"default": default},
-            "blind": {path: head + "    if not xs:\n        return None\n" + tail}}
+            "blind": {path: head + body.format(0)}}
 
 
 TEMPLATES: dict[str, Callable[[random.Random, str], dict]] = {

@@ -95,6 +95,20 @@ def edit(ctx: ToolContext, path: str, search: str, replace: str) -> str:
     return f"edited {path} at line {line}"
 
 
+def replace_line(ctx: ToolContext, path: str, line: int, text: str) -> str:
+    """Line `line` of `path` becomes `text` (several lines where `text` holds newlines): an edit
+    named by the line number `read_file` shows, so the call carries no search text to copy."""
+    old = _file_op(ctx.session.read_text, path)
+    lines = old.splitlines(keepends=True)
+    if not 1 <= line <= len(lines):
+        raise ToolError(f"replace_line: {path} has {len(lines)} lines; 'line' must be "
+                        f"1..{len(lines)}")
+    ending = "\n" if lines[line - 1].endswith("\n") else ""
+    lines[line - 1] = text + ending
+    _file_op(ctx.session.write_text, path, "".join(lines))
+    return f"replaced line {line} of {path}"
+
+
 def run_tests(ctx: ToolContext, test: str = "") -> str:
     if test.startswith("-"):
         raise ToolError("run_tests: 'test' is a test path or id, not an option")
@@ -220,6 +234,10 @@ TOOLS: tuple[Tool, ...] = (
     Tool("edit", "Replace one exact occurrence of `search` in a file by `replace`.",
          (_PATH, Param("search", "string", "exact text to find (must occur once)"),
           Param("replace", "string", "replacement text")), edit),
+    Tool("replace_line", "Replace one line of a file (by its number) with new text.",
+         (_PATH, Param("line", "integer", "the line number (1-based, as read_file shows)"),
+          Param("text", "string", "the new line (several lines if it holds newlines)")),
+         replace_line),
     Tool("run_tests", "Run the task's tests (or one test path/id); pass/fail summary.",
          (Param("test", "string", "a test file or node id", False),), run_tests),
     Tool("lint", "ruff diagnostics (syntax errors, undefined names, unused imports).",

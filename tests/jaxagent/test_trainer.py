@@ -99,6 +99,8 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     (["agent.enabled=true", "sft.data=agent", "sft.copy_steps=4", "sft.copy_batch_size=12"],
      "sft.copy_batch_size: the global batch (12 rows) does not split over the 8"),
     (["agent.enabled=true", "agent.episodes=0"], "agent.episodes: must be >= 1"),
+    (["agent.enabled=true", "sft.data=agent", "agent.tools=[read_file, run_tests, finish]"],
+     "agent.tools: the warm-up's scripted episodes edit with edit or replace_line"),
     (["rl.overlong_buffer=-1"], "rl.overlong_buffer: must be >= 0"),
     (["agent.enabled=true", "rl.overlong_buffer=4"], "rl.overlong_buffer: is for single completions"),
     (["rl.algorithm=dapo", "rl.drop_zero_variance_groups=false", "rl.refill_draws=2"],

@@ -16,6 +16,7 @@ from rollouts.agent.demos import (
     demonstrate,
     fact_tokens,
     path_copy_rows,
+    reference_line_edits,
     scripted_calls,
     substitute_trajectory,
     value_spans,
@@ -23,7 +24,10 @@ from rollouts.agent.demos import (
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall, make_format
 from rollouts.rewards import Scorer
-from rollouts.tasks.agent_family import agent_family_tasks, redraw, substitute
+from rollouts.sandbox.session import Session
+from rollouts.tasks.agent_family import TEMPLATES, agent_family_tasks, redraw, substitute
+from rollouts.tools import ToolContext
+from rollouts.tools.builtin import replace_line
 
 TOK = ByteTokenizer()
 
@@ -61,6 +65,71 @@ def test_value_spans_cover_exactly_each_json_string_value():
     assert TOK.decode(action[slice(*spans["search"])]) == "A = 1\\n"  # as the JSON spells it
     lo, hi = spans["replace"]
     assert lo == hi and TOK.decode(action[:lo]).endswith('"replace": "')
+
+
+def test_value_spans_of_an_integer_cover_its_digits():
+    call = ToolCall("replace_line", {"path": "app/core.py", "line": 13, "text": "X = 2"})
+    text = make_format("compact").render_call(call)
+    action = TOK.encode(text)
+    spans = value_spans(TOK, action, call, text)
+    values = [TOK.decode(action[slice(*spans[k])]) for k in call.args]
+    assert values == ["app/core.py", "13", "X = 2"]
+
+
+def test_line_edits_turn_the_file_into_the_reference():
+    """Random files changed by random hunks (a line rewritten, lines inserted at the top, the
+    middle or the end, one line grown into several): the scripted `replace_line` calls, run by
+    the real tool one after another, give the reference exactly, with line numbers of the
+    unedited file."""
+    rng = random.Random(11)
+    with Session({}) as session:
+        ctx = ToolContext(session, task=None)
+        for case in range(60):
+            n = rng.randint(1, 9)
+            before = [f"line_{case}_{i} = {rng.randint(0, 99)}" for i in range(n)]
+            after = []
+            for i, line in enumerate(before):
+                kind = rng.choice(("keep", "keep", "change", "insert", "grow"))
+                if kind == "insert":
+                    after += [f"new_{case}_{i}_{k}" for k in range(rng.randint(1, 3))]
+                after.append(f"changed_{case}_{i}" if kind == "change" else line)
+                if kind == "grow":
+                    after += [f"more_{case}_{i}_{k}" for k in range(rng.randint(1, 2))]
+            if rng.random() < 0.3:
+                after.append(f"tail_{case}")
+            old, new = "\n".join(before) + "\n", "\n".join(after) + "\n"
+            session.write_text("m.py", old)
+            calls = reference_line_edits("m.py", old, new)
+            assert (not calls) == (old == new)
+            for c in calls:
+                assert c.name == "replace_line" and 1 <= c.args["line"] <= n
+                replace_line(ctx, **c.args)
+            assert session.read_text("m.py") == new, (before, after, calls)
+    with pytest.raises(ValueError, match="cannot delete lines"):
+        reference_line_edits("m.py", "a\nb\nc\n", "a\nc\n")
+
+
+def test_line_edit_demonstrations_solve_every_template_in_fewer_bytes():
+    """The scripted episodes with `replace_line` pass on a task of each template (each fix but
+    the helper's is one line), and every template's edits are shorter than with `edit`."""
+    fmt = make_format("compact")
+    tasks = [agent_family_tasks(10, seed=2, templates=[t], names="fixed")[0] for t in TEMPLATES]
+    with Scorer(workers=1) as scorer:
+        for task in tasks:
+            env = ToolEnvironment(TOK, AgentConfig(max_turns=8, max_context_tokens=4096,
+                                                   call_format="compact"), scorer=scorer)
+            calls = scripted_calls(task, "replace_line")
+            try:
+                traj = demonstrate(env, task, calls)
+            finally:
+                env.close()
+            assert traj.info["passed"], task.id
+            lines = [fmt.render_call(c) for c in calls if c.name == "replace_line"]
+            edits = [fmt.render_call(c) for c in scripted_calls(task) if c.name == "edit"]
+            assert len(lines) == (2 if task.metadata["family"] == "helper" else 1)
+            assert sum(map(len, lines)) < sum(map(len, edits)), (lines, edits)
+    with pytest.raises(ValueError, match="edit_tool 'patch'"):
+        scripted_calls(tasks[0], "patch")
 
 
 def test_copy_rows_pair_each_copied_value_with_the_message_that_holds_it(played):

@@ -40,8 +40,8 @@ def call(ctx, name, **args):
 def test_schemas_are_declared_once_and_complete():
     schemas = BOX.schemas()
     names = [s["function"]["name"] for s in schemas]
-    assert names == ["shell", "read_file", "write_file", "edit", "run_tests", "lint", "search",
-                     "history", "memory", "think", "finish"]
+    assert names == ["shell", "read_file", "write_file", "edit", "replace_line", "run_tests",
+                     "lint", "search", "history", "memory", "think", "finish"]
     edit = schemas[names.index("edit")]["function"]["parameters"]
     assert edit["required"] == ["path", "search", "replace"]
     assert TOOLS[1].signature().startswith("read_file(path: string, start_line?: integer")
@@ -99,6 +99,23 @@ def test_write_file_and_edit(ctx):
     assert ctx.session.read_text("new/mod.py") == "a\na\n"  # unchanged
     assert "must not be empty" in call(ctx, "edit", path="new/mod.py", search="", replace="b").text
     assert "relative to the repository root" in call(ctx, "write_file", path="/tmp/x", content="").text
+
+
+def test_replace_line(ctx):
+    call(ctx, "write_file", path="new/lines.py", content="a = 1\nb = 2\nc = 3")
+    out = call(ctx, "replace_line", path="new/lines.py", line=2, text="b = 5")
+    assert out.ok and out.text == "replaced line 2 of new/lines.py"
+    assert ctx.session.read_text("new/lines.py") == "a = 1\nb = 5\nc = 3"
+    # several lines in one call; the last line keeps its missing newline
+    call(ctx, "replace_line", path="new/lines.py", line=3, text="if c:\n    c = 4")
+    assert ctx.session.read_text("new/lines.py") == "a = 1\nb = 5\nif c:\n    c = 4"
+    for line in (0, 5):
+        bad = call(ctx, "replace_line", path="new/lines.py", line=line, text="x")
+        assert not bad.ok and "has 4 lines; 'line' must be 1..4" in bad.text
+    assert "'line' must be a integer" in call(ctx, "replace_line", path="new/lines.py", line="2",
+                                              text="x").text
+    assert "does not exist" in call(ctx, "replace_line", path="nope.py", line=1, text="x").text
+    assert ctx.session.read_text("new/lines.py") == "a = 1\nb = 5\nif c:\n    c = 4"
 
 
 def test_run_tests_summary(ctx):
