@@ -1,5 +1,5 @@
-"""Test-wide set-up: 8 fake CPU devices (set once, before JAX initialises its backends), and one
-compilation cache for the run.
+"""Test-wide set-up: 8 fake CPU devices and a cheap compiler (set once, before JAX initialises
+its backends), and one compilation cache for the run.
 
 Many tests compile the same programs (the same tiny model's steps, the same kernels at the same
 shapes) from fresh closures; a persistent cache in a temporary folder compiles each once per run,
@@ -10,7 +10,10 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM at -O0: the test programs are tiny, so compiling is most of their time, and -O0 takes
+# about a third less of it (without fast-math, neither level may reorder float operations).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                   "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

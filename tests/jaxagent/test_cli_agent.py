@@ -46,11 +46,14 @@ def test_agent_command_names_a_missing_task_dir(tmp_path, capsys):
         cli(["agent", "--episodes", "x"])
 
 
-@pytest.mark.slow  # SFT on ~3k-token demonstrations, then two RL steps of episodes: ~11 min quiet
+@pytest.mark.slow  # SFT on demonstrations, then two RL steps of episodes: 2.5 min at load ~1
 def test_train_agent_tiny_runs_multi_turn_episodes(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device, as the CLI
     subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "--config",
-                    "configs/agent_tiny.yaml", "train.steps=2", f"workdir={tmp_path}"],
+                    "configs/agent_tiny.yaml", "train.steps=2",
+                    # tool outputs cut at 300 chars, not 600: the demonstrations' ~3.4k tokens
+                    # shrink, and SFT (most of the run) with them
+                    "agent.max_output_chars=300", f"workdir={tmp_path}"],
                    check=True, env=env, capture_output=True)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert rows[0]["sft/loss"] > 0 and "sft/tokens" in rows[0]
