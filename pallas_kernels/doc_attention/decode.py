@@ -68,7 +68,8 @@ def _kernel(bounds_ref, q_ref, k_ref, v_ref, mask_ref, acc_ref, m_ref, l_ref, *,
 
 def _geometry(b, kv_heads, s, block_sizes):
     """(block_k, chunks): the largest power-of-two block up to `block_sizes.block_k` that divides
-    S (a multiple of 16), and enough chunks (dividing S's blocks) for B x K x C to reach `block_sizes.programs`."""
+    S (a multiple of 16), and enough chunks (dividing S's blocks) for B x K x C to reach
+    `block_sizes.programs`."""
     block_k = block_sizes.block_k
     while s % block_k:
         block_k //= 2

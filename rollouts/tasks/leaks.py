@@ -599,8 +599,9 @@ class Readings:
         members, found = self._found.get(key, ([], {}))
         if missing := list({b.source: b for b in bodies if b.source not in found}.values()):
             read = [(where[len(path):], text) for where, text in texts(path, content)]
-            if key not in self._found and sum(len(t) for _, t in read) <= self.budget:
-                self.budget -= sum(len(t) for _, t in read)
+            size = sum(len(t) for _, t in read)
+            if key not in self._found and size <= self.budget:
+                self.budget -= size
                 self._kept[key] = [(member, Scanned(text)) for member, text in read]
                 return self.find(key, path, content, bodies)
             if key not in self._found:  # its one read, if all a run asks for was anticipated
