@@ -28,9 +28,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _BIG = 1e30  # log-sum-exp of a query that sees nothing: exp(s - _BIG) = 0 in the backward
+# The Triton lowering, named: a block of a whole row of keys is a pointer there, sliced per key
+# block, while Mosaic GPU (the default lowering of some jax versions) stages whole blocks in
+# shared memory (540 KB for a 960-slot float32 cache, over Hopper's 227 KB).
+_TRITON = plgpu.CompilerParams()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +241,7 @@ def _forward(q, k, v, q_seg, kv_seg, q_slots, kv_slots, scale, block_sizes, inte
         out_specs=[specs[1], specs[9]],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
+        compiler_params=_TRITON,
         interpret=interpret,
         name="doc_attention_fwd",
     )(vis, q, k, v, q_seg, kv_seg, q_slots, kv_slots)
@@ -260,6 +266,7 @@ def _bwd_rule(scale, block_sizes, interpret, res, do):
         in_specs=list(q_specs),
         out_specs=q_specs[1],
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_TRITON,
         interpret=interpret,
         name="doc_attention_dq",
     )(vis, *args)
@@ -272,6 +279,7 @@ def _bwd_rule(scale, block_sizes, interpret, res, do):
         in_specs=list(k_specs),
         out_specs=[head_spec, head_spec],
         out_shape=[jax.ShapeDtypeStruct((b, n, s, h), jnp.float32)] * 2,
+        compiler_params=_TRITON,
         interpret=interpret,
         name="doc_attention_dkv",
     )(vis.transpose(0, 2, 1), *args)

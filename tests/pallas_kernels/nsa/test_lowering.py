@@ -1,10 +1,8 @@
 """The NSA kernels lower for the hardware they target, checked on a CPU host.
 
-``jax.export`` for platform "cuda" runs the Pallas Triton (or Mosaic GPU) lowering and for
-"tpu" the Mosaic lowering, no accelerator needed: it catches a primitive without a lowering rule, a tile that is
-not a power of two (Triton) or an index map Mosaic cannot take, at the production block sizes
-and a shape that is not a tile multiple. What it cannot check is the final compile (Triton to
-PTX, Mosaic to TPU code); the ``gpu``-marked tests do that on a lent GPU.
+The `lower` fixture (conftest) exports for "cuda" or "tpu", no accelerator needed: it catches a
+primitive without a lowering rule, a tile that is not a power of two (Triton) or an index map
+Mosaic cannot take, at the production block sizes and a shape that is not a tile multiple.
 """
 
 import functools
@@ -12,7 +10,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
 
 from pallas_kernels.nsa import NSAShape
 from pallas_kernels.nsa.compressed_gpu import BlockSizes as CompressedBlockSizes
@@ -64,7 +61,7 @@ CASES = {  # name: (platform, kernel, keys: the sequence's or its compressed blo
 
 @pytest.mark.parametrize(("g", "kh", "h", "dtype"), [(4, 2, 128, jnp.bfloat16), (1, 3, 64, jnp.float32), (16, 1, 128, jnp.bfloat16)])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_forward_and_backward_lower(name, g, kh, h, dtype):
+def test_forward_and_backward_lower(name, g, kh, h, dtype, lower):
     platform, attend, s_len = CASES[name]
 
     def fwd_bwd(q, k, v):  # the gradients, and the compressed branch's block importance
@@ -72,16 +69,7 @@ def test_forward_and_backward_lower(name, g, kh, h, dtype):
         return back([outs[0].astype(q.dtype), *map(jnp.zeros_like, outs[1:])]), outs[1:]
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((B, T, g * kh, h), (B, s_len, kh, h), (B, s_len, kh, h))]
-    # jax >= 0.11 lowers Triton for the device it targets: name one (an H100), as no GPU is here
-    h100 = jax.sharding.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
-        exported = export.export(
-            jax.jit(fwd_bwd),
-            platforms=[platform],
-            # no compatibility promise for kernels serialised into the module; nothing is stored
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(TARGET["cuda"])],
-        )(*args)
-    module = exported.mlir_module()
+    module = lower(fwd_bwd, args, platform)
     if "mosaic" in name and dtype == jnp.bfloat16:  # forward, dQ, dK/dV, their segment sum (and scoring)
         assert module.count("mosaic_gpu") >= 4 + name.startswith("compressed") and TARGET[platform] not in module, name
     else:  # the forward, and the backward kernels (dQ, dK/dV); the compressed branch also scores
