@@ -1,15 +1,20 @@
 """The backends of `model.attention_backend` on causal rows, through the model's seam
 (`pallas_kernels.attention.dense_attention`): xla, cudnn, pallas (the doc kernel) and splash,
 forward and forward+backward, at the Qwen2.5-0.5B head layout (14 query heads, 2 kv heads, head
-dim 64), batch 1, bfloat16.
+dim 64), batch 1, bfloat16. `xla-whole` is the xla backend with its queries all at once (no
+`QUERY_CHUNK` chunks), the baseline of the chunking.
 
     python benchmarks/attention_backends.py --out /tmp/attention_backends.jsonl   # GPU: 4k-32k
     PYTHONPATH=. python benchmarks/attention_backends.py --seq 256                # CPU smoke run
+    # CPU, the tiny agent model's heads on 4 episode rows: chunked vs whole XLA
+    PYTHONPATH=. python benchmarks/attention_backends.py --seq 1024 3072 --batch 4 --heads 4 \
+        --kv-heads 2 --head-dim 32 --dtype float32 --backends xla xla-whole --repeats 3
 
 Each (backend, tokens, pass) is one JSON line in --out as soon as it exists: the best of
 --repeats timed runs after a compile run, TFLOP/s (analytic: the causal half of the matmuls; the
 backward counts 2.5x the forward, FlashAttention-2's convention with recomputation), and the
-forward's largest difference from XLA's output where XLA ran. A backend this platform lacks
+forward's largest difference from XLA's output where XLA ran, and the compiled program's
+temporary memory (`temp_mib`, XLA's own count). A backend this platform lacks
 (cudnn off a GPU, splash on one) or XLA whose float32 scores would not fit in memory is a line
 with the reason it was skipped. On CPU, pallas and splash are interpreted: their times say
 nothing about the kernels. The summary gives each time over cuDNN's (XLA's where cudnn did not
@@ -27,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention import dense_attention, resolve_backend
+from pallas_kernels.doc_attention.xla import QUERY_CHUNK, xla_attention
 
-BACKENDS = ("xla", "cudnn", "pallas", "splash")
+BACKENDS = ("xla", "xla-whole", "cudnn", "pallas", "splash")
 PASSES = ("fwd", "fwd+bwd")
-# f32 [T, T] buffers per query head XLA holds at once (scores, probabilities; their gradients).
+# f32 [chunk, T] buffers per query head XLA holds at once (scores, probabilities; gradients).
 XLA_BUFFERS = {"fwd": 3, "fwd+bwd": 6}
 
 
@@ -49,8 +55,10 @@ def programs(backend):
     """(forward, forward+backward) jitted for `backend` on causal rows."""
 
     def attend(q, k, v, seg, slots):
-        return dense_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, q_slots=slots,
-                               kv_slots=slots, backend=backend, rows="causal")
+        ids = dict(q_segment_ids=seg, kv_segment_ids=seg, q_slots=slots, kv_slots=slots)
+        if backend == "xla-whole":
+            return xla_attention(q, k, v, **ids, query_chunk=0)
+        return dense_attention(q, k, v, **ids, backend=backend, rows="causal")
 
     def forward_backward(q, k, v, seg, slots, do):
         _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg, slots), q, k, v)
@@ -62,12 +70,12 @@ def programs(backend):
 def why_not(backend, t, n, dtype, which):
     """The reason `backend` cannot run here at `t` tokens, or None."""
     try:
-        resolve_backend("dense", backend, rows="causal", dtype=dtype)
+        resolve_backend("dense", backend.removesuffix("-whole"), rows="causal", dtype=dtype)
     except ValueError as e:
         return str(e)
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-    need = XLA_BUFFERS[which] * n * t * t * 4
-    if backend == "xla" and limit and need > limit:
+    need = XLA_BUFFERS[which] * n * (t if backend == "xla-whole" else min(t, QUERY_CHUNK)) * t * 4
+    if backend.startswith("xla") and limit and need > limit:
         return f"XLA's float32 scores would take ~{need / 2**30:.0f} GiB of {limit / 2**30:.0f}"
     return None
 
@@ -106,7 +114,9 @@ def main():
                 if reason is None:
                     inputs = (q, k, v, seg, slots) + ((do,) if which == "fwd+bwd" else ())
                     try:
-                        out, seconds = timed(runs[backend][which], *inputs, repeats=args.repeats)
+                        program = runs[backend][which]
+                        temp = program.lower(*inputs).compile().memory_analysis()
+                        out, seconds = timed(program, *inputs, repeats=args.repeats)
                     except jax.errors.JaxRuntimeError as e:  # out of memory the estimate let through
                         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 if reason is not None:
@@ -114,7 +124,8 @@ def main():
                 else:
                     flops = forward_flops * (1 if which == "fwd" else 3.5)
                     row.update(ms=round(seconds * 1e3, 3), tflops=round(flops / seconds / 1e12, 2),
-                               interpreted=on_cpu and backend in ("pallas", "splash"))
+                               interpreted=on_cpu and backend in ("pallas", "splash"),
+                               temp_mib=temp and round(temp.temp_size_in_bytes / 2**20, 1))
                     times[t, which, backend] = seconds
                     if which == "fwd" and backend == "xla":
                         reference = out

@@ -10,12 +10,40 @@ import jax.numpy as jnp
 from pallas_kernels.doc_attention.kernel import visible
 
 
-def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
-    """Plain einsums, softmax in float32; GQA without repeating K/V."""
-    b, t, n, h = q.shape
-    kv_heads = k.shape[1]
+# Queries per chunk of a long call: a whole row's float32 scores [B, K, G, T, S] and the
+# probabilities its backward keeps are quadratic in length. For 4 rows of 3,072 tokens at the
+# tiny agent model's heads, one layer's forward and backward took 2,352 MiB of XLA:CPU
+# temporaries whole and 211 MiB in chunks of 256, and ran 2.1-2.5x faster (a chunk's scores stay
+# in cache); 1.3-2.1x at 1,024 tokens (benchmarks/attention_backends.py, xla vs xla-whole).
+QUERY_CHUNK = 256
+
+
+def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots,
+                  query_chunk: int = QUERY_CHUNK):
+    """Plain einsums, softmax in float32; GQA without repeating K/V. More than `query_chunk`
+    queries run in chunks of that many (a scan), each recomputed in the backward pass, so no
+    pass holds more than one chunk's scores; 0 attends all queries at once."""
+    t = q.shape[1]
     if t == 1:
         return _decode_attention(q, k, v, visible(q_segment_ids, kv_segment_ids, q_slots, kv_slots))
+    if not query_chunk or t <= query_chunk:
+        return _attend(q, k, v, q_segment_ids, kv_segment_ids, q_slots, kv_slots)
+    n_chunks = -(-t // query_chunk)
+    size = -(-t // n_chunks)  # chunks of equal size, at most query_chunk: little padding
+    pad = n_chunks * size - t  # padding queries (segment 0) see nothing and are cut off
+
+    def chunks(x):  # [B, T, ...] -> [n_chunks, B, size, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(x.shape[0], n_chunks, size, *x.shape[2:]).swapaxes(0, 1)
+
+    attend = jax.checkpoint(lambda xs: _attend(xs[0], k, v, xs[1], kv_segment_ids, xs[2], kv_slots))
+    out = jax.lax.map(attend, (chunks(q), chunks(q_segment_ids), chunks(q_slots)))
+    return out.swapaxes(0, 1).reshape(q.shape[0], -1, *q.shape[2:])[:, :t]
+
+
+def _attend(q, k, v, q_segment_ids, kv_segment_ids, q_slots, kv_slots):
+    b, t, n, h = q.shape
+    kv_heads = k.shape[1]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
     scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
