@@ -33,9 +33,12 @@ def _cmd_generate(args) -> int:
 
     from jaxagent.train.build import make_sampler, sampling_layout
     from jaxagent.train.evaluate import load_policy
+    from sharding.distributed import initialize, is_leader
 
-    console = Console(stderr=True)
     cfg = _load_config(args)
+    # across processes every one samples the same prompt with the model sharded over all
+    initialize(cfg.distributed)
+    console = Console(stderr=True, quiet=not is_leader())
     layout = sampling_layout(cfg)
     # an HF directory, or a run's workdir (its newest checkpoint, with the run's own config)
     model, tokenizer, cfg = load_policy(cfg, args.model, layout, args.overrides)
@@ -53,6 +56,8 @@ def _cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens or s.max_new_tokens,
         temperature=s.temperature if args.temperature is None else args.temperature,
         top_k=s.top_k, top_p=s.top_p, stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)
+    if not is_leader():
+        return 0
     for i, completion in enumerate(out.texts):
         if args.num_samples > 1:
             print(f"--- sample {i} ({out.finish_reasons[i]})")
@@ -140,6 +145,7 @@ def _cmd_eval(args) -> int:
 
     from jaxagent.errors import UserError
     from jaxagent.train.evaluate import run_eval
+    from sharding.distributed import is_leader
 
     try:
         ks = [int(k) for k in args.k.split(",")]
@@ -153,6 +159,8 @@ def _cmd_eval(args) -> int:
     cfg = _load_config(args)
     scores, rows = run_eval(cfg, checkpoint=args.checkpoint, tasks=args.tasks, ks=ks,
                             samples=args.samples, overrides=args.overrides)
+    if not is_leader():  # every process has every row; process 0 reports them
+        return 0
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

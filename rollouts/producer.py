@@ -156,20 +156,26 @@ def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequen
                     pool: ThreadPoolExecutor, *, num_samples: int, max_new_tokens: int,
                     temperature: float, seed: int, stop_token_ids: Sequence[int] = (),
                     version: int = 0, top_k: int | None = None,
-                    top_p: float | None = None, row_offset: int = 0) -> Future:
+                    top_p: float | None = None, row_offset: int = 0,
+                    graded: range | None = None) -> Future:
     """Sample `num_samples` completions per task (rows task-major, one environment per row)
     and submit each row's environment step as soon as its completion is finished (the sandbox
     runs while the sampler decodes the longer rows); returns a future of (rollouts, stats)
-    that resolves when the last reward is in."""
+    that resolves when the last reward is in. `graded`: the rows whose environments step and
+    whose rollouts come back (default: all); every process samples the whole batch when the
+    sampler's weights span them all, and steps its share."""
     if len(envs) != len(tasks) * num_samples:
         raise ValueError(f"{len(envs)} environments for {len(tasks)} tasks x {num_samples}")
+    graded = range(len(envs)) if graded is None else graded
     t0 = time.perf_counter()
     row_tasks = [t for t in tasks for _ in range(num_samples)]
     row_prompts = [env.reset(task) for env, task in zip(envs, row_tasks)]
     prompts = row_prompts[::num_samples]  # a group shares its prompt: prefilled once
-    steps: list[Future | None] = [None] * len(envs)
+    steps: dict[int, Future] = {}
 
     def submit(row, tokens, logprobs, _reason):
+        if row not in graded:
+            return
         traj = Trajectory.start(row_tasks[row].id, row_prompts[row], version)
         traj.add_action(tokens, logprobs)
         steps[row] = pool.submit(_run_step, envs[row], traj, tokens)
@@ -190,14 +196,16 @@ def sample_episodes(sampler: Sampler, envs: Sequence[Environment], tasks: Sequen
             if remaining[0]:
                 return
         try:
-            rollouts = [Rollout.from_trajectory(s.result(), reason)
-                        for s, reason in zip(steps, out.finish_reasons)]
+            rollouts = [Rollout.from_trajectory(steps[row].result(), out.finish_reasons[row])
+                        for row in graded]
             stats = rollout_stats(rollouts, t1 - t0, time.perf_counter() - t1)
             result.set_result((rollouts, stats))
         except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the batch
             result.set_exception(e)
 
-    for s in steps:
+    if not steps:  # no row of the batch is graded here: no rollouts, no stats
+        result.set_result(([], {}))
+    for s in list(steps.values()):
         s.add_done_callback(finish)
     return result
 
@@ -222,15 +230,17 @@ def rollout_stats(rollouts: list[Rollout], generate_s: float, reward_s: float) -
 
 def sample_and_score(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *,
                      num_samples: int, max_new_tokens: int, temperature: float, seed: int,
-                     version: int = 0) -> tuple[list[Rollout], dict]:
-    """G completions per task, scored in the sandbox; rows are task-major. Blocking."""
+                     version: int = 0, graded: range | None = None
+                     ) -> tuple[list[Rollout], dict]:
+    """G completions per task, scored in the sandbox; rows are task-major. Blocking.
+    `graded`: the rows scored and returned (`sample_episodes`)."""
     envs = [CodeTaskEnv(tokenizer, scorer) for _ in range(len(tasks) * num_samples)]
     # Steps mostly wait on the sandbox; enough threads to keep its workers busy.
     with ThreadPoolExecutor(min(len(envs), 64)) as pool:
         return sample_episodes(sampler, envs, tasks, pool, num_samples=num_samples,
                                max_new_tokens=max_new_tokens, temperature=temperature,
                                seed=seed, stop_token_ids=tokenizer.stop_ids,
-                               version=version).result()
+                               version=version, graded=graded).result()
 
 
 class RolloutProducer:

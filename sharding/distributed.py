@@ -12,10 +12,13 @@ collective.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxagent.errors import ConfigError
 from sharding.config import DistributedConfig
@@ -78,3 +81,24 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
 def is_leader() -> bool:
     """Process 0: the one that writes logs, metrics and plots."""
     return jax.process_index() == 0
+
+
+def process_share(n: int, p: int, count: int) -> range:
+    """Process `p`'s contiguous share of `n` items split over `count` processes in process
+    order: the first `n % count` take one more."""
+    per, extra = divmod(n, count)
+    start = p * per + min(p, extra)
+    return range(start, start + per + (p < extra))
+
+
+def gather(items: list) -> list:
+    """Every process's `items` (JSON values), in process order, in every process: all must
+    call (two all-gathers, of the sizes and of the padded bytes)."""
+    if jax.process_count() == 1:
+        return list(items)
+    data = np.frombuffer(json.dumps(items).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int64(data.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [x for row, n in zip(every, sizes) for x in json.loads(row[:n].tobytes())]

@@ -1,8 +1,11 @@
 """Where every array of a run lives: the trainer's mesh, the sampler's mesh, and the rules.
 
-The trainer's mesh spans all processes' devices. The sampler's spans this process's devices
-only: each process samples its own prompts, so its programs must not be global SPMD ones.
-With one process and no `sampler.mesh`, both are the same mesh.
+The trainer's mesh spans all processes' devices. In training the sampler's spans this
+process's devices only: each process samples its own prompts, so its programs must not be
+global SPMD ones. With one process and no `sampler.mesh`, both are the same mesh. A spanning
+layout (`jaxagent eval` and `generate`) samples on a mesh over every process's devices
+instead: every process runs the same sampling programs on one global batch, so a model too
+large for one host samples sharded over all of them.
 
 Publishing weights to the sampler is one program on the trainer's devices, never a whole copy
 on one device or in host memory: every process's sampler mesh, side by side, is one global mesh
@@ -27,6 +30,7 @@ from sharding.mesh import build_mesh
 from sharding.rules import (
     activation_rules,
     check_batch,
+    host_value,
     place,
     shard_batch,
     shardings,
@@ -49,13 +53,17 @@ def process_devices(devices: list[jax.Device]) -> list[list[jax.Device]]:
 
 
 class Layout:
-    def __init__(self, mesh: MeshConfig, sampler_mesh: MeshConfig | None = None):
-        """`mesh`: the trainer's (config `mesh`); `sampler_mesh`: config `sampler.mesh`."""
+    def __init__(self, mesh: MeshConfig, sampler_mesh: MeshConfig | None = None, *,
+                 spanning: bool = False):
+        """`mesh`: the trainer's (config `mesh`); `sampler_mesh`: config `sampler.mesh`;
+        `spanning`: the sampler's mesh spans every process's devices too (see above)."""
         self.rules = mesh.rules
         self.mesh = build_mesh(mesh)
         multi = jax.process_count() > 1
-        if sampler_mesh is None and not multi:
+        if sampler_mesh is None and (spanning or not multi):
             self.sampler_mesh = self.mesh
+        elif spanning:
+            self.sampler_mesh = build_mesh(sampler_mesh, key="sampler.mesh")
         else:
             # Default across processes: this process's devices, tensor parallel as in training.
             sampler = sampler_mesh or MeshConfig(data=-1, tensor=mesh.tensor)
@@ -110,8 +118,7 @@ class Layout:
         process must call): for export, where no device may hold the whole model. An array on
         this process's devices comes over shard by shard; one spanning processes is first
         replicated, that array alone."""
-        return jax.tree.map(lambda x: jax.device_get(x) if x.is_fully_addressable
-                            else multihost_utils.process_allgather(x, tiled=True), tree)
+        return host_value(tree)
 
     # -- sampling -------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxagent.errors import ConfigError
@@ -75,6 +76,15 @@ def shard_batch(local: Any, mesh: Mesh, rules: Rules, key: str = "the batch") ->
         return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
 
     return jax.tree.map(one, local)
+
+
+def host_value(tree: Any) -> Any:
+    """Every array of `tree` whole in this process's host memory, one array at a time. An
+    array on this process's devices (or replicated on every device) comes over shard by shard;
+    one split over several processes' devices is gathered, so every process must call alike."""
+    return jax.tree.map(lambda x: jax.device_get(x) if x.is_fully_addressable
+                        or x.is_fully_replicated
+                        else np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
 
 
 @contextlib.contextmanager

@@ -244,8 +244,9 @@ def base_checkpoint(checkpoint: str | None) -> str | None:
 
 def sampling_layout(cfg: Config) -> Layout:
     """Where `generate`, `eval`, `agent` and `export` run a model: the sampler's mesh
-    (`sampler.mesh`, else `mesh`) under the rules of `mesh.rules`."""
-    return Layout(cfg.mesh, cfg.sampler.mesh)
+    (`sampler.mesh`, else `mesh`) under the rules of `mesh.rules`, over every process's
+    devices once `jax.distributed` has started (`Layout(spanning=True)`)."""
+    return Layout(cfg.mesh, cfg.sampler.mesh, spanning=True)
 
 
 def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from contextlib import closing
 from pathlib import Path
 
+import jax
 from flax import nnx
 from rich.progress import Progress
 
@@ -22,20 +23,29 @@ from jaxagent.train.build import (base_checkpoint, load_agent_splits, load_model
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
 from rollouts.environment import Trajectory
-from rollouts.producer import sample_and_score
+from rollouts.producer import Rollout, sample_and_score
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler, continuation
 from rollouts.tasks import Task, load_tasks
+from sharding.distributed import gather, initialize, process_share
 from sharding.layout import Layout
 
 
 def evaluate(sampler: Sampler, tokenizer, scorer: Scorer, tasks: list[Task], *, samples: int,
-             ks, temperature: float, max_new_tokens: int, seed: int):
+             ks, temperature: float, max_new_tokens: int, seed: int, spread: bool = False):
     """({"eval/pass@k": ...}, rollouts): the unbiased pass@k estimator over `tasks` with
-    `samples` completions each."""
+    `samples` completions each. `spread`: the sampler's weights span every process, so every
+    process samples the whole batch (one SPMD program); each grades its share of the tasks
+    (`process_share`) and all get every rollout, in task order."""
+    graded = None
+    if spread:
+        share = process_share(len(tasks), jax.process_index(), jax.process_count())
+        graded = range(share.start * samples, share.stop * samples)
     rollouts, _ = sample_and_score(sampler, tokenizer, scorer, tasks, num_samples=samples,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
-                                   seed=seed)
+                                   seed=seed, graded=graded)
+    if spread:
+        rollouts = [Rollout(**r) for r in gather([r.to_json() for r in rollouts])]
     scores = mean_pass_at_k([(r.task_id, r.status == "passed") for r in rollouts],
                             [k for k in ks if k <= samples])
     return {f"eval/pass@{k}": v for k, v in scores.items()}, rollouts
@@ -157,7 +167,12 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = 
     """`jaxagent eval`: (pass@k scores, one row per rollout) of a checkpoint (see
     `load_policy`) on `tasks` (a task spec) or the config's held-out split. An agent config
     (`agent.enabled`) plays episodes instead (`evaluate_agent`: pass@k and the agent/...
-    metrics, one row per episode)."""
+    metrics, one row per episode).
+
+    Across processes (`distributed`, as `launch/` starts them) the model is sharded over all
+    their devices and every process returns every row (`evaluate(spread=True)`)."""
+    initialize(cfg.distributed)
+    spread = jax.process_count() > 1
     layout = sampling_layout(cfg)
     model, tokenizer, cfg = load_policy(cfg, checkpoint, layout, overrides)
     sampler = make_sampler(model, tokenizer, cfg, layout.sampler_activations)
@@ -168,7 +183,8 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = 
     with make_scorer(cfg) as scorer:
         scores, rollouts = evaluate(sampler, tokenizer, scorer, task_list, samples=samples,
                                     ks=ks, temperature=cfg.eval.temperature,
-                                    max_new_tokens=cfg.train.max_new_tokens, seed=cfg.seed + 7)
+                                    max_new_tokens=cfg.train.max_new_tokens, seed=cfg.seed + 7,
+                                    spread=spread)
     rows = [{"task_id": r.task_id, "completion": r.text, "status": r.status,
              "reward": r.reward} for r in rollouts]
     return scores, rows
@@ -176,6 +192,11 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, tasks: str | None = 
 
 def _run_agent_eval(cfg: Config, sampler: Sampler, tokenizer, tasks: str | None, ks,
                     samples: int | None) -> tuple[dict, list[dict]]:
+    if jax.process_count() > 1:
+        # one global batch per turn needs the same prompts everywhere, and the tools' outputs
+        # (test timings, sandbox errors) may differ between processes
+        raise UserError("eval: agent episodes (agent.enabled) run in one process; run "
+                        "`jaxagent eval` without launch/ (on one host's devices)")
     task_list = load_tasks(tasks) if tasks else load_agent_splits(cfg)[1]
     if not task_list:
         raise UserError(f"agent.tasks {cfg.agent.tasks} has no held-out split (a directory of "

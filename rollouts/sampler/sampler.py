@@ -27,6 +27,7 @@ from rollouts.sampler.decode import (
 from rollouts.sampler.documents import DocumentPrompts
 from rollouts.sampler.programs import _prefill, _take_rows
 from rollouts.sampler.threads import generate_in_threads
+from sharding.rules import host_value
 
 _WEIGHTS_IDS = itertools.count()  # a fresh id per weights a sampler holds (KV store keys)
 
@@ -182,7 +183,7 @@ class Sampler(DocumentPrompts):
                 reported.add(r)
 
         def report_finished(state):
-            self._collect(state, np.asarray(state["done"]), results)
+            self._collect(state, host_value(state["done"]), results)
             report()
 
         compact = functools.partial(self._maybe_compact, results=results)
@@ -208,7 +209,7 @@ class Sampler(DocumentPrompts):
     @staticmethod
     def _collect(state, which: np.ndarray, results: dict) -> None:
         """Copy the outputs of rows `which` (a batch mask) to the host `results`."""
-        rows, lengths, tokens, logprobs = jax.device_get(
+        rows, lengths, tokens, logprobs = host_value(
             (state["rows"], state["lengths"], state["tokens"], state["logprobs"]))
         for i in np.flatnonzero(which):
             if rows[i] >= 0 and rows[i] not in results:
@@ -217,7 +218,7 @@ class Sampler(DocumentPrompts):
 
     def _maybe_compact(self, state, results):
         """Halve the batch once half its rows are done (`decode` calls this while rows live)."""
-        done = np.asarray(state["done"])
+        done = host_value(state["done"])
         batch = done.shape[0]
         live = np.flatnonzero(~done)
         target = _round_up(max(batch // 2, 1), self.batch_bucket)

@@ -81,14 +81,15 @@ def test_slurm_dry_run():
 def _run(cmd, env, cwd):
     out = subprocess.run(cmd, env=env, cwd=cwd, check=False, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
 
 
-def _multihost(tmp_path, *probe_args, env=()):
+def _multihost(tmp_path, *probe_args, env=(), probe="multihost_probe.py"):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))},
            "PYTHONPATH": str(ROOT), **dict(env)}
     return subprocess.run(
         ["bash", str(LAUNCH / "local_multihost.sh"), "--logdir", str(tmp_path), "2", "2", "--",
-         sys.executable, str(Path(__file__).parent / "multihost_probe.py"), *probe_args],
+         sys.executable, str(Path(__file__).parent / probe), *probe_args],
         check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -106,6 +107,70 @@ def test_a_dead_peer_stops_the_others(tmp_path):
     assert "collective finished without the peer" not in out.stdout
     assert "another task died" in out.stderr
     assert time.monotonic() - start < 120
+
+
+TINY_EVAL = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=48",
+             "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+             "train.max_new_tokens=6", "rewards.workers=1", "mesh.data=2", "mesh.fsdp=2"]
+
+
+def _eval_tasks(path: Path) -> Path:
+    """5 tasks (3 and 2 per process): four whose prompt ends in a comment, so a completion
+    passes until it breaks the line, and one no completion passes."""
+    lines = [{"task_id": f"easy{i}", "prompt": f"def f():\n    return {i}\n#", "entry_point": "f",
+              "tests": [f"assert f() == {i}"], "completion_mode": "continue"} for i in range(4)]
+    lines.append({"task_id": "hard", "prompt": "def f():\n", "entry_point": "f",
+                  "tests": ["assert f() == 'never'"], "completion_mode": "continue"})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_two_processes_evaluate_like_each_alone(tmp_path):
+    """`jaxagent eval`'s path across 2 processes x 2 devices (the model sharded over all 4,
+    each process grading its share of the tasks, the rows gathered) returns the same rows, in
+    task order, and pass@k as each process sampling and grading every task alone."""
+    tasks = _eval_tasks(tmp_path / "tasks.jsonl")
+    out = _multihost(tmp_path, str(tasks), *TINY_EVAL, probe="multihost_eval_probe.py")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    scores = [json.loads(line.split(": ", 1)[1]) for line in
+              [*out.stdout.splitlines(), *(tmp_path / "process_1.log").read_text().splitlines()]
+              if line.startswith("process ")]
+    assert len(scores) == 2 and scores[0] == scores[1]
+    assert 0 < scores[0]["eval/pass@1"] < 1  # some rows passed, some failed
+
+
+@pytest.mark.slow  # two eval and two generate runs, ~3 min on 2 shared cores
+def test_two_processes_eval_and_generate_like_one(tmp_path):
+    """`jaxagent eval` and `generate` under launch/local_multihost.sh (2 processes x 2
+    devices) and in 1 process x 4 devices, same mesh and seed: the same rows and pass@k,
+    the same sample, each reported by process 0 alone."""
+    tasks = _eval_tasks(tmp_path / "tasks.jsonl")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    single = {**env, "JAX_PLATFORMS": "cpu",
+              "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    launch = ["bash", str(LAUNCH / "local_multihost.sh"), "--logdir", str(tmp_path / "logs"),
+              "2", "2", "--"]
+    commands = {
+        "eval": [sys.executable, "-m", "jaxagent.cli", "eval", "--tasks", str(tasks), "--k",
+                 "1,2", "--samples", "3", *TINY_EVAL],
+        "generate": [sys.executable, "-m", "jaxagent.cli", "generate", "--prompt", "def f(",
+                     "--num-samples", "3", "--max-new-tokens", "9", "--temperature", "1",
+                     *TINY_EVAL],
+    }
+    for name, cmd in commands.items():
+        multi = _run([*launch, *cmd, *(["--out", str(tmp_path / "multi.jsonl")]
+                                       if name == "eval" else [])], env, ROOT)
+        alone = _run([*cmd, *(["--out", str(tmp_path / "single.jsonl")] if name == "eval"
+                              else [])], single, ROOT)
+        # Python writes its output at exit, after gloo's threads wrote their lines
+        assert alone.stdout and multi.stdout.count(alone.stdout) == 1, name
+        # process 1 reported nothing (its log holds what it wrote to stdout and stderr)
+        assert not set(filter(None, alone.stdout.splitlines())) & set(
+            (tmp_path / "logs/process_1.log").read_text().splitlines()), name
+    rows = [json.loads(line) for line in (tmp_path / "multi.jsonl").open()]
+    assert (tmp_path / "multi.jsonl").read_text() == (tmp_path / "single.jsonl").read_text()
+    assert [r["task_id"] for r in rows] == [t for t in ["easy0", "easy1", "easy2", "easy3",
+                                                        "hard"] for _ in range(3)]
 
 
 @pytest.mark.slow  # two SFT runs, ~2 min on 2 shared cores

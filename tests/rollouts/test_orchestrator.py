@@ -4,7 +4,7 @@ snapshots, restored batches, token-exact trajectories, infrastructure failures."
 import random
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +21,7 @@ from rollouts.producer import (
     RolloutBatch,
     RolloutProducer,
     sample_and_score,
+    sample_episodes,
 )
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
@@ -253,3 +254,30 @@ def test_dynamic_sampling_refills_groups_without_signal(sampler):
         [r.completion for b in batches for r in b.rollouts]
     [capped], _ = produce(1)  # at most one more draw: what lacks signal fills the rest
     assert capped.stats["rollout/groups_drawn"] <= 4 and len(capped.rollouts) == 6
+
+
+@pytest.mark.parametrize("graded", [range(1, 4), range(0)], ids=["rows 1-3", "none"])
+def test_graded_rows_are_the_only_ones_stepped_and_returned(sampler, graded):
+    """Every process samples the whole batch when the sampler's weights span them all, and
+    steps its share: the rollouts of `graded` rows are those rows of the whole batch's."""
+    tok = ByteTokenizer()
+    tasks = synthetic_tasks(3, seed=6)  # the shapes of the test above: its compiled programs
+    stepped = []
+
+    class Recording(ScriptedRewardEnv):
+        def step(self, action):
+            stepped.append(self.task.id)
+            return super().step(action)
+
+    def run(rows):
+        envs = [Recording(tok, None) for _ in range(len(tasks) * 2)]
+        with ThreadPoolExecutor(4) as pool:
+            return sample_episodes(sampler, envs, tasks, pool, num_samples=2, max_new_tokens=7,
+                                   temperature=1.0, seed=2, graded=rows).result()
+
+    whole, _ = run(None)
+    stepped.clear()
+    part, stats = run(graded)
+    assert [r.to_json() for r in part] == [whole[i].to_json() for i in graded]
+    assert sorted(stepped) == sorted(whole[i].task_id for i in graded)
+    assert bool(stats) == bool(graded)

@@ -4,7 +4,7 @@ import pytest
 
 from jaxagent.errors import ConfigError
 from sharding.config import DistributedConfig
-from sharding.distributed import detect, initialize
+from sharding.distributed import detect, initialize, process_share
 
 EXPLICIT = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
             "JAX_PROCESS_ID": "3"}
@@ -44,3 +44,11 @@ def test_clusters_are_left_to_jax_detection(env, how):
 
 def test_one_task_slurm_job_is_single_process():
     assert detect(DistributedConfig(), {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}) is None
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [0, 1, 4, 7, 13])
+def test_process_shares_cover_every_item_once_in_order(n, count):
+    shares = [process_share(n, p, count) for p in range(count)]
+    assert [i for s in shares for i in s] == list(range(n))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1

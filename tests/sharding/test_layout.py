@@ -111,6 +111,22 @@ def test_every_process_needs_as_many_devices():
         process_devices([fake(i, int(i >= 5)) for i in range(8)])
 
 
+def test_spanning_layout_samples_on_a_mesh_over_every_device():
+    """`jaxagent eval` / `generate`: the sampler's mesh over all devices (all processes'),
+    `sampler.mesh` when given; one that cannot fill them is an error naming it."""
+    from jaxagent.errors import ConfigError
+
+    trainer = MeshConfig(data=2, fsdp=4)
+    assert Layout(trainer, spanning=True).sampler_mesh.shape == {
+        "data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    own = Layout(trainer, MeshConfig(data=-1, tensor=2), spanning=True).sampler_mesh
+    assert own.shape == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
+    assert set(own.devices.flat) == set(jax.devices())
+    with pytest.raises(ConfigError, match=r"sampler.mesh: sampler.mesh.data=3, .* makes 3 "
+                                          r"devices, but there are 8"):
+        Layout(trainer, MeshConfig(data=3), spanning=True)
+
+
 def test_random_init_on_a_mesh_makes_each_device_its_blocks():
     """`init_model(..., shardings=)` (what a run without `init_from` does on a mesh): the same
     weights as the unsharded init, each laid out by the rules from the start."""
