@@ -46,6 +46,13 @@ class ExpertLoraParam(LoraParam):
 EXPERT_WEIGHTS = {"gate_up_proj": ("w_gate", "w_up"), "down_proj": ("w_down",)}
 
 
+def is_b_factor(path: tuple) -> bool:
+    """Whether a key path into a decoder's weights (as `jax.tree_util` gives it) leads to an
+    adapter's B factor: (..., "lora", target, "b", ...)."""
+    names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
+    return "lora" in names and names[names.index("lora") + 2:][:1] == ["b"]
+
+
 def lora_targets(cfg: LoraConfig) -> frozenset[str]:
     """The module names `cfg.targets` match (none without a rank)."""
     if not cfg.rank:

@@ -119,6 +119,7 @@ def validate(cfg: Config) -> Config:
     t, r = cfg.train, cfg.rl
     checks = [
         (t.steps >= 1, "train.steps", "must be >= 1"),
+        (cfg.optim.lora_plus_ratio > 0, "optim.lora_plus_ratio", "must be > 0 (1: plain LoRA)"),
         (cfg.sft.steps >= 0, "sft.steps", "must be >= 0 (0: no warm-up)"),
         (cfg.sft.copy_steps >= 0, "sft.copy_steps", "must be >= 0 (0: no copy warm-up)"),
         (not cfg.sft.copy_steps or (cfg.sft.data == "agent" and cfg.sft.steps > 0),

@@ -18,6 +18,9 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # global-norm clipping; 0 disables
+    # LoRA+ (arXiv 2402.12354): each adapter's B factor learns at this times the learning rate
+    # (A and every other weight at the learning rate itself); 1 is plain LoRA.
+    lora_plus_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
