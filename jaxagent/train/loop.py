@@ -143,8 +143,9 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                 # Update: advantages, then clipped policy-gradient steps; publish the weights
                 # (the sampler switches to them before its next batch).
                 with profiled(workdir / "profile", step + 1 in t.profile_steps):
-                    rows, feedback, keep = learner.prepare(batch)
-                    state, update_metrics, train_s = learner.update(state, rows, feedback, step)
+                    rows, feedback, keep, signal = learner.prepare(batch)
+                    state, update_metrics, train_s = learner.update(state, rows, feedback, step,
+                                                                    signal=signal)
                 done = step + 1
                 sync_s = weights.publish(done, state.params) if done < t.steps else 0.0
                 # Log: metrics, a few rollouts, progress; evaluate every eval.every steps.
@@ -218,24 +219,46 @@ class Learner:
         return learner, TrainState(params, layout.place(tx.init(params)),
                                    kl_reference(cfg, params), frozen)
 
-    def prepare(self, batch: RolloutBatch) -> tuple[TrainBatch, FeedbackBatch | None, np.ndarray]:
+    def prepare(self, batch: RolloutBatch) -> tuple[TrainBatch, FeedbackBatch | None,
+                                                    np.ndarray, bool]:
         """(the packed rows with their advantages, the feedback KL's flagged turns if it is
-        on, the per-rollout keep mask)."""
+        on, the per-rollout keep mask, whether the update's loss has a gradient at all:
+        `carries_signal`)."""
         cfg = self.cfg
         advantages, keep = compute_advantages(cfg.rl, batch, cfg.train.max_new_tokens)
         rows = to_train_batch(batch, advantages, keep, share_prompt=self.share_prompt)
-        feedback = (self.layout.batch(to_feedback_batch(batch, self.tokenizer,
-                                                        cfg.agent.feedback_max_examples),
-                                      "the feedback batch")
+        feedback = (to_feedback_batch(batch, self.tokenizer, cfg.agent.feedback_max_examples)
                     if self.options.feedback_beta else None)
-        return rows, feedback, keep
+        signal = self.carries_signal(rows, feedback)
+        if feedback is not None:
+            feedback = self.layout.batch(feedback, "the feedback batch")
+        return rows, feedback, keep, signal
+
+    def carries_signal(self, rows: TrainBatch, feedback: FeedbackBatch | None) -> bool:
+        """Whether the loss on these (host) rows has a gradient: a kept token with a non-zero
+        advantage, or a term that does not hinge on the advantages (the KL to the reference,
+        the entropy bonus, the router's load-balancing loss, flagged turns for the feedback
+        KL). Decided over every process's rows, so all of them skip or none."""
+        o, model = self.options, self.cfg.model
+        advantaged = (np.asarray(rows.loss_mask).sum(-1) > 0) & (np.asarray(rows.advantages) != 0)
+        local = bool(advantaged.any() or o.kl_coef or o.entropy_coef
+                     or (model.num_experts and model.router_aux_loss_coef)
+                     or (feedback is not None and np.asarray(feedback.mask).any()))
+        if jax.process_count() == 1:
+            return local
+        return bool(np.asarray(multihost_utils.process_allgather(np.asarray(local))).any())
 
     def update(self, state: TrainState, rows: TrainBatch, feedback: FeedbackBatch | None,
-               step: int) -> tuple[TrainState, dict, float]:
+               step: int, *, signal: bool = True) -> tuple[TrainState, dict, float]:
         """`rl.ppo_epochs` passes of clipped steps over `rl.mini_batches` of the rows (the
         update of step `step`: its LoRA dropout masks) -> (the new state, the update's
-        metrics, its seconds)."""
+        metrics, its seconds). Without `signal` (`carries_signal`) the state is kept as it is:
+        on a zero gradient Adam would still move every weight by its momentum (and weight
+        decay), so the update is skipped, the optimizer's moments and step count included;
+        the loss is then exactly 0."""
         t0 = time.perf_counter()
+        if not signal:
+            return state, {"train/loss": 0.0, "train/skipped_update": 1.0}, 0.0
         minis = [self.layout.batch(b) for b in split_rows(rows, self.cfg.rl.mini_batches)]
         with self.layout.activations():
             params, opt_state, metrics = ppo_update(
@@ -243,7 +266,8 @@ class Learner:
                 feedback, state.frozen, options=self.options, epochs=self.cfg.rl.ppo_epochs,
                 micro_batch=self.cfg.train.micro_batch, logits_chunk=self.chunk,
                 dropout_key=dropout_key(self.cfg.model.lora, self.cfg.seed, 1, step))
-        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the update
+        # waits for the update
+        metrics = {**{k: float(v) for k, v in metrics.items()}, "train/skipped_update": 0.0}
         return (dataclasses.replace(state, params=params, opt_state=opt_state), metrics,
                 time.perf_counter() - t0)
 
