@@ -32,8 +32,10 @@ from jaxagent.models.hf import CheckpointError, read_json, save_pretrained
 from jaxagent.models.llama import Decoder
 from jaxagent.models.lora import (
     EXPERT_WEIGHTS,
+    WEIGHT_OF,
     ExpertLoraParam,
     LoraParam,
+    SavedParam,
     lora_targets,
     merge,
 )
@@ -48,8 +50,9 @@ def _abstract(cfg: ModelConfig) -> Decoder:
 
 def init_adapters(cfg: ModelConfig, seed: int) -> nnx.State:
     """Fresh adapter factors for a decoder of `cfg` (one program: the base weights it would
-    draw are dead code, never computed)."""
-    init = nnx.jit(lambda key: nnx.state(Decoder(cfg, rngs=nnx.Rngs(params=key)), LoraParam))
+    draw are dead code, never computed); `with_adapters` adds the modules to save."""
+    fresh = nnx.All(LoraParam, nnx.Not(SavedParam))
+    init = nnx.jit(lambda key: nnx.state(Decoder(cfg, rngs=nnx.Rngs(params=key)), fresh))
     return init(jax.random.key(seed))
 
 
@@ -66,10 +69,18 @@ def split_trainable(weights: nnx.State) -> tuple[nnx.State, nnx.State | None]:
 
 
 def with_adapters(model: Decoder, lora: LoraConfig, factors: nnx.State) -> Decoder:
-    """`model`'s base weights (not copied) under adapters `factors` of config `lora`."""
+    """`model`'s base weights (not copied) under adapters `factors` of config `lora`; a module
+    to save that `factors` lacks starts from the base's weight."""
     cfg = dataclasses.replace(model.config, lora=lora)
-    _, _, base = split_adapters(model)
-    return nnx.merge(nnx.graphdef(_abstract(cfg)), base, factors)
+    _, own, base = split_adapters(model)
+    base, factors = dict(nnx.to_flat_state(base)), dict(nnx.to_flat_state(factors))
+    for name in lora.modules_to_save:
+        path = (WEIGHT_OF[name],)
+        w = base.pop(path) if path in base else dict(nnx.to_flat_state(own))[path]
+        if path not in factors:
+            factors[path] = SavedParam(w[...], **w.get_metadata())
+    return nnx.merge(nnx.graphdef(_abstract(cfg)), nnx.from_flat_state(base),
+                     nnx.from_flat_state(factors))
 
 
 def base_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
@@ -151,6 +162,10 @@ def save_adapter(model: Decoder, path: str | Path, base_model: str | None = None
     lora = model.config.lora
     if not lora.rank:
         raise CheckpointError(f"{path}: the model has no adapters (model.lora.rank is 0)")
+    if lora.modules_to_save:
+        raise CheckpointError(f"{path}: model.lora.modules_to_save {list(lora.modules_to_save)} "
+                              "cannot be written as a PEFT directory yet; export --merge "
+                              "writes the whole trained model")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _, factors, _ = split_adapters(model)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxagent.errors import ConfigError
 from jaxagent.models import from_pretrained, init_model
-from jaxagent.models.adapters import (load_adapter, merged, read_adapter_config, save_adapter,
+from jaxagent.models.adapters import (init_adapters, load_adapter, merged, read_adapter_config, save_adapter,
                                       split_adapters, with_adapters, without_adapters)
 from jaxagent.models.config import LoraConfig, ModelConfig
 from jaxagent.models.hf import CheckpointError
@@ -57,6 +57,35 @@ def test_fresh_adapters_start_at_the_base_and_merge_exactly():
     np.testing.assert_allclose(merged(model)(ids()), adapted, atol=2e-5)
 
 
+@pytest.mark.parametrize("tied, saved", [(True, ("embed_tokens",)),
+                                         (False, ("embed_tokens", "lm_head"))])
+def test_modules_to_save_train_whole_and_merge(tied, saved):
+    """A saved module trains beside the factors (not in the frozen base), starts at the base's
+    weight, and replaces it on merge and in the forward pass."""
+    base = init_model(dataclasses.replace(TINY, tie_embeddings=tied), seed=4)
+    lora = LoraConfig(rank=3, targets=("q_proj",), modules_to_save=saved)
+    cfg = dataclasses.replace(base.config, lora=lora)
+    model = with_adapters(base, lora, init_adapters(cfg, seed=5))
+    _, factors, frozen = split_adapters(model)
+    paths = {p[0] for p, _ in nnx.to_flat_state(factors) if len(p) == 1}
+    assert paths == {{"embed_tokens": "embed", "lm_head": "lm_head"}[n] for n in saved}
+    assert not {p for p, _ in nnx.to_flat_state(frozen) if p[0] in paths}
+    np.testing.assert_allclose(model(ids()), base(ids()), atol=1e-6)
+    key = jax.random.key(6)
+    for path in paths:  # train the saved weights: the model, its merge and a plain decoder agree
+        w = getattr(model, path)
+        w.set_value(w[...] + 0.3 * jax.random.normal(key, w.shape))
+    plain = nnx.clone(base)
+    for path in paths:
+        getattr(plain, path).set_value(getattr(model, path)[...])
+    expected = plain(ids())
+    assert np.abs(expected - base(ids())).max() > 1e-2
+    np.testing.assert_allclose(model(ids()), expected, atol=1e-6)
+    np.testing.assert_allclose(merged(model)(ids()), expected, atol=1e-6)
+    with pytest.raises(CheckpointError, match="modules_to_save"):
+        save_adapter(model, "unused")
+
+
 def test_only_targeted_weights_have_adapters():
     cfg = dataclasses.replace(TINY, lora=LoraConfig(rank=4, targets=("q_proj", "v_proj")))
     _, factors, _ = split_adapters(init_model(cfg))
@@ -71,6 +100,11 @@ def test_only_targeted_weights_have_adapters():
     (LoraConfig(rank=4, dropout=1.0), False, r"model.lora.dropout: must be in \[0, 1\)"),
     (LoraConfig(rank=4, targets=("q_proj", "wq")), False, r"model.lora.targets: \['wq'\]"),
     (LoraConfig(rank=4, targets=("lm_head",)), True, "lm_head needs model.tie_embeddings"),
+    (LoraConfig(rank=4, modules_to_save=("lm_head",)), True, "model.lora.modules_to_save"),
+    (LoraConfig(rank=4, modules_to_save=("q_proj",)), False, "model.lora.modules_to_save"),
+    (LoraConfig(rank=4, targets=("embed_tokens",), modules_to_save=("embed_tokens",)), False,
+     "model.lora.modules_to_save: \\['embed_tokens'\\] also adapted"),
+    (LoraConfig(modules_to_save=("embed_tokens",)), False, "needs model.lora.rank > 0"),
 ])
 def test_bad_config_names_the_field(lora, tied, message):
     with pytest.raises(ConfigError, match=message):
