@@ -59,7 +59,7 @@ def test_fresh_adapters_start_at_the_base_and_merge_exactly():
 
 @pytest.mark.parametrize("tied, saved", [(True, ("embed_tokens",)),
                                          (False, ("embed_tokens", "lm_head"))])
-def test_modules_to_save_train_whole_and_merge(tied, saved):
+def test_modules_to_save_train_whole_and_merge(tied, saved, tmp_path):
     """A saved module trains beside the factors (not in the frozen base), starts at the base's
     weight, and replaces it on merge and in the forward pass."""
     base = init_model(dataclasses.replace(TINY, tie_embeddings=tied), seed=4)
@@ -82,8 +82,14 @@ def test_modules_to_save_train_whole_and_merge(tied, saved):
     assert np.abs(expected - base(ids())).max() > 1e-2
     np.testing.assert_allclose(model(ids()), expected, atol=1e-6)
     np.testing.assert_allclose(merged(model)(ids()), expected, atol=1e-6)
-    with pytest.raises(CheckpointError, match="modules_to_save"):
-        save_adapter(model, "unused")
+    save_adapter(model, tmp_path)
+    np.testing.assert_allclose(load_adapter(base, tmp_path)(ids()), expected, atol=1e-6)
+    if tied:  # peft without weight tying trains the table's copy under the base's head
+        config = json.loads((tmp_path / "adapter_config.json").read_text())
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config,
+                                                                  "ensure_weight_tying": False}))
+        with pytest.raises(CheckpointError, match="needs ensure_weight_tying: true"):
+            load_adapter(base, tmp_path)
 
 
 def test_only_targeted_weights_have_adapters():
@@ -201,6 +207,11 @@ FAMILIES = {
               dict(targets=("q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"),
                    dropout=0.05)),
     "qwen3": ("Qwen3", dict(tie_word_embeddings=False), dict(targets=("*_proj",), rslora=True)),
+    # the embedding (a tied model's head with it) and an untied head trained whole
+    "qwen2_saved": ("Qwen2", dict(tie_word_embeddings=True),
+                    dict(targets=("q_proj",), modules_to_save=("embed_tokens",))),
+    "qwen3_saved": ("Qwen3", dict(tie_word_embeddings=False),
+                    dict(targets=("v_proj",), modules_to_save=("embed_tokens", "lm_head"))),
     # attention only with a dense layer: peft maps gate/up/down_proj onto the experts alone
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=11,
                                    mlp_only_layers=[0], experts_implementation="eager"),
@@ -258,7 +269,13 @@ def test_we_read_what_peft_writes(family):
     targets = sorted(names.get(t, t) for t in lora_targets(lora))
     theirs = peft.get_peft_model(hf, peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, use_rslora=lora.rslora, target_modules=targets,
-        lora_dropout=lora.dropout, init_lora_weights=False))  # random nonzero B
+        lora_dropout=lora.dropout, init_lora_weights=False,  # random nonzero B
+        modules_to_save=list(lora.modules_to_save) or None,
+        ensure_weight_tying=bool(lora.modules_to_save) and hf.config.tie_word_embeddings))
+    with torch.no_grad():  # trained saved modules: their copies leave the base's
+        for name, w in theirs.named_parameters():
+            if "modules_to_save" in name:
+                w.add_(0.3 * torch.randn_like(w))
     theirs.eval().save_pretrained(tmp / "adapter")
     ours = load_adapter(from_pretrained(tmp / "base", dtype="float32"), tmp / "adapter")
     read = read_adapter_config(tmp / "adapter")[0]
