@@ -32,8 +32,10 @@ from jaxagent.models.hf import CheckpointError, read_json, save_pretrained
 from jaxagent.models.llama import Decoder
 from jaxagent.models.lora import (
     EXPERT_WEIGHTS,
+    WEIGHT_OF,
     ExpertLoraParam,
     LoraParam,
+    SavedParam,
     lora_targets,
     merge,
 )
@@ -48,8 +50,9 @@ def _abstract(cfg: ModelConfig) -> Decoder:
 
 def init_adapters(cfg: ModelConfig, seed: int) -> nnx.State:
     """Fresh adapter factors for a decoder of `cfg` (one program: the base weights it would
-    draw are dead code, never computed)."""
-    init = nnx.jit(lambda key: nnx.state(Decoder(cfg, rngs=nnx.Rngs(params=key)), LoraParam))
+    draw are dead code, never computed); `with_adapters` adds the modules to save."""
+    fresh = nnx.All(LoraParam, nnx.Not(SavedParam))
+    init = nnx.jit(lambda key: nnx.state(Decoder(cfg, rngs=nnx.Rngs(params=key)), fresh))
     return init(jax.random.key(seed))
 
 
@@ -66,10 +69,18 @@ def split_trainable(weights: nnx.State) -> tuple[nnx.State, nnx.State | None]:
 
 
 def with_adapters(model: Decoder, lora: LoraConfig, factors: nnx.State) -> Decoder:
-    """`model`'s base weights (not copied) under adapters `factors` of config `lora`."""
+    """`model`'s base weights (not copied) under adapters `factors` of config `lora`; a module
+    to save that `factors` lacks starts from the base's weight."""
     cfg = dataclasses.replace(model.config, lora=lora)
-    _, _, base = split_adapters(model)
-    return nnx.merge(nnx.graphdef(_abstract(cfg)), base, factors)
+    _, own, base = split_adapters(model)
+    base, factors = dict(nnx.to_flat_state(base)), dict(nnx.to_flat_state(factors))
+    for name in lora.modules_to_save:
+        path = (WEIGHT_OF[name],)
+        w = base.pop(path) if path in base else dict(nnx.to_flat_state(own))[path]
+        if path not in factors:
+            factors[path] = SavedParam(w[...], **w.get_metadata())
+    return nnx.merge(nnx.graphdef(_abstract(cfg)), nnx.from_flat_state(base),
+                     nnx.from_flat_state(factors))
 
 
 def base_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
@@ -124,6 +135,11 @@ def _hf_key(path: tuple, var: nnx.Variable, lora: LoraConfig) -> str:
     return f"{_PREFIX}{_hf_module(path)}.lora_{factor}.weight"
 
 
+def _saved_key(name: str) -> str:
+    """peft's key of a module saved whole (HF layout: the table and the head both [V, D])."""
+    return f"{_PREFIX}{_hf_module(('lora', name, 'a'))}.weight"
+
+
 def _to_peft(path: tuple, x: np.ndarray, expert: bool) -> np.ndarray:
     """Our factor -> peft's: A [in..., r] -> [r, in], B [r, out...] -> [out, r]; an expert's
     A [E, in, r'] -> [E r', in], B [E, r', P, out] -> [P out, r' E]."""
@@ -156,10 +172,18 @@ def save_adapter(model: Decoder, path: str | Path, base_model: str | None = None
     _, factors, _ = split_adapters(model)
     tensors, modules, parameters = {}, set(), set()
     for p, var in nnx.to_flat_state(factors):
+        if isinstance(var, SavedParam):
+            continue
         expert = isinstance(var, ExpertLoraParam)
         x = np.asarray(jax.device_get(var[...]), np.float32)
         tensors[_hf_key(p, var, lora)] = np.ascontiguousarray(_to_peft(p, x, expert))
         (parameters if expert else modules).add(p[-2])
+    tied = model.config.tie_embeddings
+    for name in lora.modules_to_save:
+        w = np.asarray(jax.device_get(getattr(model, WEIGHT_OF[name])[...]), np.float32)
+        tensors[_saved_key(name)] = np.ascontiguousarray(w.T if name == "lm_head" else w)
+    if tied and lora.modules_to_save:  # peft ties the head's copy to the table's, and saves both
+        tensors[_saved_key("lm_head")] = tensors[_saved_key("embed_tokens")]
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     fused = "gate_up_proj" in parameters
     (path / CONFIG_FILE).write_text(json.dumps({
@@ -169,7 +193,8 @@ def save_adapter(model: Decoder, path: str | Path, base_model: str | None = None
         "rank_pattern": {_FUSED: 2 * lora.rank} if fused else {},
         "alpha_pattern": {_FUSED: 2 * lora.alpha} if fused else {},
         "lora_dropout": lora.dropout, "bias": "none",
-        "fan_in_fan_out": False, "modules_to_save": None, "inference_mode": True,
+        "fan_in_fan_out": False, "modules_to_save": list(lora.modules_to_save) or None,
+        "ensure_weight_tying": tied and bool(lora.modules_to_save), "inference_mode": True,
     }, indent=2))
     return path
 
@@ -185,7 +210,7 @@ def save_policy(model: Decoder, path: str | Path, base_model: str | None = None)
 
 
 # adapter_config.json settings we do not implement, with the value that means "off"
-_UNSUPPORTED = {"bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+_UNSUPPORTED = {"bias": "none", "use_dora": False, "fan_in_fan_out": False,
                 "layers_to_transform": None}
 
 
@@ -217,10 +242,16 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, str | None]:
                *(("down_proj",) if "down_proj" in parameters else ())}
     if not targets:
         raise CheckpointError(f"{file}: no target_modules or target_parameters")
+    # peft lists a saved module by its name and its path ("embed_tokens", "model.embed_tokens")
+    saved = {m.rpartition(".")[2] for m in hf.get("modules_to_save") or []}
+    if saved - {"embed_tokens", "lm_head"}:
+        raise CheckpointError(f"{file}: modules_to_save {hf['modules_to_save']!r} is not "
+                              "supported (embed_tokens, lm_head)")
     try:
         lora = LoraConfig(rank=int(hf["r"]), alpha=float(hf["lora_alpha"]),
                           rslora=bool(hf.get("use_rslora", False)), targets=tuple(sorted(targets)),
-                          dropout=float(hf.get("lora_dropout", 0.0)))
+                          dropout=float(hf.get("lora_dropout", 0.0)),
+                          modules_to_save=tuple(sorted(saved)))
     except KeyError as e:
         raise CheckpointError(f"{file}: missing field {e.args[0]!r}") from None
     # the only rank and alpha patterns: those peft gives the experts' fused gate-up adapter
@@ -237,6 +268,12 @@ def load_adapter(model: Decoder, path: str | Path) -> Decoder:
     path = Path(path)
     lora, _ = read_adapter_config(path)
     file = path / WEIGHTS_FILE
+    tied = model.config.tie_embeddings and "embed_tokens" in lora.modules_to_save
+    if tied and not read_json(path / CONFIG_FILE, "a PEFT adapter directory").get(
+            "ensure_weight_tying"):
+        # peft then trains the table's copy under the base's head: a model we cannot express
+        raise CheckpointError(f"{path / CONFIG_FILE}: modules_to_save embed_tokens on a tied "
+                              "model needs ensure_weight_tying: true")
     if not file.exists():
         raise CheckpointError(f"{file}: not found")
     # peft also saves the embedding and head layers whole when it adapts them (in case their
@@ -246,7 +283,20 @@ def load_adapter(model: Decoder, path: str | Path) -> Decoder:
     cfg = dataclasses.replace(model.config, lora=lora)
     _, factors, _ = split_adapters(_abstract(cfg))
     flat = dict(nnx.to_flat_state(factors))
+    if tied:  # the head's copy is the table's
+        tensors.pop(_saved_key("lm_head"), None)
     for p, var in flat.items():
+        if isinstance(var, SavedParam):
+            name = next(n for n in lora.modules_to_save if WEIGHT_OF[n] == p[0])
+            if _saved_key(name) not in tensors:
+                raise CheckpointError(f"{file}: missing tensor {_saved_key(name)!r}")
+            x = tensors.pop(_saved_key(name))
+            expected = var.shape[::-1] if name == "lm_head" else var.shape  # our head: [D, V]
+            if x.shape != expected:
+                raise CheckpointError(f"{file}: tensor {_saved_key(name)!r} has shape "
+                                      f"{x.shape}, expected {expected}")
+            var.set_value(jnp.asarray(x.T if name == "lm_head" else x, var.dtype))
+            continue
         key, expert = _hf_key(p, var, lora), isinstance(var, ExpertLoraParam)
         if key not in tensors:
             raise CheckpointError(f"{file}: missing tensor {key!r}")

@@ -77,6 +77,9 @@ class LoraConfig:
     # How the sampler runs the adapters: merged into its copy of the weights at each publish
     # (decode at base speed), or unmerged beside them (x A B per projection per step).
     sampler: Literal["merged", "unmerged"] = "merged"
+    # Modules trained whole beside the adapters (peft `modules_to_save`): embed_tokens (a tied
+    # model's head too), and lm_head when the embedding is untied.
+    modules_to_save: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

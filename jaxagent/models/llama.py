@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxagent.models.config import ModelConfig
-from jaxagent.models.lora import adapted, check_lora, make_adapters
+from jaxagent.models.lora import SavedParam, adapted, check_lora, make_adapters
 from jaxagent.models.moe import MoE, any_sparse, is_moe_layer, load_balancing_loss
 from jaxagent.models.params import constrain
 from jaxagent.models.params import param as _param
@@ -364,11 +364,12 @@ class Decoder(nnx.Module):
         v, d, pd = cfg.vocab_size, cfg.hidden_size, cfg.param_dtype
         check_lora(cfg.lora, cfg.tie_embeddings, any_sparse(cfg))
         self.config = cfg
-        self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd)
+        kind = lambda name: SavedParam if name in cfg.lora.modules_to_save else nnx.Param
+        self.embed = _param(rngs, (v, d), ("vocab", "embed"), pd, kind=kind("embed_tokens"))
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, "embed", param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd)
+            self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd, kind=kind("lm_head"))
         vocab, embed = ((v, "vocab"),), ((d, "embed"),)
         self.lora = make_adapters(cfg, {"embed_tokens": (vocab, embed),
                                         "lm_head": (embed, vocab)}, rngs=rngs)

@@ -38,6 +38,11 @@ class LoraParam(nnx.Param):
     """A factor (A or B) of a low-rank adapter."""
 
 
+class SavedParam(LoraParam):
+    """A base weight trained whole beside the adapters (a `model.lora.modules_to_save`
+    module's): it trains, syncs and is checkpointed with them."""
+
+
 class ExpertLoraParam(LoraParam):
     """A factor of a MoE layer's per-expert adapters (leading expert axis)."""
 
@@ -71,6 +76,9 @@ def check_lora(lora: LoraConfig, tied: bool = False, moe: bool = False) -> None:
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank: must be >= 0 (0: no adapters), got {lora.rank}")
     if not lora.rank:
+        if lora.modules_to_save:
+            raise ConfigError("model.lora.modules_to_save: needs model.lora.rank > 0 (without "
+                              "adapters every weight trains)")
         return
     if lora.alpha <= 0:
         raise ConfigError(f"model.lora.alpha: must be > 0, got {lora.alpha}")
@@ -90,6 +98,13 @@ def check_lora(lora: LoraConfig, tied: bool = False, moe: bool = False) -> None:
         raise ConfigError(f"model.lora.dropout: {lora.dropout} with MoE expert adapters "
                           f"({sorted(mlp)}): the experts' adapters take no dropout (neither do "
                           "peft's); set 0, or target the attention only")
+    saved = set(lora.modules_to_save)
+    if saved - {"embed_tokens", "lm_head"} or ("lm_head" in saved and tied):
+        raise ConfigError(f"model.lora.modules_to_save: {sorted(saved)} is not supported "
+                          "(embed_tokens, and lm_head when model.tie_embeddings is false)")
+    if saved & lora_targets(lora):
+        raise ConfigError(f"model.lora.modules_to_save: {sorted(saved & lora_targets(lora))} "
+                          "also adapted by model.lora.targets; a module trains one way")
     if "lm_head" in lora_targets(lora) and tied:
         raise ConfigError("model.lora.targets: lm_head needs model.tie_embeddings: false (a tied "
                           "model's head is the embedding table; target embed_tokens)")
@@ -206,6 +221,9 @@ def merge(base: nnx.State, factors: nnx.State, cfg: LoraConfig) -> nnx.State:
     an expert adapter's W_p by W_p + s A_e B_e[:, p] for each expert e)."""
     weights = dict(nnx.to_flat_state(base))
     factor = dict(nnx.to_flat_state(factors))
+    for path, var in factor.items():
+        if isinstance(var, SavedParam):  # trained whole: it replaces the base's
+            weights[path] = nnx.Param(var[...], **var.get_metadata())
     for path in [p for p in factor if p[-1] == "a"]:
         *owner, _, name, _ = path  # (..., "lora", name, "a")
         a = factor[path][...].astype(jnp.float32)

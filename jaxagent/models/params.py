@@ -22,14 +22,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 INIT_STD = 0.02
 
 
-def param(rngs: nnx.Rngs, shape, axes, dtype, init="normal") -> nnx.Param:
+def param(rngs: nnx.Rngs, shape, axes, dtype, init="normal", kind=nnx.Param) -> nnx.Param:
     if init == "ones":
         value = jnp.ones(shape, dtype)
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     else:
         value = (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, logical_axes=axes)
+    return kind(value, logical_axes=axes)
 
 
 def rule_table(rules) -> dict[str, tuple[str, ...]]:

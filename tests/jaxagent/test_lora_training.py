@@ -24,6 +24,9 @@ from sharding.layout import Layout
 LORA = LoraConfig(rank=3, alpha=6.0, targets=("*_proj", "embed_tokens"))
 CFG = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=37, num_layers=2,
                   num_heads=3, num_kv_heads=1, head_dim=8, tie_embeddings=False, lora=LORA)
+# the embedding and head trained whole beside the adapters
+SAVED = LoraConfig(rank=3, alpha=6.0, targets=("*_proj",), modules_to_save=("embed_tokens",
+                                                                           "lm_head"))
 
 
 def rollouts(n=6, seed=0):
@@ -45,13 +48,16 @@ def copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def test_only_the_adapters_train():
-    graphdef, params, frozen, tx = setup()
+@pytest.mark.parametrize("lora", [LORA, SAVED])
+def test_only_the_adapters_train(lora):
+    graphdef, params, frozen, tx = setup(dataclasses.replace(CFG, lora=lora))
     base = copy(frozen)
     opt_state = tx.init(params)
     sizes = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
     assert sizes(opt_state) == 2 * sizes(params) + 2  # Adam: moments of the adapters, 2 counts
-    assert sizes(params) < sizes(frozen) / 4
+    saved = {p: x.size for p, x in nnx.to_flat_state(params) if p[-1] not in ("a", "b")}
+    assert set(saved) == ({("embed",), ("lm_head",)} if lora.modules_to_save else set())
+    assert sizes(params) - sum(saved.values()) < sizes(frozen) / 4
     before = copy(params)
     for _ in range(2):
         params, opt_state, metrics = sft_step(graphdef, tx, params, opt_state, rollouts(), 0, 0,
@@ -118,9 +124,10 @@ def test_dropout_in_the_loss_pass_only():
     assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(*map(jax.tree.leaves, (micro, k1))))
 
 
+@pytest.mark.parametrize("lora", [LORA, SAVED])
 @pytest.mark.parametrize("mode", ["merged", "unmerged"])
-def test_sampler_weights_give_the_trainers_logits(mode):
-    cfg = dataclasses.replace(CFG, lora=dataclasses.replace(LORA, sampler=mode))
+def test_sampler_weights_give_the_trainers_logits(mode, lora):
+    cfg = dataclasses.replace(CFG, lora=dataclasses.replace(lora, sampler=mode))
     graphdef, params, frozen, _ = setup(cfg)
     params = jax.tree.map(lambda x: x + 0.1, params)  # nonzero B
     layout = Layout(MeshConfig())

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxagent.errors import ConfigError
 from jaxagent.models import from_pretrained, init_model
-from jaxagent.models.adapters import (load_adapter, merged, read_adapter_config, save_adapter,
+from jaxagent.models.adapters import (init_adapters, load_adapter, merged, read_adapter_config, save_adapter,
                                       split_adapters, with_adapters, without_adapters)
 from jaxagent.models.config import LoraConfig, ModelConfig
 from jaxagent.models.hf import CheckpointError
@@ -57,6 +57,41 @@ def test_fresh_adapters_start_at_the_base_and_merge_exactly():
     np.testing.assert_allclose(merged(model)(ids()), adapted, atol=2e-5)
 
 
+@pytest.mark.parametrize("tied, saved", [(True, ("embed_tokens",)),
+                                         (False, ("embed_tokens", "lm_head"))])
+def test_modules_to_save_train_whole_and_merge(tied, saved, tmp_path):
+    """A saved module trains beside the factors (not in the frozen base), starts at the base's
+    weight, and replaces it on merge and in the forward pass."""
+    base = init_model(dataclasses.replace(TINY, tie_embeddings=tied), seed=4)
+    lora = LoraConfig(rank=3, targets=("q_proj",), modules_to_save=saved)
+    cfg = dataclasses.replace(base.config, lora=lora)
+    model = with_adapters(base, lora, init_adapters(cfg, seed=5))
+    _, factors, frozen = split_adapters(model)
+    paths = {p[0] for p, _ in nnx.to_flat_state(factors) if len(p) == 1}
+    assert paths == {{"embed_tokens": "embed", "lm_head": "lm_head"}[n] for n in saved}
+    assert not {p for p, _ in nnx.to_flat_state(frozen) if p[0] in paths}
+    np.testing.assert_allclose(model(ids()), base(ids()), atol=1e-6)
+    key = jax.random.key(6)
+    for path in paths:  # train the saved weights: the model, its merge and a plain decoder agree
+        w = getattr(model, path)
+        w.set_value(w[...] + 0.3 * jax.random.normal(key, w.shape))
+    plain = nnx.clone(base)
+    for path in paths:
+        getattr(plain, path).set_value(getattr(model, path)[...])
+    expected = plain(ids())
+    assert np.abs(expected - base(ids())).max() > 1e-2
+    np.testing.assert_allclose(model(ids()), expected, atol=1e-6)
+    np.testing.assert_allclose(merged(model)(ids()), expected, atol=1e-6)
+    save_adapter(model, tmp_path)
+    np.testing.assert_allclose(load_adapter(base, tmp_path)(ids()), expected, atol=1e-6)
+    if tied:  # peft without weight tying trains the table's copy under the base's head
+        config = json.loads((tmp_path / "adapter_config.json").read_text())
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config,
+                                                                  "ensure_weight_tying": False}))
+        with pytest.raises(CheckpointError, match="needs ensure_weight_tying: true"):
+            load_adapter(base, tmp_path)
+
+
 def test_only_targeted_weights_have_adapters():
     cfg = dataclasses.replace(TINY, lora=LoraConfig(rank=4, targets=("q_proj", "v_proj")))
     _, factors, _ = split_adapters(init_model(cfg))
@@ -71,6 +106,11 @@ def test_only_targeted_weights_have_adapters():
     (LoraConfig(rank=4, dropout=1.0), False, r"model.lora.dropout: must be in \[0, 1\)"),
     (LoraConfig(rank=4, targets=("q_proj", "wq")), False, r"model.lora.targets: \['wq'\]"),
     (LoraConfig(rank=4, targets=("lm_head",)), True, "lm_head needs model.tie_embeddings"),
+    (LoraConfig(rank=4, modules_to_save=("lm_head",)), True, "model.lora.modules_to_save"),
+    (LoraConfig(rank=4, modules_to_save=("q_proj",)), False, "model.lora.modules_to_save"),
+    (LoraConfig(rank=4, targets=("embed_tokens",), modules_to_save=("embed_tokens",)), False,
+     "model.lora.modules_to_save: \\['embed_tokens'\\] also adapted"),
+    (LoraConfig(modules_to_save=("embed_tokens",)), False, "needs model.lora.rank > 0"),
 ])
 def test_bad_config_names_the_field(lora, tied, message):
     with pytest.raises(ConfigError, match=message):
@@ -167,6 +207,11 @@ FAMILIES = {
               dict(targets=("q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"),
                    dropout=0.05)),
     "qwen3": ("Qwen3", dict(tie_word_embeddings=False), dict(targets=("*_proj",), rslora=True)),
+    # the embedding (a tied model's head with it) and an untied head trained whole
+    "qwen2_saved": ("Qwen2", dict(tie_word_embeddings=True),
+                    dict(targets=("q_proj",), modules_to_save=("embed_tokens",))),
+    "qwen3_saved": ("Qwen3", dict(tie_word_embeddings=False),
+                    dict(targets=("v_proj",), modules_to_save=("embed_tokens", "lm_head"))),
     # attention only with a dense layer: peft maps gate/up/down_proj onto the experts alone
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=11,
                                    mlp_only_layers=[0], experts_implementation="eager"),
@@ -224,7 +269,13 @@ def test_we_read_what_peft_writes(family):
     targets = sorted(names.get(t, t) for t in lora_targets(lora))
     theirs = peft.get_peft_model(hf, peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, use_rslora=lora.rslora, target_modules=targets,
-        lora_dropout=lora.dropout, init_lora_weights=False))  # random nonzero B
+        lora_dropout=lora.dropout, init_lora_weights=False,  # random nonzero B
+        modules_to_save=list(lora.modules_to_save) or None,
+        ensure_weight_tying=bool(lora.modules_to_save) and hf.config.tie_word_embeddings))
+    with torch.no_grad():  # trained saved modules: their copies leave the base's
+        for name, w in theirs.named_parameters():
+            if "modules_to_save" in name:
+                w.add_(0.3 * torch.randn_like(w))
     theirs.eval().save_pretrained(tmp / "adapter")
     ours = load_adapter(from_pretrained(tmp / "base", dtype="float32"), tmp / "adapter")
     read = read_adapter_config(tmp / "adapter")[0]
