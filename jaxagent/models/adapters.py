@@ -93,8 +93,15 @@ def _plain(model: Decoder, weights: nnx.State) -> Decoder:
 
 
 def without_adapters(model: Decoder) -> Decoder:
-    """`model`'s base: the same weights (not copied), no adapters."""
-    return _plain(model, split_adapters(model)[2])
+    """`model`'s base: the same weights (not copied), no adapters. A module trained whole
+    (`modules_to_save`) keeps its trained weight, as no copy of the base's is kept: a PEFT
+    directory over this base gives the same model (its saved copy replaces the base's)."""
+    _, factors, base = split_adapters(model)
+    base = dict(nnx.to_flat_state(base))
+    for path, var in nnx.to_flat_state(factors):
+        if isinstance(var, SavedParam):
+            base[path] = nnx.Param(var[...], **var.get_metadata())
+    return _plain(model, nnx.from_flat_state(base))
 
 
 def merged(model: Decoder) -> Decoder:

@@ -146,20 +146,27 @@ SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=
          "tasks.num_train=50", "tasks.num_eval=3", "rewards.workers=1", "model.lora.rank=4"]
 
 
-def test_sft_writes_peft_files_and_export_merges_them(tmp_path):
+@pytest.mark.parametrize("saved", [(), ("model.lora.modules_to_save=[embed_tokens]",)],
+                         ids=["adapters", "saved_embedding"])
+def test_sft_writes_peft_files_and_export_merges_them(tmp_path, saved):
     from jaxagent.cli import main
 
-    assert main(["sft", *SMALL, "sft.steps=2", f"workdir={tmp_path}"]) == 0
+    small = [*SMALL, *saved]
+    assert main(["sft", *small, "sft.steps=2", f"workdir={tmp_path}"]) == 0
     sft = tmp_path / "sft"  # a PEFT directory over the random base, written beside
     assert read_adapter_config(sft)[1] == str((sft / "base").absolute())
     assert main(["export", "--checkpoint", str(sft), "--out", str(tmp_path / "merged"),
-                 "--merge", *SMALL]) == 0
-    adapted, _ = load_model_and_tokenizer(load_config(None, SMALL), str(sft))
+                 "--merge", *small]) == 0
+    adapted, _ = load_model_and_tokenizer(load_config(None, small), str(sft))
+    assert adapted.config.lora.modules_to_save == (("embed_tokens",) if saved else ())
     full = from_pretrained(tmp_path / "merged", dtype="float32")
     assert not full.config.lora.rank
     tokens = rollouts().tokens
     np.testing.assert_allclose(full(tokens), adapted(tokens), atol=2e-5)
     assert np.abs(adapted(tokens) - without_adapters(adapted)(tokens)).max() > 1e-4  # trained
+    untrained, _ = load_model_and_tokenizer(load_config(None, small))  # the seed's random init
+    moved = np.abs(full.embed[...] - untrained.embed[...]).max()
+    assert (moved > 1e-4) == bool(saved)  # the merged table is the trained one, when trained
 
 
 def sharded_step(cfg, mesh):

@@ -41,7 +41,10 @@ def losses(workdir):
 @pytest.mark.parametrize("lora", [(), pytest.param(
     ("model.lora.rank=4", "model.lora.targets=[q_proj, v_proj, down_proj]",
      "model.lora.dropout=0.1"),  # its masks follow the step: the resumed run draws the same
-    marks=pytest.mark.slow)], ids=["full", "lora"])
+    marks=pytest.mark.slow), pytest.param(
+    ("model.lora.rank=4", "model.lora.targets=[q_proj, v_proj]",
+     "model.lora.modules_to_save=[embed_tokens]"),  # the tied table trained whole beside
+    marks=pytest.mark.slow)], ids=["full", "lora", "lora_saved"])
 def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     # KL against the post-SFT weights (the resumed run must have them too); the entropy bonus
@@ -70,12 +73,16 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     assert (run / "curves.png").exists() and (run / "config.yaml").exists()
     evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval/pass@1" in r]
     assert [r["step"] for r in evals] == [0, 4]
-    if lora:  # the checkpoint holds the adapters (params, reference, Adam's moments) alone
+    if lora:  # the checkpoint holds the adapters (params, reference, Adam's moments) alone,
+        # and the modules trained whole beside them
         saved = ocp.StandardCheckpointer().metadata(run / "checkpoints" / "4" / "state")
         paths = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(saved.item_metadata.tree)[0]]
         weights = [p for p in paths if "'count'" not in p]
-        assert weights and all("['lora']" in p for p in weights)
+        whole = {p for p in weights if "['lora']" not in p}
+        assert weights and whole == ({f"{tree}['embed']['value']" for tree in (
+            "['params']", "['ref_params']", "['opt_state'][1][0]['mu']",
+            "['opt_state'][1][0]['nu']")} if "modules_to_save" in lora[-1] else set())
 
 
 @pytest.mark.parametrize("overrides, message", [
