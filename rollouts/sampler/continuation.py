@@ -22,6 +22,14 @@ def _fresh_cache(config, batch: int, size: int) -> KVCache:
     return jax.tree.map(jnp.copy, KVCache.empty(config, batch, size))
 
 
+def context_cache_slots(sampler: Sampler, max_new_tokens: int) -> int:
+    """Cache slots for one turn after a rebuild of histories as long as the model's context:
+    the whole context left-padded to a prompt bucket, then an action, in whole cache buckets.
+    (A longer history rebuilds every turn: slower, still right.)"""
+    context = _round_up(sampler.config.max_position_embeddings, sampler.prompt_bucket)
+    return _round_up(context + max_new_tokens, sampler.cache_bucket)
+
+
 class Continuation:
     """Many multi-turn episodes on one persistent KV cache, one batch row (slot) each.
 
@@ -37,12 +45,14 @@ class Continuation:
     index, so each turn's chunks are left-padded (segment 0) like prompts; slots a row did not
     use (padding, decode steps after it stopped, a finished episode) are marked empty. The cache
     grows by `cache_bucket`; past `max_cache_slots` it is rebuilt by re-prefilling the live
-    histories (the only whole-history prefill).
+    histories (the only whole-history prefill). The default bound (`context_cache_slots`) is
+    the smallest a rebuilt cache always fits: the padding the rows' shared index leaves
+    piles up with every turn, and each prefill chunk holds its scores over the whole cache.
     """
 
     def __init__(self, sampler: Sampler, slots: int, *, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 stop_token_ids=(), seed: int = 0, max_cache_slots: int = 1 << 15,
+                 stop_token_ids=(), seed: int = 0, max_cache_slots: int | None = None,
                  row_offset: int = 0):
         if slots < 1:
             raise ValueError(f"slots: must be >= 1, got {slots}")
@@ -52,7 +62,8 @@ class Continuation:
         self.sampler, self.slots = sampler, slots
         self.row_offset = row_offset  # slot i samples as row row_offset + i (ThreadedContinuation)
         self.batch = _round_up(slots, sampler.batch_bucket)
-        self.max_cache_slots = max_cache_slots
+        self.max_cache_slots = (context_cache_slots(sampler, max_new_tokens)
+                                if max_cache_slots is None else max_cache_slots)
         self.key = jax.random.key(seed)
         self.history: list[list[int] | None] = [None] * self.batch  # None: a free slot
         self.pending: list[list[int]] = [[] for _ in range(self.batch)]

@@ -377,6 +377,30 @@ def test_released_slots_are_refilled_and_rebuilds_keep_the_logits(model):
     assert cont.history[1] is not None and len(cont.history[1]) < len(cont.history[0])
 
 
+def test_the_default_cache_bound_is_the_models_context_and_rebuilds_keep_the_logits():
+    # The rows share one write index, so padding piles up turn after turn while every history
+    # stays short: the cache must be rebuilt at the context's bound, not grow without end.
+    short = _peaked(init_model(dataclasses.replace(CFG, max_position_embeddings=37), seed=3))
+    opts = {**CONT_OPTS, "cache_bucket": 16}
+    cont = Continuation(Sampler(short, **opts), slots=3, max_new_tokens=5, stop_token_ids=(STOP,))
+    assert cont.max_cache_slots == 64  # 37 left-padded to 48 (prompt buckets), + 5, in 16s
+    rng = np.random.default_rng(6)
+    for slot in range(3):
+        cont.start(slot, tokens(rng, int(rng.integers(2, 9))))
+    sizes = []
+    for _ in range(8):
+        before = {s: list(cont.history[s]) for s in range(3)}
+        check_turn(short, cont, before, cont.turn())
+        sizes.append(cont.cache.size)
+        for slot in range(3):
+            if len(cont.history[slot]) > 20:  # the episode ended: histories stay short
+                cont.release(slot)
+                cont.start(slot, tokens(rng, int(rng.integers(2, 9))))
+            else:
+                cont.append(slot, tokens(rng, int(rng.integers(1, 6))))
+    assert cont.stats["rebuilds"] >= 2 and max(sizes) <= 64
+
+
 def test_threaded_continuation_takes_the_one_thread_actions(model):
     # 5 slots over 2 threads (slots 0-1 and 2-4), sampled at temperature 1: a part's keys from
     # a local slot, or a turn counter that stops while its part idles, would change actions.
