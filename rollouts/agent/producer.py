@@ -63,7 +63,10 @@ class AgentRolloutProducer:
             if rng.random() >= self.scripted_prefix:
                 prefixes.append([])
                 continue
-            calls = scripted_calls(task, self.edit_tool)
+            try:
+                calls = scripted_calls(task, self.edit_tool)
+            except ValueError as e:  # e.g. a deletion task: no reference to script
+                raise ValueError(f"agent.scripted_prefix needs scripted tasks: {e}") from None
             before_edit = next(i for i, c in enumerate(calls) if c.name in EDIT_TOOLS)
             prefixes.append(calls[:rng.randint(1, before_edit)])
         return prefixes

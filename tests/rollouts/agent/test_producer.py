@@ -145,6 +145,9 @@ def test_scripted_prefixes_are_drawn_per_group_from_seed_and_index():
     assert lengths == {0, 1, 2, 3}  # none, and every k up to the last read of two-read tasks
     assert _curriculum_producer(None, [env], tasks, 0.0).start_prefixes(3, tasks) == [[]] * 40
     assert all(_curriculum_producer(None, [env], tasks, 1.0).start_prefixes(3, tasks))
+    unscripted = [dataclasses.replace(tasks[0], metadata={})]
+    with pytest.raises(ValueError, match="agent.scripted_prefix needs scripted tasks"):
+        _curriculum_producer(None, [env], unscripted, 1.0).start_prefixes(0, unscripted)
 
 
 @pytest.mark.slow  # ~20 s on the loaded 2-core VM: the sampler compiles for 1k-token prompts
