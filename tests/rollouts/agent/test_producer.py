@@ -150,7 +150,7 @@ def test_scripted_prefixes_are_drawn_per_group_from_seed_and_index():
         _curriculum_producer(None, [env], unscripted, 1.0).start_prefixes(0, unscripted)
 
 
-@pytest.mark.slow  # ~20 s on the loaded 2-core VM: the sampler compiles for 1k-token prompts
+@pytest.mark.slow  # 6-20 s on the 2-core VM: the sampler compiles for 1k-token prompts
 def test_prefixed_groups_sample_after_the_scripted_calls_and_train_only_the_sampled_tokens():
     model = init_model(CFG, seed=0)
     sampler = Sampler(model, prompt_bucket=512, cache_bucket=2048, batch_bucket=2, segment_steps=8)
