@@ -486,4 +486,6 @@ def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task
         prompts_per_step=t.prompts_per_step, group_size=cfg.rl.group_size,
         max_action_tokens=cfg.agent.max_action_tokens, temperature=t.temperature,
         top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p, seed=cfg.seed,
-        feedback_detectors=cfg.agent.feedback_detectors if cfg.agent.feedback_beta else ())
+        feedback_detectors=cfg.agent.feedback_detectors if cfg.agent.feedback_beta else (),
+        scripted_prefix=cfg.agent.scripted_prefix,
+        edit_tool=demo_edit_tool(cfg) if cfg.agent.scripted_prefix else "edit")

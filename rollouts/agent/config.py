@@ -47,12 +47,20 @@ class AgentConfig:
     # Flagged turns per step that get the KL (the batch's first ones): each costs a forward
     # pass over its context with and without the hint.
     feedback_max_examples: int = 4
+    # Reverse curriculum: the fraction of training groups whose episodes start after the first
+    # k calls of the task's scripted demonstration (k drawn per group from 1 to the calls before
+    # the script's first edit), so the sampled turns begin near the edit. The scripted calls
+    # sit in the prompt (no loss) and count against max_turns; evaluation never uses them.
+    scripted_prefix: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "tool_timeout_s", "episode_timeout_s",
                      "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AgentConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if not 0.0 <= self.scripted_prefix <= 1.0:
+            raise ValueError(f"AgentConfig.scripted_prefix is a fraction of groups in [0, 1], "
+                             f"got {self.scripted_prefix!r}")
         if self.task_names not in ("made_up", "fixed"):
             raise ValueError(f"AgentConfig.task_names must be 'made_up' or 'fixed', got {self.task_names!r}")
         if self.truncation not in ("mask", "penalty"):

@@ -128,6 +128,20 @@ def demonstrate(env: Environment, task: Task, calls: Sequence[ToolCall]) -> Traj
     return traj
 
 
+def scripted_start(env: Environment, task: Task, calls: Sequence[ToolCall],
+                   version: int) -> Trajectory:
+    """An episode of `task` that starts after `calls` (played as `demonstrate` plays them): its
+    prompt is the task's prompt, the calls and their observations, token for token what the
+    sampler would have seen, all outside the policy mask (no loss, no log-probs); the
+    environment has counted the calls as turns. `info["prefix_calls"]` says how many. Done
+    already if the calls ended the episode."""
+    demo = demonstrate(env, task, calls)
+    traj = Trajectory.start(task.id, demo.tokens, version)
+    traj.reward, traj.done = demo.reward, demo.done
+    traj.info = {**demo.info, "prefix_calls": len(calls)}
+    return traj
+
+
 def turn_weights(policy_mask: Sequence[bool]) -> list[float]:
     """Per-token loss weights that give every policy turn the same total weight 1: imitating
     a demonstration then counts its short calls (run_tests, finish) as much as its long edits,

@@ -50,7 +50,8 @@ def flagged_turns(traj: Trajectory, detectors: Sequence[str]) -> list[tuple[int,
     unknown = sorted(set(detectors) - set(HINTS))
     if unknown:
         raise ValueError(f"unknown feedback detector(s) {unknown}; choose from {sorted(HINTS)}")
-    flags = traj.info.get("turn_flags", [])
+    # an episode started after scripted calls (a reverse curriculum) holds them in its prompt
+    flags = traj.info.get("turn_flags", [])[traj.info.get("prefix_calls", 0):]
     spans = action_spans(traj.policy_mask)
     if len(flags) != len(spans):
         raise ValueError(f"trajectory {traj.task_id}: {len(spans)} turns but {len(flags)} turn flags")

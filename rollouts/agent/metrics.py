@@ -20,7 +20,9 @@ def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     test_edit_attempts, hack, reward_mean and pass_rate, solved_tested_first (the share of
     passed episodes that ran the tests before finishing; 0 with none passed), lookup_flags (tool calls that went
     looking for the deleted code, total and per kind: rollouts.agent.monitor), over the
-    episodes."""
+    episodes. Where some episodes started after scripted calls (`info["prefix_calls"]`; their
+    turns and tool calls count those calls): prefix_fraction, prefix_calls_mean (over those
+    episodes), and reward_mean and pass_rate split into `_from_start` and `_from_prefix`."""
     if not trajs:
         return {}
     n = len(trajs)
@@ -45,6 +47,16 @@ def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
                                       / len(solved) if solved else 0.0),
         "agent/lookup_flags": float(sum(lookups.values())),
     }
+    prefixed = [t for t in trajs if t.info.get("prefix_calls")]
+    if prefixed:
+        out["agent/prefix_fraction"] = len(prefixed) / n
+        out["agent/prefix_calls_mean"] = sum(t.info["prefix_calls"] for t in prefixed) / len(prefixed)
+        from_start = [t for t in trajs if not t.info.get("prefix_calls")]
+        for where, group in (("from_start", from_start), ("from_prefix", prefixed)):
+            if group:
+                out[f"agent/reward_mean_{where}"] = sum(t.reward for t in group) / len(group)
+                out[f"agent/pass_rate_{where}"] = sum(bool(t.info.get("passed"))
+                                                      for t in group) / len(group)
     out.update({f"agent/tool_calls/{name}": float(k) for name, k in sorted(calls.items())})
     out.update({f"agent/lookup_flags/{kind}": float(k) for kind, k in sorted(lookups.items())})
     return out

@@ -7,18 +7,23 @@ row is the episode's token-exact trajectory: the completion interleaves sampled 
 (`policy_mask` True, sampler log-probs) with tool output (mask False), and the reward is the
 end-of-episode grade. Budget-cut episodes arrive `masked` (kept out of the advantage) or already
 penalised, as the environment's options say; with `feedback_detectors`, each rollout lists
-the turns they flagged (`Rollout.flagged`) for the trainer's targeted-feedback KL. Sampling
+the turns they flagged (`Rollout.flagged`) for the trainer's targeted-feedback KL. With
+`scripted_prefix` (a reverse curriculum), that fraction of the groups start after the first k
+calls of the task's scripted demonstration (`start_prefixes`). Sampling
 and tools interleave, so a batch is played to the end in the calling (producer) thread; the
 returned future is already resolved.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
+from rollouts.agent.demos import EDIT_TOOLS, scripted_calls
 from rollouts.agent.feedback import flagged_turns
+from rollouts.agent.formats import ToolCall
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
 from rollouts.environment import Environment
@@ -32,7 +37,8 @@ class AgentRolloutProducer:
                  envs: Sequence[Environment], *, prompts_per_step: int, group_size: int,
                  max_action_tokens: int, temperature: float, seed: int,
                  top_k: int | None = None, top_p: float | None = None,
-                 feedback_detectors: Sequence[str] = ()):
+                 feedback_detectors: Sequence[str] = (), scripted_prefix: float = 0.0,
+                 edit_tool: str = "edit"):
         if not envs:
             raise ValueError("AgentRolloutProducer needs at least one environment")
         self.sampler, self.tokenizer, self.tasks, self.envs = sampler, tokenizer, tasks, envs
@@ -40,6 +46,30 @@ class AgentRolloutProducer:
         self.max_action_tokens, self.temperature = max_action_tokens, temperature
         self.top_k, self.top_p, self.seed = top_k, top_p, seed
         self.feedback_detectors = tuple(feedback_detectors)
+        self.scripted_prefix, self.edit_tool = scripted_prefix, edit_tool
+
+    def start_prefixes(self, index: int, tasks: Sequence[Task]) -> list[list[ToolCall]]:
+        """Per task (group) of batch `index`: the scripted calls its episodes play before the
+        policy's first turn. A `scripted_prefix` fraction of the groups get the first k calls of
+        `scripted_calls(task, edit_tool)`, k uniform in 1 .. the calls before its first edit;
+        the others none. Drawn from (seed, index) alone, so a resumed run replays them; a
+        group's episodes share one start state, so the leave-one-out baseline compares like
+        with like."""
+        if not self.scripted_prefix:
+            return [[] for _ in tasks]
+        rng = random.Random(f"scripted_prefix:{self.seed}:{index}")
+        prefixes = []
+        for task in tasks:
+            if rng.random() >= self.scripted_prefix:
+                prefixes.append([])
+                continue
+            try:
+                calls = scripted_calls(task, self.edit_tool)
+            except ValueError as e:  # e.g. a deletion task: no reference to script
+                raise ValueError(f"agent.scripted_prefix needs scripted tasks: {e}") from None
+            before_edit = next(i for i, c in enumerate(calls) if c.name in EDIT_TOOLS)
+            prefixes.append(calls[:rng.randint(1, before_edit)])
+        return prefixes
 
     def start(self, index: int, version: int) -> Future:
         """Play batch `index` with the sampler's current weights (policy `version`); returns a
@@ -50,8 +80,10 @@ class AgentRolloutProducer:
                             stop_token_ids=self.tokenizer.stop_ids,
                             seed=batch_seed(self.seed, index))
         t0, timing = time.perf_counter(), {}
+        prefixes = self.start_prefixes(index, tasks)
         trajs = run_episodes(cont, self.envs, [t for t in tasks for _ in range(self.group_size)],
-                             version, timing)
+                             version, timing,
+                             prefixes=[p for p in prefixes for _ in range(self.group_size)])
         rollouts = [Rollout.from_trajectory(t, t.info.get("truncated_by") or "stop")
                     for t in trajs]
         if self.feedback_detectors:  # the turns the trainer's feedback KL applies to

@@ -18,6 +18,7 @@ from rollouts.agent.demos import (
     path_copy_rows,
     reference_line_edits,
     scripted_calls,
+    scripted_start,
     substitute_trajectory,
     value_spans,
 )
@@ -228,3 +229,31 @@ def test_a_redrawn_demonstration_is_the_demonstration_of_the_redrawn_task():
             runs = [TOK.decode(got.tokens[a:b]) for a, b in action_spans(facts)]
             assert runs and set(runs) <= set(mapping.values()), (runs, mapping)
     assert redraw(agent_family_tasks(2, templates=["helper"])[0], rng) == {}
+
+
+def test_a_scripted_start_is_the_demonstration_s_prefix_as_prompt_and_its_rest_still_passes(played):
+    """An episode started after the script's calls up to its first edit (the reverse
+    curriculum's start state): the calls and their observations are prompt, token for token,
+    out of the policy mask; the script's remaining calls, played from there, earn 1.0 and make
+    the whole demonstration again."""
+    task, demo, calls, _ = played[1]  # two reads: three calls before the edit
+    k = next(i for i, c in enumerate(calls) if c.name == "edit")
+    assert k == 3
+    fmt = make_format("compact")
+    with Scorer(workers=1) as scorer:
+        env = ToolEnvironment(TOK, AgentConfig(max_turns=8, max_context_tokens=4096,
+                                               call_format="compact"), scorer=scorer)
+        traj = scripted_start(env, task, calls[:k], version=7)
+        assert not traj.done and traj.version == 7 and traj.info["prefix_calls"] == k
+        assert traj.info["turns"] == k  # the scripted calls count against max_turns
+        assert traj.prompt_len == len(traj.tokens) and not any(traj.policy_mask)
+        assert traj.tokens == demo.tokens[:len(traj.tokens)] and not any(traj.logprobs)
+        for call in calls[k:]:
+            action = TOK.encode(fmt.render_call(call)) + [TOK.eos_id]
+            traj.add_action(action, [-0.5] * len(action))
+            traj.record(env.step(action))
+        env.close()
+    assert traj.done and traj.reward == 1.0 and traj.info["passed"]
+    assert traj.tokens == demo.tokens
+    n = traj.prompt_len
+    assert traj.policy_mask == [False] * n + demo.policy_mask[n:] and any(traj.policy_mask)

@@ -156,6 +156,8 @@ def test_reset_refuses_function_tasks_and_options_are_checked():
         AgentConfig(max_turns=0)
     with pytest.raises(ValueError, match="truncation must be"):
         AgentConfig(truncation="drop")
+    with pytest.raises(ValueError, match=r"scripted_prefix is a fraction of groups in \[0, 1\]"):
+        AgentConfig(scripted_prefix=1.5)
     with pytest.raises(RuntimeError, match="before reset"):
         env.step([1])
 

@@ -51,6 +51,10 @@ def test_flagged_turns_and_alignment():
     assert feedback_examples(trajectory(FLAGS[:1]), TOK, list(HINTS)) == []
     with pytest.raises(ValueError, match="unknown feedback detector"):
         flagged_turns(traj, ["rudeness"])
+    # after scripted calls (in the prompt), the flags of the sampled turns follow theirs
+    started = trajectory(FLAGS)
+    started.info.update(turn_flags=[FLAGS[1], FLAGS[2]] + FLAGS, prefix_calls=2)
+    assert flagged_turns(started, ["repeat"]) == [(15, 18, "repeat")]
     traj.info["turn_flags"] = FLAGS[:2]
     with pytest.raises(ValueError, match="3 turns but 2 turn flags"):
         flagged_turns(traj, ["repeat"])

@@ -19,11 +19,12 @@ from jaxagent.tokenizer import ByteTokenizer
 from jaxagent.train.build import expand_algorithm
 from jaxagent.train.loop import compute_advantages, to_train_batch
 from rollouts.agent import AgentConfig, ToolEnvironment
-from rollouts.agent.demos import demonstrate, scripted_calls, turn_weights
+from rollouts.agent.demos import EDIT_TOOLS, demonstrate, scripted_calls, turn_weights
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
+from rollouts.tasks.agent_family import agent_family_tasks
 from rollouts.tasks.deletion import load_deletion_task
 from rollouts.tools import TOOLS
 
@@ -115,3 +116,68 @@ def test_turn_weights_give_every_turn_weight_one():
     w = turn_weights(mask)
     np.testing.assert_allclose(w, [0, 1 / 3, 1 / 3, 1 / 3, 0, 0, 1, 0, 0.5, 0.5])
     assert turn_weights([]) == [] and sum(turn_weights([True] * 7)) == pytest.approx(1.0)
+
+
+FAMILY_TOOLS = [t for t in TOOLS if t.name in ("read_file", "replace_line", "run_tests", "finish")]
+
+
+def _curriculum_producer(sampler, envs, tasks, fraction, seed=0, group_size=2):
+    return AgentRolloutProducer(sampler, TOK, iter(tasks), envs, prompts_per_step=len(tasks),
+                                group_size=group_size, max_action_tokens=8, temperature=1.0,
+                                seed=seed, scripted_prefix=fraction, edit_tool="replace_line")
+
+
+def test_scripted_prefixes_are_drawn_per_group_from_seed_and_index():
+    tasks = agent_family_tasks(40, seed=1, names="fixed")
+    env = ToolEnvironment(TOK, AgentConfig(), tools=FAMILY_TOOLS)  # no session until reset
+    half = _curriculum_producer(None, [env], tasks, 0.5)
+    draws = half.start_prefixes(3, tasks)
+    assert draws == half.start_prefixes(3, tasks)  # a resumed run replays batch 3's
+    assert draws != half.start_prefixes(4, tasks)
+    assert draws != _curriculum_producer(None, [env], tasks, 0.5, seed=1).start_prefixes(3, tasks)
+    scripts = [scripted_calls(task, "replace_line") for task in tasks]
+    lengths = set()
+    for index in range(4):
+        for script, prefix in zip(scripts, half.start_prefixes(index, tasks), strict=True):
+            before_edit = next(i for i, c in enumerate(script) if c.name in EDIT_TOOLS)
+            assert prefix == script[:len(prefix)] and len(prefix) <= before_edit
+            lengths.add(len(prefix))
+    assert lengths == {0, 1, 2, 3}  # none, and every k up to the last read of two-read tasks
+    assert _curriculum_producer(None, [env], tasks, 0.0).start_prefixes(3, tasks) == [[]] * 40
+    assert all(_curriculum_producer(None, [env], tasks, 1.0).start_prefixes(3, tasks))
+    unscripted = [dataclasses.replace(tasks[0], metadata={})]
+    with pytest.raises(ValueError, match="agent.scripted_prefix needs scripted tasks"):
+        _curriculum_producer(None, [env], unscripted, 1.0).start_prefixes(0, unscripted)
+
+
+@pytest.mark.slow  # 6-20 s on the 2-core VM: the sampler compiles for 1k-token prompts
+def test_prefixed_groups_sample_after_the_scripted_calls_and_train_only_the_sampled_tokens():
+    model = init_model(CFG, seed=0)
+    sampler = Sampler(model, prompt_bucket=512, cache_bucket=2048, batch_bucket=2, segment_steps=8)
+    tasks = agent_family_tasks(2, seed=1, templates=["constant"], names="fixed")
+    # one sampled turn after the prefix: max_turns counts the scripted calls
+    options = AgentConfig(max_turns=3, max_context_tokens=4096, max_output_chars=200)
+    with Scorer(workers=1) as scorer:
+        envs = [ToolEnvironment(TOK, options, scorer=scorer, tools=FAMILY_TOOLS) for _ in range(2)]
+        producer = _curriculum_producer(sampler, envs, tasks, 1.0)
+        prefixes = producer.start_prefixes(0, tasks)
+        batch = producer.produce(0, version=1)
+        starts = [demonstrate(envs[0], task, prefix).tokens
+                  for task, prefix in zip(tasks, prefixes, strict=True)]
+        producer.close()
+    assert all(1 <= len(p) <= 2 for p in prefixes)  # run_tests, read_file: then the edit
+    for i, r in enumerate(batch.rollouts):
+        assert r.prompt == starts[i // 2]  # token for token the scripted start
+        mask = np.asarray(r.policy_mask)
+        assert mask[0] and np.all(np.asarray(r.logprobs)[mask] < 0.0)
+        assert r.finish_reason == "max_turns"
+    stats = batch.stats
+    assert stats["agent/prefix_fraction"] == 1.0
+    assert stats["agent/prefix_calls_mean"] == sum(map(len, prefixes)) / 2
+    assert stats["agent/turns_mean"] == 3.0 and "agent/pass_rate_from_prefix" in stats
+    assert "agent/pass_rate_from_start" not in stats
+    train = to_train_batch(batch, np.ones(4), np.ones(4, bool))
+    for i, r in enumerate(batch.rollouts):  # the loss covers the sampled action, not the prefix
+        lp = len(r.prompt)
+        assert not np.asarray(train.loss_mask[i, :lp - 1]).any()
+        assert np.asarray(train.loss_mask[i, lp - 1]) > 0
