@@ -97,11 +97,8 @@ def without_adapters(model: Decoder) -> Decoder:
     (`modules_to_save`) keeps its trained weight, as no copy of the base's is kept: a PEFT
     directory over this base gives the same model (its saved copy replaces the base's)."""
     _, factors, base = split_adapters(model)
-    base = dict(nnx.to_flat_state(base))
-    for path, var in nnx.to_flat_state(factors):
-        if isinstance(var, SavedParam):
-            base[path] = nnx.Param(var[...], **var.get_metadata())
-    return _plain(model, nnx.from_flat_state(base))
+    # `merge` with the saved modules alone: they replace the base's, no adapter adds to it
+    return _plain(model, merge(base, factors.filter(SavedParam), model.config.lora))
 
 
 def merged(model: Decoder) -> Decoder:
