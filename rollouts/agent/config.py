@@ -37,6 +37,9 @@ class AgentConfig:
     max_output_chars: int = 2000  # a tool's output beyond this is cut (head + tail, with a note)
     truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: out of the advantage, or penalised
     truncation_penalty: float = 1.0
+    # subtracted from the reward per malformed, unknown or ill-typed call (a format penalty as
+    # RAGEN's -0.1): groups that all fail still differ in it, so RL holds the call format
+    bad_call_penalty: float = 0.0
     # an episode whose tool calls went looking for the deleted code (rollouts.agent.monitor)
     # earns at most 0
     zero_lookup_reward: bool = False
@@ -58,6 +61,8 @@ class AgentConfig:
                      "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AgentConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.bad_call_penalty < 0:
+            raise ValueError(f"AgentConfig.bad_call_penalty must be >= 0, got {self.bad_call_penalty!r}")
         if not 0.0 <= self.scripted_prefix <= 1.0:
             raise ValueError(f"AgentConfig.scripted_prefix is a fraction of groups in [0, 1], "
                              f"got {self.scripted_prefix!r}")

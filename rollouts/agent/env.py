@@ -175,6 +175,7 @@ class ToolEnvironment(Environment):
         masked = truncated and self.options.truncation == "mask"
         if truncated and self.options.truncation == "penalty":
             reward -= self.options.truncation_penalty
+        reward -= self.options.bad_call_penalty * self.bad_tool_calls
         if self.lookups and self.options.zero_lookup_reward:
             reward = min(reward, 0.0)
         info = {**self._info(), "status": graded.status, "passed": graded.passed,

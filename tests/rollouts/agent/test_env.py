@@ -123,15 +123,15 @@ def test_editing_the_tests_to_pass_earns_minus_the_hack_penalty_and_a_hack_flag(
 
 
 def test_malformed_and_unknown_calls_are_error_observations_and_counted(task, scorer):
-    env = ToolEnvironment(TOK, AgentConfig(max_turns=3, truncation="penalty",
-                                            truncation_penalty=0.5), scorer=scorer)
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=3, truncation="penalty", truncation_penalty=0.5,
+                                            bad_call_penalty=0.125), scorer=scorer)
     _, results = play(env, task, ["@@@ what", ToolCall("rm_rf", {}), '@edit {"path": 1}'])
     texts = [TOK.decode(r.observation) for r in results[:2]]
     assert "error: no tool call found" in texts[0] and "error: unknown tool 'rm_rf'" in texts[1]
     info = results[-1].info
     assert info["bad_tool_calls"] == 3 and info["tool_calls"] == {"edit": 1}
     assert info["truncated"] and info["truncated_by"] == "max_turns" and not info["masked"]
-    assert results[-1].reward == -0.5  # failed (0) minus the truncation penalty
+    assert results[-1].reward == -0.5 - 3 * 0.125  # failed (0), the truncation and 3 bad calls
     env.close()
 
 
@@ -158,6 +158,8 @@ def test_reset_refuses_function_tasks_and_options_are_checked():
         AgentConfig(truncation="drop")
     with pytest.raises(ValueError, match=r"scripted_prefix is a fraction of groups in \[0, 1\]"):
         AgentConfig(scripted_prefix=1.5)
+    with pytest.raises(ValueError, match="AgentConfig.bad_call_penalty must be >= 0"):
+        AgentConfig(bad_call_penalty=-0.1)
     with pytest.raises(RuntimeError, match="before reset"):
         env.step([1])
 
