@@ -1,7 +1,8 @@
 """Scripted demonstrations for the SFT warm-up: a repository task solved through the real
 environment (run the tests, read the code, edit in the reference, run the tests, finish), recorded
-token-exactly as a `Trajectory` whose policy mask covers only the scripted actions; and the copy
-warm-up's short rows: cut from them (`copy_rows`) or made up (`path_copy_rows`)."""
+token-exactly as a `Trajectory` whose policy mask covers only the scripted actions (a recovery
+demonstration: a wrong guess, its failing run, then the fix); and the copy warm-up's short
+rows: cut from them (`copy_rows`) or made up (`path_copy_rows`)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def scripted_calls(task: Task, edit_tool: str = "edit") -> list[ToolCall]:
     finish. The first action is the same for every task, so even the tiny model learns to open
     an episode with a valid call."""
     reference = _edited_files(task, "reference")
-    return [*_reads(task, reference), *_edits(edit_tool, task.files, reference),
+    return [*_opening(task, reference), *_edits(edit_tool, task.files, reference),
             ToolCall("run_tests", {}), ToolCall("finish", {})]
 
 
@@ -109,7 +110,13 @@ def recovery_calls(task: Task, edit_tool: str = "edit") -> tuple[list[ToolCall],
     the reference (with `replace_line`, the same line numbers), run_tests, finish. Also the
     positions of the wrong edits among the calls: context, not to imitate."""
     reference, blind = _edited_files(task, "reference"), _edited_files(task, "blind")
-    reads, guess = _reads(task, reference), _edits(edit_tool, task.files, blind)
+    # a guess the fix undoes, that changes something and is not already right (so
+    # `redraw_recovery`'s empty mapping keeps it wrong)
+    if any(p not in reference or blind[p] in (task.files.get(p, ""), reference[p])
+           for p in blind):
+        raise ValueError(f"task {task.id}: metadata['blind'] must change files the reference "
+                         "changes, to other contents than the file's and the reference's")
+    reads, guess = _opening(task, reference), _edits(edit_tool, task.files, blind)
     fix = _edits(edit_tool, {**task.files, **blind}, reference)
     calls = [*reads, *guess, ToolCall("run_tests", {}), *fix, ToolCall("run_tests", {}),
              ToolCall("finish", {})]
@@ -128,10 +135,11 @@ def _edited_files(task: Task, key: str) -> dict[str, str]:
     return files
 
 
-def _reads(task: Task, reference: dict[str, str]) -> list[ToolCall]:
+def _opening(task: Task, reference: dict[str, str]) -> list[ToolCall]:
     """run_tests, then read_file of each of `metadata["reads"]` (default: the first file the
     reference changes)."""
-    reads = json.loads(task.metadata["reads"]) if "reads" in task.metadata else sorted(reference)[:1]
+    reads = (json.loads(task.metadata["reads"]) if "reads" in task.metadata
+             else sorted(reference)[:1])
     return [ToolCall("run_tests", {}), *(ToolCall("read_file", {"path": p}) for p in reads)]
 
 
@@ -164,6 +172,8 @@ def redraw_recovery(task: Task, rng: random.Random) -> dict[str, str]:
                                                   substitute(reference[p], mapping))
                for p, guess in blind.items()):
             return mapping
+
+
 def demonstrate(env: Environment, task: Task, calls: Sequence[ToolCall]) -> Trajectory:
     """Play `calls` in `env` as if sampled (each call's text, then the first stop token, with
     log-prob 0); the trajectory ends where the episode does."""

@@ -29,7 +29,13 @@ from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall, make_format
 from rollouts.rewards import Scorer
 from rollouts.sandbox.session import Session
-from rollouts.tasks.agent_family import TEMPLATES, agent_family_tasks, redraw, substitute, whole
+from rollouts.tasks.agent_family import (
+    TEMPLATES,
+    agent_family_tasks,
+    redraw,
+    substitute,
+    whole,
+)
 from rollouts.tools import ToolContext
 from rollouts.tools.builtin import replace_line
 
@@ -318,6 +324,15 @@ def test_a_recovery_with_replace_line_fixes_the_line_the_wrong_edit_wrote():
         assert [c.args["text"] for c in fixes] != [c.args["text"] for c in guesses]
 
 
+def test_a_recovery_needs_a_blind_guess_that_is_wrong():
+    task = agent_family_tasks(1, seed=11)[0]
+    for blind in (task.metadata["reference"], json.dumps(task.files)):
+        with pytest.raises(ValueError, match=r"metadata\['blind'\] must change files"):
+            recovery_calls(dataclasses.replace(task, metadata={**task.metadata, "blind": blind}))
+    with pytest.raises(ValueError, match=r"metadata\['blind'\] holds no files"):
+        recovery_calls(dataclasses.replace(task, metadata={**task.metadata, "blind": ""}))
+
+
 def test_without_actions_takes_the_numbered_actions_out_of_the_mask():
     mask = [False, True, True, False, True, False, False, True, True, True]
     assert without_actions(mask, [1]) == [False, True, True, False, False, False, False,
@@ -330,7 +345,7 @@ def test_a_redrawn_recovery_keeps_its_guess_wrong_and_is_the_redrawn_task_s_reco
     """`redraw_recovery` never makes the wrong edit right (where `redraw` alone can), and
     the substituted recovery demonstration is token for token the one played on the redrawn
     task."""
-    task, calls, _, traj = recovered[0]  # constant: a redrawn value can meet the guess's
+    task, _, _, traj = recovered[0]  # constant: a redrawn value can meet the guess's
     reference, blind = (json.loads(task.metadata[k]) for k in ("reference", "blind"))
     (path, guess), = blind.items()
     rng = random.Random(0)
