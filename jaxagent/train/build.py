@@ -131,6 +131,12 @@ def validate(cfg: Config) -> Config:
          "tasks know their facts"),
         (cfg.sft.fact_weight >= 0 and (not cfg.sft.fact_weight or cfg.sft.redraw_facts),
          "sft.fact_weight", "must be >= 0 and needs sft.redraw_facts (the facts it weighs)"),
+        (0 <= cfg.sft.recovery <= 1, "sft.recovery", "must be in [0, 1] (the share of "
+         "demonstrations that recover from a wrong edit)"),
+        (not cfg.sft.recovery or (cfg.sft.data == "agent" and cfg.agent.tasks.startswith(
+            "embedded:")), "sft.recovery",
+         "needs sft.data: agent over the embedded family (agent.tasks: embedded:N), whose "
+         "tasks know a wrong guess (metadata['blind'])"),
         (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
         (cfg.tasks.pool.size >= 0, "tasks.pool.size", "must be >= 0 (0: no pool)"),
         (cfg.tasks.pool.retire_after >= 1, "tasks.pool.retire_after", "must be >= 1"),

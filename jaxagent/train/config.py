@@ -78,6 +78,10 @@ class SFTConfig:
     # agent only: extra loss weight on each action token that spells a redrawn fact (a turn's
     # tokens share weight 1, so a two-digit value would otherwise weigh ~1/100 of an edit)
     fact_weight: float = 0.0
+    # agent only: this share of the demonstrations (drawn per task from the seed) first make
+    # the task's blind guess, see the tests fail, then fix it (rollouts.agent.demos.
+    # recovery_calls); no loss on the wrong edit. Needs agent.max_turns for the longer script
+    recovery: float = 0.0
 
 
 @dataclass(frozen=True)

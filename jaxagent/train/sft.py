@@ -37,9 +37,12 @@ from rollouts.agent.demos import (
     demonstrate,
     fact_tokens,
     path_copy_rows,
+    recovery_calls,
+    redraw_recovery,
     scripted_calls,
     substitute_trajectory,
     turn_weights,
+    without_actions,
 )
 from rollouts.agent.formats import make_format
 from rollouts.environment import Trajectory
@@ -106,18 +109,23 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
     stop = list(tokenizer.stop_ids[:1])
     if s.data == "agent":
         played = _agent_demonstrations(cfg, tokenizer, tasks, progress)
-        demos = [traj for traj, _ in played]
+        demos = [traj for traj, _, _ in played]
         # One padded length for every draw (the longest demonstration, with room for redrawn
         # facts' longer names): one compiled step.
         length = max(len(t.tokens) for t in demos) - 1 + (32 if s.redraw_facts else 0)
 
         def demo(i, rng):
             """A demonstration (facts drawn afresh) and its loss weights over the completion:
-            each turn weighs 1, and each token spelling a fact `sft.fact_weight` more."""
-            traj, mapping = demos[i], {}
+            each turn weighs 1 (a recovery's wrong edits 0), and each token spelling a fact
+            `sft.fact_weight` more."""
+            (traj, _, wrong), mapping = played[i], {}
             if s.redraw_facts:
-                mapping = redraw(tasks[i], random.Random(int(rng.integers(2**63))))
+                facts = redraw_recovery if wrong else redraw
+                mapping = facts(tasks[i], random.Random(int(rng.integers(2**63))))
                 traj = substitute_trajectory(traj, mapping, tokenizer)
+            if wrong:  # after the substitution, which re-encodes each masked run as one text
+                traj = dataclasses.replace(traj, policy_mask=without_actions(traj.policy_mask,
+                                                                             wrong))
             weights = turn_weights(traj.policy_mask)
             if s.fact_weight:
                 facts = fact_tokens(traj, mapping, tokenizer)
@@ -137,11 +145,12 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
             made = random.Random(f"path-copy/{cfg.seed}")
             copies = path_copy_rows(made, s.copy_steps * s.copy_batch_size, tokenizer, render)
         else:
-            copies = [row for traj, calls in played
+            # not from a recovery: its fix edits a file no read showed
+            copies = [row for traj, calls, wrong in played if not wrong
                       for row in copy_rows(traj, calls, tokenizer, render)]
         if not copies:
             raise ConfigError("sft.copy_steps: the demonstrations hold no read_file or edit "
-                              "call to copy from")
+                              "call to copy from (recovery ones give none: see sft.recovery)")
 
         def copy_draw(rng):
             rows = [copies[i] for i in rng.integers(0, len(copies), s.copy_batch_size)]
@@ -176,19 +185,28 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
 
 
 def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=None):
-    """(trajectory, scripted calls): one scripted, graded episode per task through the
-    configured environment (turn budget raised to fit the script), `rewards.workers` at a
-    time; a demonstration that fails or is cut is a config error."""
-    scripts = [scripted_calls(task, demo_edit_tool(cfg)) for task in tasks]
+    """(trajectory, scripted calls, positions of the wrong calls): one scripted, graded episode
+    per task through the configured environment (turn budget raised to fit the ordinary
+    script), `rewards.workers` at a time; a demonstration that fails or is cut is a config
+    error. `sft.recovery` of them (`recovers`) play `recovery_calls`, which must fit
+    `agent.max_turns`."""
+    edit_tool = demo_edit_tool(cfg)
+    scripts = [recovery_calls(task, edit_tool) if recover else (scripted_calls(task, edit_tool), [])
+               for task, recover in zip(tasks, recovers(cfg, tasks))]
+    longest = max((len(calls) for calls, wrong in scripts if wrong), default=0)
+    if longest > cfg.agent.max_turns:
+        raise ConfigError(f"sft.recovery: a recovery demonstration takes {longest} calls but "
+                          f"agent.max_turns is {cfg.agent.max_turns}; raise agent.max_turns "
+                          "or set sft.recovery: 0")
     with make_scorer(cfg) as scorer:
         make_env = tool_env_factory(cfg, tokenizer, scorer, max_turns=max(
-            cfg.agent.max_turns, *(len(c) for c in scripts)))
+            cfg.agent.max_turns, *(len(c) for c, _ in scripts)))
         bar = progress.add_task("demos", total=len(tasks), info="") if progress else None
 
-        def play(task: Task, calls) -> Trajectory:
+        def play(task: Task, script) -> tuple[Trajectory, list, list[int]]:
             env = make_env()
             try:
-                traj = demonstrate(env, task, calls)
+                traj = demonstrate(env, task, script[0])
             finally:
                 env.close()
             if traj.info.get("truncated"):
@@ -199,10 +217,18 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
                                   f"(status {traj.info.get('status')!r})")
             if progress:
                 progress.update(bar, advance=1)
-            return traj, calls
+            return traj, *script
 
         with ThreadPoolExecutor(max(1, cfg.rewards.workers)) as pool:
             return list(pool.map(play, tasks, scripts))
+
+
+def recovers(cfg: Config, tasks: list[Task]) -> list[bool]:
+    """Which tasks' demonstrations play a wrong first attempt (`sft.recovery` of them): each
+    drawn from the run's seed and the task's id, so a resumed or replayed run draws the same,
+    and a share of 0 draws none."""
+    return [random.Random(f"sft-recovery/{cfg.seed}/{task.id}").random() < cfg.sft.recovery
+            for task in tasks]
 
 
 def run_sft(cfg: Config) -> Path:

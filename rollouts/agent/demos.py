@@ -1,7 +1,8 @@
 """Scripted demonstrations for the SFT warm-up: a repository task solved through the real
 environment (run the tests, read the code, edit in the reference, run the tests, finish), recorded
-token-exactly as a `Trajectory` whose policy mask covers only the scripted actions; and the copy
-warm-up's short rows: cut from them (`copy_rows`) or made up (`path_copy_rows`)."""
+token-exactly as a `Trajectory` whose policy mask covers only the scripted actions (a recovery
+demonstration: a wrong guess, its failing run, then the fix); and the copy warm-up's short
+rows: cut from them (`copy_rows`) or made up (`path_copy_rows`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import dataclasses
 import difflib
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall
 from rollouts.environment import Environment, Trajectory
-from rollouts.tasks.agent_family import made_up_word, substitute, whole
+from rollouts.tasks.agent_family import made_up_word, redraw, substitute, whole
 from rollouts.tasks.task import Task
 
 
@@ -97,21 +98,80 @@ def scripted_calls(task: Task, edit_tool: str = "edit") -> list[ToolCall]:
     to each changed file's reference with `edit_tool` (`edit` or `replace_line`), run_tests,
     finish. The first action is the same for every task, so even the tiny model learns to open
     an episode with a valid call."""
+    reference = _edited_files(task, "reference")
+    return [*_opening(task, reference), *_edits(edit_tool, task.files, reference),
+            ToolCall("run_tests", {}), ToolCall("finish", {})]
+
+
+def recovery_calls(task: Task, edit_tool: str = "edit") -> tuple[list[ToolCall], list[int]]:
+    """A first attempt that fails, then its fix: run_tests and the reads (as `scripted_calls`),
+    the task's `metadata["blind"]` edits (the guess from the prompt alone, on the line(s) the
+    reference changes), run_tests (it fails and shows the fact again), the edits from there to
+    the reference (with `replace_line`, the same line numbers), run_tests, finish. Also the
+    positions of the wrong edits among the calls: context, not to imitate."""
+    reference, blind = _edited_files(task, "reference"), _edited_files(task, "blind")
+    # a guess the fix undoes, that changes something and is not already right (so
+    # `redraw_recovery`'s empty mapping keeps it wrong)
+    if any(p not in reference or blind[p] in (task.files.get(p, ""), reference[p])
+           for p in blind):
+        raise ValueError(f"task {task.id}: metadata['blind'] must change files the reference "
+                         "changes, to other contents than the file's and the reference's")
+    reads, guess = _opening(task, reference), _edits(edit_tool, task.files, blind)
+    fix = _edits(edit_tool, {**task.files, **blind}, reference)
+    calls = [*reads, *guess, ToolCall("run_tests", {}), *fix, ToolCall("run_tests", {}),
+             ToolCall("finish", {})]
+    return calls, list(range(len(reads), len(reads) + len(guess)))
+
+
+def _edited_files(task: Task, key: str) -> dict[str, str]:
+    """`metadata[key]`: edits as JSON {path: new content} (a repository task's `reference`, the
+    passing ones; the embedded family's `blind`, a guess that fails)."""
+    try:
+        files = json.loads(task.metadata.get(key) or "")
+    except json.JSONDecodeError:
+        files = None
+    if not isinstance(files, dict) or not files:
+        raise ValueError(f"task {task.id}: metadata[{key!r}] holds no files to demonstrate")
+    return files
+
+
+def _opening(task: Task, reference: dict[str, str]) -> list[ToolCall]:
+    """run_tests, then read_file of each of `metadata["reads"]` (default: the first file the
+    reference changes)."""
+    reads = (json.loads(task.metadata["reads"]) if "reads" in task.metadata
+             else sorted(reference)[:1])
+    return [ToolCall("run_tests", {}), *(ToolCall("read_file", {"path": p}) for p in reads)]
+
+
+def _edits(edit_tool: str, before: dict[str, str], after: dict[str, str]) -> list[ToolCall]:
+    """`edit_tool` calls turning each file of `after` from its content in `before` (absent:
+    empty) into its content in `after`, file by file in path order."""
     if edit_tool not in EDIT_TOOLS:
         raise ValueError(f"edit_tool {edit_tool!r}: scripted edits use one of {sorted(EDIT_TOOLS)}")
-    # A repository task's reference is its passing edits as JSON {path: content}.
-    try:
-        reference = json.loads(task.metadata.get("reference") or "")
-    except json.JSONDecodeError:
-        reference = None
-    if not isinstance(reference, dict) or not reference:
-        raise ValueError(f"task {task.id}: metadata['reference'] holds no files to demonstrate")
-    paths = sorted(reference)
-    reads = json.loads(task.metadata["reads"]) if "reads" in task.metadata else paths[:1]
-    return [ToolCall("run_tests", {}), *(ToolCall("read_file", {"path": p}) for p in reads),
-            *(c for p in paths
-              for c in EDIT_TOOLS[edit_tool](p, task.files.get(p, ""), reference[p])),
-            ToolCall("run_tests", {}), ToolCall("finish", {})]
+    return [c for p in sorted(after) for c in EDIT_TOOLS[edit_tool](p, before.get(p, ""), after[p])]
+
+
+def without_actions(policy_mask: Sequence[bool], actions: Collection[int]) -> list[bool]:
+    """`policy_mask` with the tokens of the `actions` (numbered from 0 in order) taken out:
+    they stay in the context and carry no loss (a recovery demonstration's wrong edits)."""
+    out = list(policy_mask)
+    for k, (a, b) in enumerate(action_spans(policy_mask)):
+        if k in actions:
+            out[a:b] = [False] * (b - a)
+    return out
+
+
+def redraw_recovery(task: Task, rng: random.Random) -> dict[str, str]:
+    """`redraw` for a recovery demonstration of `task`: drawn again while its wrong edit
+    (`metadata["blind"]`), under the new facts, would be the file as it was or the reference
+    (then it would change nothing or pass). An empty mapping keeps it wrong, so this ends."""
+    reference, blind = _edited_files(task, "reference"), _edited_files(task, "blind")
+    while True:
+        mapping = redraw(task, rng)
+        if all(substitute(guess, mapping) not in (substitute(task.files.get(p, ""), mapping),
+                                                  substitute(reference[p], mapping))
+               for p, guess in blind.items()):
+            return mapping
 
 
 def demonstrate(env: Environment, task: Task, calls: Sequence[ToolCall]) -> Trajectory:

@@ -16,17 +16,26 @@ from rollouts.agent.demos import (
     demonstrate,
     fact_tokens,
     path_copy_rows,
+    recovery_calls,
+    redraw_recovery,
     reference_line_edits,
     scripted_calls,
     scripted_start,
     substitute_trajectory,
     value_spans,
+    without_actions,
 )
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import ToolCall, make_format
 from rollouts.rewards import Scorer
 from rollouts.sandbox.session import Session
-from rollouts.tasks.agent_family import TEMPLATES, agent_family_tasks, redraw, substitute
+from rollouts.tasks.agent_family import (
+    TEMPLATES,
+    agent_family_tasks,
+    redraw,
+    substitute,
+    whole,
+)
 from rollouts.tools import ToolContext
 from rollouts.tools.builtin import replace_line
 
@@ -257,3 +266,106 @@ def test_a_scripted_start_is_the_demonstration_s_prefix_as_prompt_and_its_rest_s
     assert traj.tokens == demo.tokens
     n = traj.prompt_len
     assert traj.policy_mask == [False] * n + demo.policy_mask[n:] and any(traj.policy_mask)
+
+
+# the templates whose facts `redraw` draws afresh (their fact shows only in the test output)
+FACT_TEMPLATES = ("constant", "exception", "edge_case")
+
+
+def _right(task) -> str:
+    """The text of the fact a task's fix writes (a value, an error's name, a default)."""
+    facts = json.loads(task.metadata["facts"])
+    return str(next(facts[k] for k in ("value", "error", "default") if k in facts))
+
+
+def _play(scorer, task, calls):
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=len(calls), max_context_tokens=4096,
+                                           call_format="compact"), scorer=scorer)
+    try:
+        return demonstrate(env, task, calls)
+    finally:
+        env.close()
+
+
+@pytest.fixture(scope="module")
+def recovered():
+    """A recovery demonstration (`edit`) of each template with facts (made-up names)."""
+    tasks = agent_family_tasks(3, seed=11, templates=FACT_TEMPLATES)
+    out = []
+    with Scorer(workers=1) as scorer:
+        for task in tasks:
+            calls, wrong = recovery_calls(task)
+            out.append((task, calls, wrong, _play(scorer, task, calls)))
+    return out
+
+
+def test_a_recovery_demonstration_fails_once_shows_the_fact_again_then_passes(recovered):
+    """The wrong edit (the blind guess) is followed by a failing run whose output holds the
+    right value; the fix writes it, and the episode earns 1.0."""
+    assert [t.metadata["family"] for t, *_ in recovered] == list(FACT_TEMPLATES)
+    for task, calls, wrong, traj in recovered:
+        assert traj.done and traj.reward == 1.0 and traj.info["passed"], task.id
+        assert [c.name for c in calls] == ["run_tests", "read_file", "edit", "run_tests", "edit",
+                                           "run_tests", "finish"] and wrong == [2]
+        right = whole([_right(task)])
+        guess, fix = calls[2].args["replace"], calls[4].args["replace"]
+        assert not right.search(guess) and right.search(fix), (guess, fix)
+        spans = action_spans(traj.policy_mask)
+        failed = TOK.decode(traj.tokens[spans[3][1]:spans[4][0]])  # after the wrong edit's run
+        assert "1 failed" in failed and right.search(failed), failed
+
+
+def test_a_recovery_with_replace_line_fixes_the_line_the_wrong_edit_wrote():
+    for task in agent_family_tasks(3, seed=11, templates=FACT_TEMPLATES):
+        calls, wrong = recovery_calls(task, "replace_line")
+        guesses = [calls[k] for k in wrong]
+        fixes = [c for c in calls[wrong[-1] + 2:] if c.name == "replace_line"]
+        assert [c.args["line"] for c in fixes] == [c.args["line"] for c in guesses], task.id
+        assert [c.args["text"] for c in fixes] != [c.args["text"] for c in guesses]
+
+
+def test_a_recovery_needs_a_blind_guess_that_is_wrong():
+    task = agent_family_tasks(1, seed=11)[0]
+    for blind in (task.metadata["reference"], json.dumps(task.files)):
+        with pytest.raises(ValueError, match=r"metadata\['blind'\] must change files"):
+            recovery_calls(dataclasses.replace(task, metadata={**task.metadata, "blind": blind}))
+    with pytest.raises(ValueError, match=r"metadata\['blind'\] holds no files"):
+        recovery_calls(dataclasses.replace(task, metadata={**task.metadata, "blind": ""}))
+
+
+def test_without_actions_takes_the_numbered_actions_out_of_the_mask():
+    mask = [False, True, True, False, True, False, False, True, True, True]
+    assert without_actions(mask, [1]) == [False, True, True, False, False, False, False,
+                                          True, True, True]
+    assert without_actions(mask, [0, 2]) == [False] * 4 + [True] + [False] * 5
+    assert without_actions(mask, []) == mask
+
+
+def test_a_redrawn_recovery_keeps_its_guess_wrong_and_is_the_redrawn_task_s_recovery(recovered):
+    """`redraw_recovery` never makes the wrong edit right (where `redraw` alone can), and
+    the substituted recovery demonstration is token for token the one played on the redrawn
+    task."""
+    task, _, _, traj = recovered[0]  # constant: a redrawn value can meet the guess's
+    reference, blind = (json.loads(task.metadata[k]) for k in ("reference", "blind"))
+    (path, guess), = blind.items()
+    rng = random.Random(0)
+    collides = [substitute(guess, m) == substitute(reference[path], m)
+                for m in (redraw(task, rng) for _ in range(2000))]
+    assert any(collides)  # so the check below can fail
+    draws = [redraw_recovery(task, rng) for _ in range(2000)]
+    assert all(substitute(guess, m) not in (substitute(reference[path], m),
+                                            substitute(task.files[path], m)) for m in draws)
+    mapping = draws[0]
+    assert any(k != v for k, v in mapping.items()), mapping
+    other = dataclasses.replace(
+        task, prompt=substitute(task.prompt, mapping),
+        files={p: substitute(c, mapping) for p, c in task.files.items()},
+        metadata={**task.metadata, **{k: json.dumps({p: substitute(c, mapping) for p, c in
+                                                     json.loads(task.metadata[k]).items()})
+                                      for k in ("reference", "blind")}})
+    with Scorer(workers=1) as scorer:
+        want = _play(scorer, other, recovery_calls(other)[0])
+    got = substitute_trajectory(traj, mapping, TOK)
+    assert want.reward == 1.0
+    assert (got.tokens, got.policy_mask, got.prompt_len) == (
+        want.tokens, want.policy_mask, want.prompt_len)

@@ -1,0 +1,89 @@
+"""The agent warm-up's recovery demonstrations (`sft.recovery`): which tasks play them, what
+they play, and what of them carries loss."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from jaxagent.config import ConfigError, load_config
+from jaxagent.tokenizer import ByteTokenizer
+from jaxagent.train.build import tool_env_factory
+from jaxagent.train.sft import _agent_demonstrations, _sft_data, recovers
+from rollouts.agent.demos import demonstrate, scripted_calls
+from rollouts.rewards import Scorer
+from rollouts.tasks.agent_family import agent_family_tasks, whole
+
+TOK = ByteTokenizer()
+AGENT = "configs/agent_default.yaml"  # replace_line, compact calls, redrawn facts
+
+
+def _cfg(*overrides):
+    return load_config(AGENT, ["rewards.workers=1", *overrides])
+
+
+def test_recovery_picks_a_share_of_the_tasks_from_the_seed():
+    tasks = agent_family_tasks(400, seed=0, names="fixed")
+    half = recovers(_cfg("sft.recovery=0.5"), tasks)
+    assert half == recovers(_cfg("sft.recovery=0.5"), tasks)  # a resumed run draws the same
+    assert half != recovers(_cfg("sft.recovery=0.5", "seed=1"), tasks)
+    assert 160 <= sum(half) <= 240
+    assert not any(recovers(_cfg(), tasks)) and all(recovers(_cfg("sft.recovery=1"), tasks))
+    # a larger share keeps the smaller one's recoveries (one draw per task)
+    assert all(b for a, b in zip(half, recovers(_cfg("sft.recovery=0.7"), tasks)) if a)
+
+
+def test_a_share_of_0_plays_the_ordinary_demonstrations():
+    tasks = agent_family_tasks(1, seed=3, names="fixed")
+    played = _agent_demonstrations(_cfg(), TOK, tasks)
+    with Scorer(workers=1) as scorer:
+        make_env = tool_env_factory(_cfg(), TOK, scorer)
+        for task, (traj, calls, wrong) in zip(tasks, played):
+            env = make_env()
+            want = demonstrate(env, task, scripted_calls(task, "replace_line"))
+            env.close()
+            assert calls == scripted_calls(task, "replace_line") and wrong == []
+            assert (traj.tokens, traj.policy_mask) == (want.tokens, want.policy_mask)
+
+
+def test_a_recovery_script_longer_than_max_turns_is_a_config_error():
+    tasks = agent_family_tasks(1, seed=3, names="fixed")
+    with pytest.raises(ConfigError, match=r"sft\.recovery: .* 7 calls but agent\.max_turns "
+                                          r"is 6"):
+        _agent_demonstrations(_cfg("sft.recovery=1"), TOK, tasks)
+
+
+def test_recovery_rows_carry_no_loss_on_the_wrong_edit_and_the_usual_loss_on_the_fix():
+    """Drawn warm-up rows (facts redrawn, `sft.fact_weight` on them): the wrong edit is in the
+    row with weight 0, the failing run's output (holding the fact) is context, the fix and the
+    calls after it weigh as in an ordinary demonstration, the fix's fact tokens more."""
+    tasks = agent_family_tasks(2, seed=3, names="fixed", templates=["constant", "edge_case"])
+    # enough rows that a redrawn value would meet the constant's guess (~1 in 90) somewhere
+    cfg = _cfg("sft.recovery=1", "agent.max_turns=7", "sft.batch_size=400")
+    draw, _, _ = _sft_data(cfg, TOK, tasks)
+    batch = draw(np.random.default_rng(0))
+    edit = TOK.encode("@replace_line ")  # the compact format's calls
+    with_facts = 0
+    for row, weights in zip(np.asarray(batch.targets), np.asarray(batch.loss_mask)):
+        row, weights = list(row), list(weights)
+        starts = [i for i in range(len(row)) if row[i:i + len(edit)] == edit]
+        assert len(starts) == 2, TOK.decode(row)  # the wrong edit, then the fix
+        (guess, fix) = [(a, row.index(TOK.eos_id, a) + 1) for a in starts]
+        assert row[guess[0]:guess[1]] != row[fix[0]:fix[1]]
+        assert not any(weights[guess[0]:guess[1]])
+        turn = weights[fix[0]:fix[1]]
+        assert min(turn) > 0
+        # the fact's tokens weigh more (unless the draw's facts coincided: no redraw)
+        has_fact = max(turn) == pytest.approx(min(turn) + cfg.sft.fact_weight)
+        assert has_fact or max(turn) == pytest.approx(min(turn))
+        with_facts += has_fact
+        after = weights[fix[1]:]
+        assert sum(after) == pytest.approx(2.0)  # run_tests and finish: weight 1 each
+        # the fix writes the value the failing run showed, which the guess did not write
+        failed = TOK.decode(row[guess[1]:fix[0]])
+        value = re.search(r"assert \S+ == (-?\d+)", failed).group(1)
+        assert whole([value]).search(TOK.decode(row[fix[0]:fix[1]]))
+        assert not whole([value]).search(TOK.decode(row[guess[0]:guess[1]]))
+    assert with_facts > 0.9 * len(batch.targets)
