@@ -326,10 +326,11 @@ def make_scorer(cfg: Config) -> Scorer:
 
 
 def make_progress(console: Console | None = None) -> Progress:
-    """The progress bars (process 0 only; plain lines when stderr is not a terminal)."""
+    """The progress bars on stderr (process 0 only; plain lines when stderr is not a
+    terminal): stdout is left to results (`jaxagent eval` prints its scores there)."""
     return LogProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
-                       console=console, disable=jax.process_index() != 0)
+                       console=console or Console(stderr=True), disable=jax.process_index() != 0)
 
 
 def loss_options(cfg: Config) -> LossOptions:

@@ -18,7 +18,7 @@ from jaxagent.models.adapters import merged, save_policy, split_trainable
 from jaxagent.steps import merged_model
 from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (base_checkpoint, load_agent_splits, load_model_and_tokenizer,
-                                  load_task_splits, make_sampler, make_scorer, sampling_layout,
+                                  load_task_splits, make_progress, make_sampler, make_scorer, sampling_layout,
                                   tool_env_factory)
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
@@ -205,8 +205,9 @@ def _run_agent_eval(cfg: Config, sampler: Sampler, tokenizer, tasks: str | None,
     if any(t.repo is None for t in task_list):
         raise UserError(f"--tasks {tasks}: agent episodes need repository tasks")
     samples = samples or max(cfg.eval.samples, max(ks))
-    with make_scorer(cfg) as scorer:
+    # episodes take minutes: a line per finished episode, also when stderr is a file
+    with make_scorer(cfg) as scorer, make_progress() as progress:
         scores, trajs = evaluate_agent(cfg, sampler, tokenizer, scorer, task_list,
                                        samples=samples, ks=ks, temperature=cfg.eval.temperature,
-                                       seed=cfg.seed + 7)
+                                       seed=cfg.seed + 7, progress=progress)
     return scores, [episode_row(t, tokenizer) for t in trajs]

@@ -35,7 +35,9 @@ def test_agent_eval_plays_held_out_episodes_and_reports_pass_at_k(tmp_path, caps
     rc = cli(["eval", "--config", "configs/agent_tiny.yaml", "--k", "1,2", "--out", str(out),
               f"workdir={tmp_path}", *FAST])
     assert rc == 0
-    scores = {k: float(v) for k, v in (line.split(": ") for line in capsys.readouterr().out.splitlines())}
+    captured = capsys.readouterr()
+    scores = {k: float(v) for k, v in (line.split(": ") for line in captured.out.splitlines())}
+    assert "eval 4/4" in captured.err  # progress lines, stderr being no terminal here
     for key in ("eval/pass@1", "eval/pass@2", "eval/agent/episodes", "eval/agent/turns_mean",
                 "eval/agent/tool_calls", "eval/agent/bad_tool_calls", "eval/agent/truncated",
                 "eval/agent/test_edit_attempts", "eval/agent/solved_tested_first"):
