@@ -18,8 +18,8 @@ from jaxagent.models.adapters import merged, save_policy, split_trainable
 from jaxagent.steps import merged_model
 from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (base_checkpoint, load_agent_splits, load_model_and_tokenizer,
-                                  load_task_splits, make_progress, make_sampler, make_scorer, sampling_layout,
-                                  tool_env_factory)
+                                  load_task_splits, make_progress, make_sampler, make_scorer,
+                                  sampling_layout, tool_env_factory)
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
 from rollouts.environment import Trajectory

@@ -38,7 +38,8 @@ class AgentConfig:
     truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: out of the advantage, or penalised
     truncation_penalty: float = 1.0
     # subtracted from the reward per malformed, unknown or ill-typed call (a format penalty as
-    # RAGEN's -0.1): groups that all fail still differ in it, so RL holds the call format
+    # RAGEN's -0.1): groups that all fail still differ in it (measured on the tiny agent: it
+    # did not lower the bad calls, docs/agent.md)
     bad_call_penalty: float = 0.0
     # an episode whose tool calls went looking for the deleted code (rollouts.agent.monitor)
     # earns at most 0
