@@ -120,8 +120,8 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
             `sft.fact_weight` more."""
             (traj, _, wrong), mapping = played[i], {}
             if s.redraw_facts:
-                facts = redraw_recovery if wrong else redraw
-                mapping = facts(tasks[i], random.Random(int(rng.integers(2**63))))
+                draw_facts = redraw_recovery if wrong else redraw
+                mapping = draw_facts(tasks[i], random.Random(int(rng.integers(2**63))))
                 traj = substitute_trajectory(traj, mapping, tokenizer)
             if wrong:  # after the substitution, which re-encodes each masked run as one text
                 traj = dataclasses.replace(traj, policy_mask=without_actions(traj.policy_mask,
