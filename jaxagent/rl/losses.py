@@ -26,7 +26,22 @@ def _as_bool(mask):
     return jnp.asarray(mask) != 0
 
 
-def aggregate(values, mask, *, aggregation, norm_length=None):
+def sequence_sums(values, mask, segments=None):
+    """(per-sequence sums of the masked values, per-sequence masked-token counts, the number of
+    sequences). Without `segments` each row is one sequence: [B], [B], B. With `segments`
+    [B, T] (packed rows: the tokens of one sequence share an id > 0 within their row, 0 is
+    padding) the sums and counts are over (row, id) bins, [B * T] and mostly empty, and the
+    number of sequences is that of distinct ids (ids run 1, 2, ... in each row)."""
+    masked = jnp.where(mask, values, 0.0)  # where, not multiply: 0 * garbage (inf / NaN) is NaN
+    if segments is None:
+        return jnp.sum(masked, axis=-1), jnp.sum(mask, axis=-1), mask.shape[0]
+    b, t = mask.shape
+    bins = (jnp.arange(b)[:, None] * t + segments).reshape(-1)
+    per_bin = lambda x: jax.ops.segment_sum(x.reshape(-1), bins, num_segments=b * t)  # noqa: E731
+    return per_bin(masked), per_bin(mask.astype(jnp.int32)), jnp.sum(jnp.max(segments, axis=-1))
+
+
+def aggregate(values, mask, *, aggregation, norm_length=None, segments=None):
     """Reduce a per-token quantity [B, T] to a scalar over the masked tokens.
 
     With x = values, m = mask, n_b = sum_t m_bt (tokens of sequence b):
@@ -35,10 +50,11 @@ def aggregate(values, mask, *, aggregation, norm_length=None):
         "seq-mean-token-mean":      mean over {b : n_b > 0} of (sum_t m x / n_b)
         "seq-mean-token-sum-norm":  (1/B) sum_b (sum_t m x) / norm_length      (Dr.GRPO)
 
-    The Dr.GRPO form divides by the constant B * norm_length (all B rows, empty ones included),
-    so a token's weight does not depend on the lengths in the batch. ``norm_length`` is
-    required for it (typically the max response length) and ignored by the other two.
-    Empty rows contribute nothing; an all-masked batch gives 0, never NaN.
+    The Dr.GRPO form divides by the constant B * norm_length (all B sequences, empty ones
+    included), so a token's weight does not depend on the lengths in the batch. ``norm_length``
+    is required for it (typically the max response length) and ignored by the other two.
+    A sequence is a row, or with `segments` (packed rows, see `sequence_sums`) the tokens of
+    one id in a row. Empty sequences contribute nothing; an all-masked batch gives 0, never NaN.
     """
     _check_choice("aggregation", aggregation, AGGREGATIONS)
     if aggregation == "seq-mean-token-sum-norm":
@@ -48,22 +64,19 @@ def aggregate(values, mask, *, aggregation, norm_length=None):
         if isinstance(norm_length, (int, float)) and norm_length <= 0:
             raise ValueError(f"norm_length must be positive, got {norm_length}")
     mask = _as_bool(mask)
-    # where, not multiply: 0 * garbage (inf / NaN) would be NaN.
-    masked = jnp.where(mask, values, 0.0)
     if aggregation == "token-mean":
-        return jnp.sum(masked) / jnp.maximum(jnp.sum(mask), 1)
-    row_sums = jnp.sum(masked, axis=-1)
+        return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+    sums, counts, sequences = sequence_sums(values, mask, segments)
     if aggregation == "seq-mean-token-mean":
-        row_counts = jnp.sum(mask, axis=-1)
-        row_means = row_sums / jnp.maximum(row_counts, 1)
-        nonempty = row_counts > 0
-        return jnp.sum(jnp.where(nonempty, row_means, 0.0)) / jnp.maximum(jnp.sum(nonempty), 1)
-    return jnp.mean(row_sums) / norm_length
+        means = sums / jnp.maximum(counts, 1)
+        nonempty = counts > 0
+        return jnp.sum(jnp.where(nonempty, means, 0.0)) / jnp.maximum(jnp.sum(nonempty), 1)
+    return jnp.sum(sums) / jnp.maximum(sequences, 1) / norm_length
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2,
                 aggregation="token-mean", norm_length=None, importance_weights=None,
-                clip_ratio_c=None):
+                clip_ratio_c=None, segments=None):
     """PPO-clip surrogate (GRPO / DAPO / Dr.GRPO), to be minimised.
 
         rho_bt  = exp(logp_bt - old_logp_bt)
@@ -81,7 +94,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     DAPO's clip-higher. On-policy (logp == old_logp) the gradient is the REINFORCE one,
     -A_b * grad logp_bt, aggregated the same way.
 
-    logprobs, old_logprobs, mask: [B, T]; advantages: [B]; importance_weights: [B, T] or None.
+    logprobs, old_logprobs, mask: [B, T]; advantages: [B], or [B, T] per token (packed rows,
+    several sequences a row: `segments` as in `aggregate`); importance_weights: [B, T] or None.
     Only logprobs gets a gradient: old_logprobs, advantages and the weights are constants.
     Returns (loss, metrics); metrics are token means over the masked tokens, whatever the
     aggregation, and carry no gradient:
@@ -94,9 +108,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     if clip_ratio_c is not None and clip_ratio_c <= 1:
         raise ValueError(f"clip_ratio_c must be > 1 (or None: off), got {clip_ratio_c}")
     advantages = jax.lax.stop_gradient(jnp.asarray(advantages))
-    if advantages.shape != jnp.shape(logprobs)[:1]:
-        raise ValueError(f"advantages must be [B] (one per sequence) for logprobs of shape "
-                         f"{jnp.shape(logprobs)}, got shape {advantages.shape}")
+    if advantages.shape not in (jnp.shape(logprobs)[:1], jnp.shape(logprobs)):
+        raise ValueError(f"advantages must be [B] (one per sequence) or [B, T] (per token) for "
+                         f"logprobs of shape {jnp.shape(logprobs)}, got shape {advantages.shape}")
     mask = _as_bool(mask)
     # The old policy is a constant of the objective; stopping its gradient here also lets a
     # caller pass the same traced logprobs as both arguments for an on-policy step.
@@ -105,7 +119,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     # times a zero cotangent is NaN in the backward pass.
     log_ratio = jnp.where(mask, logprobs - old_logprobs, 0.0)
     ratio = jnp.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     surrogate = jnp.minimum(unclipped, clipped)
@@ -116,7 +130,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     per_token = -surrogate
     if importance_weights is not None:
         per_token = per_token * jax.lax.stop_gradient(importance_weights)
-    loss = aggregate(per_token, mask, aggregation=aggregation, norm_length=norm_length)
+    loss = aggregate(per_token, mask, aggregation=aggregation, norm_length=norm_length,
+                     segments=segments)
 
     token_mean = lambda x: aggregate(x, mask, aggregation="token-mean")
     metrics = {

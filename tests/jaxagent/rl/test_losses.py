@@ -274,6 +274,58 @@ def test_aggregate_matches_reference(aggregation):
         np.testing.assert_allclose(got, np.mean(rows), rtol=1e-12)
 
 
+def packed_rows(*arrays):
+    """[B, T] arrays of make_batch's rows -> [4, 4T] packed rows of 3, 2, 4 and 0 sequences
+    (segment ids 1, 2, ... per row, 0 on padding), and the segment ids."""
+    layout = [[0, 1, 2], [3, 4], [5, 6, 7, 8], []]
+    out = [np.zeros((len(layout), 4 * T), x.dtype) for x in arrays]
+    segments = np.zeros((len(layout), 4 * T), np.int32)
+    for r, rows in enumerate(layout):
+        for k, b in enumerate(rows):
+            cols = slice(k * T, (k + 1) * T)
+            segments[r, cols] = k + 1
+            for x, o in zip(arrays, out):
+                o[r, cols] = x[b]
+    return out, segments
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_aggregate_over_packed_sequences_matches_reference(aggregation):
+    """Rows holding several sequences (`segments`): the aggregate over the sequences, the
+    padding and the empty row counting for nothing (Dr.GRPO: B sequences, not 4 rows)."""
+    rng = np.random.default_rng(8)
+    values = rng.normal(size=(B, T))
+    _, _, _, mask, _ = make_batch(8)
+    want = np.sum(ref_coefficients(mask, aggregation, 19) * values)
+    (packed, packed_mask), segments = packed_rows(values, mask)
+    with jax.enable_x64(True):
+        got = aggregate(jnp.asarray(packed), jnp.asarray(packed_mask), aggregation=aggregation,
+                        norm_length=19, segments=jnp.asarray(segments))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_policy_loss_over_packed_sequences_matches_reference(aggregation):
+    """Per-token advantages with `segments`: the row layout's loss, metrics and gradient."""
+    new, old, adv, mask, weights = make_batch(9)
+    loss, grad, metrics, _ = ref_policy_loss(new, old, adv, mask, 0.2, 0.28, aggregation, 17,
+                                             weights)
+    per_token = np.broadcast_to(adv[:, None], (B, T))
+    (p_new, p_old, p_adv, p_mask, p_w), segments = packed_rows(new, old, per_token, mask, weights)
+    with jax.enable_x64(True):
+        (got, got_metrics), got_grad = jax.value_and_grad(
+            lambda x: policy_loss(x, jnp.asarray(p_old), jnp.asarray(p_adv), jnp.asarray(p_mask),
+                                  clip_low=0.2, clip_high=0.28, aggregation=aggregation,
+                                  norm_length=17, importance_weights=jnp.asarray(p_w),
+                                  segments=jnp.asarray(segments)), has_aux=True)(
+            jnp.asarray(p_new))
+    np.testing.assert_allclose(got, loss, rtol=1e-12)
+    for key, value in metrics.items():
+        np.testing.assert_allclose(got_metrics[key], value, rtol=1e-12, err_msg=key)
+    (want_grad,), _ = packed_rows(grad)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-10, atol=1e-15)
+
+
 def test_option_names_are_validated():
     x, m = jnp.zeros((B, T)), jnp.ones((B, T))
     with pytest.raises(ValueError, match=r"aggregation must be one of .*token-mean.*'seq-mean'"):
