@@ -65,7 +65,7 @@ def run_rows(cfg: Config) -> set[str]:
     RL rows (segments when groups share a prompt), the SFT warm-up's, the feedback term's
     (right-padded) and the sampler's cached calls."""
     shared = cfg.train.share_prompt and sees_all_segments(cfg.model)
-    rows = {"cached", "segments" if shared else "causal"}
+    rows = {"cached", "segments" if shared or cfg.train.pack_tokens else "causal"}
     if cfg.sft.steps:
         rows.add("segments" if cfg.sft.data == "documents" else "causal")
     if cfg.agent.feedback_beta:
@@ -147,7 +147,16 @@ def validate(cfg: Config) -> Config:
          "retires by): use one or the other"),
         (t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1"),
         (r.group_size >= 2, "rl.group_size", "must be >= 2 (advantages compare a group)"),
-        (t.micro_batch == 0 or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,
+        (t.pack_tokens >= 0, "train.pack_tokens", "must be >= 0 (0: one row per rollout)"),
+        (not t.pack_tokens or not t.share_prompt, "train.pack_tokens",
+         "cannot be combined with train.share_prompt (each packs the rows its own way): set "
+         "train.share_prompt: false"),
+        (not t.pack_tokens or cfg.model.attention != "nsa", "train.pack_tokens",
+         "needs attention that reads segment ids (model.attention: nsa does not, so packed "
+         "rollouts would attend to each other)"),
+        # with pack_tokens, micro-batches count packed rows (their number is rounded to fit)
+        (t.pack_tokens or t.micro_batch == 0
+         or (t.prompts_per_step * r.group_size) % t.micro_batch == 0,
          "train.micro_batch", f"must divide the batch (train.prompts_per_step * rl.group_size "
                               f"= {t.prompts_per_step * r.group_size})"),
         (t.logits_chunk_mib >= 0, "train.logits_chunk_mib", "must be >= 0 (0: no chunks)"),
@@ -176,8 +185,8 @@ def validate(cfg: Config) -> Config:
         (r.mini_batches >= 1 and t.prompts_per_step % r.mini_batches == 0, "rl.mini_batches",
          f"must divide train.prompts_per_step ({t.prompts_per_step}): mini-batches hold whole "
          "groups"),
-        (t.micro_batch == 0 or (t.prompts_per_step * r.group_size // max(r.mini_batches, 1))
-         % t.micro_batch == 0, "train.micro_batch", "must divide each mini-batch "
+        (t.pack_tokens or t.micro_batch == 0
+         or (t.prompts_per_step * r.group_size // max(r.mini_batches, 1)) % t.micro_batch == 0, "train.micro_batch", "must divide each mini-batch "
          "(train.prompts_per_step * rl.group_size / rl.mini_batches)"),
         (cfg.eval.samples >= max(cfg.eval.k), "eval.k", "needs eval.samples >= max(k)"),
         (cfg.tasks.source != "jsonl" or cfg.tasks.path, "tasks.path", "required for jsonl"),
@@ -233,6 +242,10 @@ def rl_layout(cfg: Config) -> Layout:
     if cfg.agent.feedback_beta:
         layout.check_batch(cfg.agent.feedback_max_examples * jax.process_count(),
                            "agent.feedback_max_examples")
+    if cfg.train.pack_tokens and jax.process_count() > 1:
+        # each process would pack its own number of rows, and the global batch needs one
+        raise ConfigError("train.pack_tokens: packs one process's rollouts only; set it to 0 "
+                          "with several processes")
     if cfg.train.share_prompt and jax.process_count() > 1:  # one group row per prompt
         layout.check_batch(cfg.train.prompts_per_step * jax.process_count(),
                            "train.prompts_per_step (with train.share_prompt)")

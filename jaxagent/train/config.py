@@ -39,6 +39,11 @@ class TrainConfig:
     # Pack each group as one row [prompt, completion_1..G] so the prompt is computed once
     # per group (same loss and gradients); ignored if the attention backend lacks it.
     share_prompt: bool = True
+    # > 0: pack the batch's rollouts into rows of this many tokens, several a row as documents
+    # (`jaxagent.steps.pack_budget`: same loss and gradients) instead of one row per rollout
+    # right-padded to the longest; train.micro_batch then counts these rows. Needs
+    # share_prompt: false; a rollout longer than this is an error. 0 = one row per rollout.
+    pack_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from contextlib import closing, nullcontext
 from pathlib import Path
@@ -44,8 +45,8 @@ from jaxagent.models.adapters import split_trainable
 from jaxagent.models.lora import dropout_key
 from jaxagent.optim import make_optimizer
 from jaxagent.rl.config import RLConfig
-from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_feedback,
-                            pack_shared, ppo_update, split_rows)
+from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_budget,
+                            pack_feedback, pack_shared, ppo_update, split_rows)
 from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_options,
                                   make_producer, make_progress, make_sampler, make_scorer,
                                   resolve_attention, rl_layout, run_tasks, task_pool,
@@ -226,7 +227,10 @@ class Learner:
         `carries_signal`)."""
         cfg = self.cfg
         advantages, keep = compute_advantages(cfg.rl, batch, cfg.train.max_new_tokens)
-        rows = to_train_batch(batch, advantages, keep, share_prompt=self.share_prompt)
+        t = cfg.train
+        rows = to_train_batch(batch, advantages, keep, share_prompt=self.share_prompt,
+                              pack_tokens=t.pack_tokens, parts=cfg.rl.mini_batches,
+                              row_multiple=math.lcm(t.micro_batch or 1, PACKED_ROW_BUCKET))
         feedback = (to_feedback_batch(batch, self.tokenizer, cfg.agent.feedback_max_examples)
                     if self.options.feedback_beta else None)
         signal = self.carries_signal(rows, feedback)
@@ -240,7 +244,9 @@ class Learner:
         the entropy bonus, the router's load-balancing loss, flagged turns for the feedback
         KL). Decided over every process's rows, so all of them skip or none."""
         o, model = self.options, self.cfg.model
-        advantaged = (np.asarray(rows.loss_mask).sum(-1) > 0) & (np.asarray(rows.advantages) != 0)
+        advantages = np.asarray(rows.advantages)  # [B], or [B, T] per token in packed rows
+        advantaged = (np.asarray(rows.loss_mask) > 0) & (
+            advantages.reshape(len(advantages), -1) != 0)
         local = bool(advantaged.any() or o.kl_coef or o.entropy_coef
                      or (model.num_experts and model.router_aux_loss_coef)
                      or (feedback is not None and np.asarray(feedback.mask).any()))
@@ -400,16 +406,28 @@ def compute_advantages(r: RLConfig, batch: RolloutBatch, max_new_tokens: int):
     return np.asarray(advantages).reshape(-1), np.repeat(keep, batch.group_size) & valid.reshape(-1)
 
 
+# Packed rows (`train.pack_tokens`): their number per mini-batch is rounded up to a multiple of
+# this (and of train.micro_batch) with empty rows. Each distinct number of rows compiles the
+# update once more (minutes for a real model); the price: a few empty rows, no loss on them.
+PACKED_ROW_BUCKET = 2
+
+
 def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray, *,
-                   share_prompt: bool = False) -> TrainBatch:
+                   share_prompt: bool = False, pack_tokens: int = 0, parts: int = 1,
+                   row_multiple: int = 1) -> TrainBatch:
     """Pack a rollout batch; dropped groups stay in the batch (fixed shapes) with no loss.
-    With `share_prompt`, each group's prompt is one row's prefix (see `pack_shared`)."""
+    With `share_prompt`, each group's prompt is one row's prefix (see `pack_shared`); with
+    `pack_tokens`, rows of that many tokens hold several rollouts (`pack_budget`: each of the
+    `parts` mini-batches of `split_rows` packed apart, in a multiple of `row_multiple` rows)."""
     rows = batch.rollouts
     masks = [[float(k and m) for m in r.policy_mask] for r, k in zip(rows, keep)]
     args = ([r.prompt for r in rows], [r.completion for r in rows], [r.logprobs for r in rows],
             advantages)
     if share_prompt:
         return pack_shared(*args, group_size=batch.group_size, completion_masks=masks)
+    if pack_tokens:
+        return pack_budget(*args, budget=pack_tokens, parts=parts, row_multiple=row_multiple,
+                           completion_masks=masks)
     return pack(*args, completion_masks=masks)
 
 

@@ -18,10 +18,13 @@ from jaxagent.steps import (
     feedback_term,
     pack,
     pack_documents,
+    pack_budget,
     pack_feedback,
     pack_shared,
+    ppo_update,
     rl_step,
     sft_step,
+    split_rows,
     target_logprobs,
 )
 
@@ -543,3 +546,153 @@ def test_remat_step_with_a_kl_reference_equals_the_plain_one():
         metrics.append(m)
     np.testing.assert_allclose(metrics[1]["train/grad_norm"], metrics[0]["train/grad_norm"],
                                rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing by token budget (train.pack_tokens).
+
+
+def episodes(n=8, seed=21):
+    """Rollouts of distinct odd lengths (one with an empty prompt), masks with tool-output gaps
+    (one all-zero: a dropped group's), behaviour log-probs near the tiny model's (about -ln 61,
+    so the importance weights spread around 1 and some pass the cap), random advantages."""
+    rng = np.random.default_rng(seed)
+    totals = rng.permutation(np.arange(5, 5 + 4 * n, 4) + rng.integers(0, 2, n) * 2)
+    prompts, completions, masks = [], [], []
+    for i, total in enumerate(totals):
+        lp = 0 if i == 1 else int(rng.integers(1, total - 1))
+        prompts.append(rng.integers(0, 61, lp).tolist())
+        completions.append(rng.integers(0, 61, total - lp).tolist())
+        masks.append((rng.random(total - lp) < 0.7).astype(float).tolist())
+    masks[3] = [0.0] * len(masks[3])
+    logprobs = [(-4.1 + 0.6 * rng.standard_normal(len(c))).tolist() for c in completions]
+    return prompts, completions, logprobs, rng.standard_normal(n), masks
+
+
+def test_pack_budget_layout():
+    # Lengths 6, 4, 3, 2 into rows of 7, first fit by decreasing length: [6], [4, 3], [2], and
+    # an empty fourth row (a multiple of 2 rows).
+    prompts, completions = [[1, 2], [3], [], [4]], [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14], [15]]
+    masks = [[1, 0, 1, 1], [1, 1, 1], [1, 1, 1], [1]]
+    batch = pack_budget(prompts, completions, [[-1.0] * len(c) for c in completions],
+                        [0.5, -1.0, 2.0, 3.0], budget=7, row_multiple=2, completion_masks=masks)
+    assert batch.packed and batch.tokens.shape == (4, 7)
+    full = np.concatenate([np.asarray(batch.tokens), np.asarray(batch.targets)[:, -1:]], 1)
+    np.testing.assert_array_equal(full[0], [1, 2, 5, 6, 7, 8, 0, 0])
+    np.testing.assert_array_equal(full[1], [3, 9, 10, 11, 12, 13, 14, 0])
+    np.testing.assert_array_equal(full[2], [4, 15, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(full[3], 0)  # an empty row: no loss
+    np.testing.assert_array_equal(batch.segment_ids[1], [1, 1, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(batch.positions[1], [0, 1, 2, 3, 0, 1, 2])
+    # Targets 9 10 11 | 12 13 14: 12 opens rollout 2 (empty prompt), nothing in it predicts it.
+    np.testing.assert_array_equal(batch.loss_mask[1], [1, 1, 1, 0, 1, 1, 0])
+    np.testing.assert_array_equal(batch.loss_mask[0], [0, 1, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(batch.advantages[1], [-1, -1, -1, 2, 2, 2, 0])
+    np.testing.assert_array_equal(batch.sampler_logprobs[1], [-1, -1, -1, 0, -1, -1, 0])
+    np.testing.assert_array_equal(batch.loss_mask[3], 0)
+
+
+def test_pack_budget_packs_each_mini_batch_apart():
+    p, c, lp, adv, masks = episodes()
+    batch = pack_budget(p, c, lp, adv, budget=48, parts=2, row_multiple=3, completion_masks=masks)
+    halves = split_rows(batch, 2)
+    for half, rollouts in zip(halves, (range(4), range(4, 8))):
+        assert half.size % 3 == 0
+        # the half holds exactly its rollouts' tokens and loss-masked targets
+        assert int((np.asarray(half.segment_ids) > 0).sum()) == sum(
+            len(p[i]) + len(c[i]) for i in rollouts)
+        want = sum(sum(masks[i][1:] if not p[i] else masks[i]) for i in rollouts)
+        assert float(np.asarray(half.loss_mask).sum()) == want
+
+
+def test_pack_budget_rejects_a_rollout_over_the_budget():
+    with pytest.raises(ValueError, match=r"rollout 1 has 9 tokens, more than train.pack_tokens \(8\)"):
+        pack_budget([[1], [2, 3]], [[4], [5] * 7], budget=8)
+
+
+def test_packed_rollouts_do_not_see_each_other():
+    """Each rollout's target log-probs are the same packed with others as packed alone (and as
+    in the padded layout): no token attends across rollouts, positions restart per rollout."""
+    p, c, lp, _, _ = episodes()
+    model = init_model(CFG, seed=1)
+    logprobs = nnx.jit(lambda m, batch: target_logprobs(m, batch)[0])
+    packed = pack_budget(p, c, budget=64)
+    assert packed.size < len(p)
+    logp = np.asarray(logprobs(model, packed))
+    seg, targets = np.asarray(packed.segment_ids), np.asarray(packed.targets)
+    padded = np.asarray(logprobs(model, pack(p, c)))
+    alone = jax.tree.map(lambda *rows: jnp.concatenate(rows), *(
+        pack_budget([p[i]], [c[i]], budget=64) for i in range(len(p))))  # one rollout a row
+    alone = np.asarray(logprobs(model, alone))
+    found = 0
+    for i in range(len(p)):
+        want = alone[i, :len(p[i]) + len(c[i]) - 1]
+        np.testing.assert_allclose(want, padded[i, :len(want)], rtol=1e-5, atol=1e-5)
+        # find rollout i in the packed rows by its tokens
+        for r in range(packed.size):
+            for k in range(1, seg[r].max() + 1):
+                cols = np.flatnonzero(seg[r] == k)
+                if len(cols) == len(want) + 1 and np.array_equal(
+                        targets[r, cols[:-1]], (p[i] + c[i])[1:]):
+                    np.testing.assert_allclose(logp[r, cols[:-1]], want, rtol=1e-5, atol=1e-5)
+                    found += 1
+    assert found == len(p)
+
+
+def assert_same_step(a, b, params):
+    """Two (params, opt_state, metrics) results of one update: equal metrics and changes."""
+    (pa, _, ma), (pb, _, mb) = a, b
+    assert ma.keys() == mb.keys()
+    for key in ma:
+        np.testing.assert_allclose(float(mb[key]), float(ma[key]), rtol=2e-5, atol=1e-7,
+                                   err_msg=key)
+    for p0, x, y in zip(jax.tree.leaves(params), jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_allclose(y - p0, x - p0, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", [
+    "token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.slow),
+    "seq-mean-token-sum-norm"])  # seq-mean-token-mean: also the ppo_update test's
+def test_packed_step_equals_the_padded_step(aggregation):
+    graphdef, params, _, _ = setup()
+    tx = optax.sgd(1.0)  # the parameter change is the gradient itself
+    p, c, lp, adv, masks = episodes(seed=23)
+    options = LossOptions(aggregation=aggregation, entropy_coef=0.01, kl_coef=0.1,
+                          norm_length=13 if aggregation == "seq-mean-token-sum-norm" else None)
+    ref = jax.tree.map(lambda x: x + 0.01, params)  # a reference policy that differs
+    padded = pack(p, c, lp, adv, completion_masks=masks)
+    packed = pack_budget(p, c, lp, adv, budget=48, row_multiple=2, completion_masks=masks)
+    assert packed.size < padded.size
+    runs = [rl_step(graphdef, tx, copy(params), tx.init(params), batch, copy(ref),
+                    options=options, micro_batch=2) for batch in (padded, packed)]
+    assert float(runs[0][2]["train/importance_weight"]) != 1.0  # the weights act
+    assert_same_step(*runs, params)
+
+
+def test_packed_ppo_update_equals_the_padded_update():
+    """Two epochs over two mini-batches (the clip and the proximal log-probs act): the packed
+    mini-batches hold the padded ones' rollouts."""
+    graphdef, params, _, _ = setup()
+    tx = optax.sgd(0.5)
+    p, c, lp, adv, masks = episodes(seed=25)
+    options = LossOptions(aggregation="seq-mean-token-mean", entropy_coef=0.01, clip_low=0.01,
+                          clip_high=0.01)
+    padded = split_rows(pack(p, c, lp, adv, completion_masks=masks), 2)
+    packed = split_rows(pack_budget(p, c, lp, adv, budget=48, parts=2, completion_masks=masks), 2)
+    runs = [ppo_update(graphdef, tx, copy(params), tx.init(params), minis, options=options,
+                       epochs=2) for minis in (padded, packed)]
+    assert float(runs[0][2]["train/clip_fraction"]) > 0  # later updates move the ratio
+    assert_same_step(*runs, params)
+
+
+def test_micro_batches_weigh_token_means_by_their_tokens():
+    """With a sequence-level aggregation the entropy and the token-mean metrics still add up,
+    micro-batch by micro-batch, to the whole batch's token means."""
+    graphdef, params, _, _ = setup()
+    tx = optax.sgd(1.0)
+    p, c, lp, adv, masks = episodes(seed=27)
+    batch = pack(p, c, lp, adv, completion_masks=masks)
+    options = LossOptions(aggregation="seq-mean-token-mean", entropy_coef=0.5)
+    runs = [rl_step(graphdef, tx, copy(params), tx.init(params), batch, options=options,
+                    micro_batch=m) for m in (0, 2)]
+    assert_same_step(*runs, params)
