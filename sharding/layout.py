@@ -30,6 +30,7 @@ from sharding.mesh import build_mesh
 from sharding.rules import (
     activation_rules,
     check_batch,
+    data_parallel,
     host_value,
     place,
     shard_batch,
@@ -78,6 +79,11 @@ class Layout:
     def check_batch(self, rows: int, key: str) -> None:
         """Fail before any compute if a global batch of `rows` cannot split over the mesh."""
         check_batch(rows, self.mesh, self.rules, key)
+
+    @property
+    def data_parallel(self) -> int:
+        """The devices a training batch's rows split over."""
+        return data_parallel(self.mesh, self.rules)
 
     # -- training -------------------------------------------------------------------------------
 

@@ -51,12 +51,17 @@ def place(tree: Any, mesh: Mesh, rules: Rules) -> Any:
     return jax.device_put(tree, shardings(tree, mesh, rules))
 
 
+def data_parallel(mesh: Mesh, rules: Rules) -> int:
+    """The devices a batch's rows split over: the rules' "batch" mesh axes."""
+    return int(np.prod([mesh.shape[a] for a in rule_table(rules).get("batch", ())]))
+
+
 def check_batch(rows: int, mesh: Mesh, rules: Rules, key: str) -> None:
     """A global batch of `rows` must split evenly over the rules' "batch" mesh axes."""
-    data_parallel = int(np.prod([mesh.shape[a] for a in rule_table(rules).get("batch", ())]))
-    if rows % data_parallel:
+    data_parallel_ = data_parallel(mesh, rules)
+    if rows % data_parallel_:
         raise ConfigError(f"{key}: the global batch ({rows} rows) does not split over the "
-                          f"{data_parallel} data-parallel devices (mesh axes of 'batch' in "
+                          f"{data_parallel_} data-parallel devices (mesh axes of 'batch' in "
                           "mesh.rules)")
 
 

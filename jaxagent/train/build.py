@@ -231,8 +231,9 @@ def rl_layout(cfg: Config) -> Layout:
     initialize(cfg.distributed)
     layout = Layout(cfg.mesh, cfg.sampler.mesh)
     rows = cfg.train.prompts_per_step * cfg.rl.group_size * jax.process_count()
-    layout.check_batch(rows, "train.prompts_per_step * rl.group_size")
-    if cfg.rl.mini_batches > 1:
+    if not cfg.train.pack_tokens:  # packed rows come in a multiple of the devices
+        layout.check_batch(rows, "train.prompts_per_step * rl.group_size")
+    if cfg.rl.mini_batches > 1 and not cfg.train.pack_tokens:
         layout.check_batch(rows // cfg.rl.mini_batches,
                            "train.prompts_per_step * rl.group_size / rl.mini_batches")
     if cfg.sft.steps:

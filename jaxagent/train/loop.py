@@ -230,7 +230,8 @@ class Learner:
         t = cfg.train
         rows = to_train_batch(batch, advantages, keep, share_prompt=self.share_prompt,
                               pack_tokens=t.pack_tokens, parts=cfg.rl.mini_batches,
-                              row_multiple=math.lcm(t.micro_batch or 1, PACKED_ROW_BUCKET))
+                              row_multiple=math.lcm(t.micro_batch or 1, PACKED_ROW_BUCKET,
+                                                    self.layout.data_parallel))
         feedback = (to_feedback_batch(batch, self.tokenizer, cfg.agent.feedback_max_examples)
                     if self.options.feedback_beta else None)
         signal = self.carries_signal(rows, feedback)
@@ -407,7 +408,8 @@ def compute_advantages(r: RLConfig, batch: RolloutBatch, max_new_tokens: int):
 
 
 # Packed rows (`train.pack_tokens`): their number per mini-batch is rounded up to a multiple of
-# this (and of train.micro_batch) with empty rows. Each distinct number of rows compiles the
+# this (and of train.micro_batch and the data-parallel devices, so that rows split over them
+# rather than replicate) with empty rows. Each distinct number of rows compiles the
 # update once more (minutes for a real model); the price: a few empty rows, no loss on them.
 PACKED_ROW_BUCKET = 2
 

@@ -235,3 +235,24 @@ def test_one_rollout_temperature_and_no_kl_across_truncated_supports():
         validate(apply_overrides(Config(), ["rl.kl_coef=0.01", "sampler.top_p=0.9"]))
     for path in sorted(glob.glob("configs/*.yaml")):  # every shipped experiment passes
         validate(load_config(path))
+
+
+def test_pack_tokens_is_checked_against_the_settings_it_cannot_join():
+    """train.pack_tokens packs rows its own way: not with shared-prompt rows, not with NSA
+    (which reads no segment ids), not with a causal-rows-only kernel; its micro-batches count
+    packed rows, so they need not divide the batch of rollouts."""
+    from jaxagent.train.build import validate
+
+    packed = ["train.pack_tokens=4096", "train.share_prompt=false"]
+    validate(apply_overrides(Config(), [*packed, "train.micro_batch=3"]))
+    with pytest.raises(ConfigError, match="train.pack_tokens: cannot be combined with "
+                                          "train.share_prompt"):
+        validate(apply_overrides(Config(), ["train.pack_tokens=4096"]))
+    with pytest.raises(ConfigError, match="train.pack_tokens: must be >= 0"):
+        validate(apply_overrides(Config(), ["train.pack_tokens=-1", "train.share_prompt=false"]))
+    with pytest.raises(ConfigError, match="train.pack_tokens: needs attention that reads "
+                                          "segment ids"):
+        validate(apply_overrides(Config(), [*packed, "model.attention=nsa"]))
+    with pytest.raises(ValueError, match="model.attention_backend: cudnn runs causal rows only"
+                                         ".*train.pack_tokens"):
+        validate(apply_overrides(Config(), [*packed, "model.attention_backend=cudnn"]))

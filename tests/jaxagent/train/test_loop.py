@@ -66,3 +66,45 @@ def test_a_batch_without_signal_leaves_weights_and_moments_as_they_were():
 def test_a_term_without_advantages_is_signal(term):
     rows, _, _, signal = learner(term)[0].prepare(batch([0.5] * 8, np.random.default_rng(3)))
     assert not np.asarray(rows.advantages).any() and signal
+
+
+def episodes_batch(rewards, rng):
+    """Groups of four episodes of uneven lengths, tool output (policy mask 0) inside."""
+    prompts = [rng.integers(3, 200, size=rng.integers(3, 8)).tolist() for _ in rewards[::4]]
+
+    def rollout(prompt, reward):
+        n = int(rng.integers(3, 12))
+        return Rollout("t", prompt, rng.integers(3, 200, size=n).tolist(),
+                       (rng.random(n) < 0.7).tolist(), (-rng.uniform(0.5, 3, size=n)).tolist(),
+                       "", reward, "passed", "stop", 0)
+    return RolloutBatch(0, 4, [rollout(prompts[i // 4], r) for i, r in enumerate(rewards)], {})
+
+
+@pytest.mark.slow  # four updates' compiles in each layout
+def test_packed_rows_update_as_the_padded_rows():
+    """train.pack_tokens through the learner: two mini-batches of packed rows (each holding
+    its mini-batch's episodes), micro-batches of two rows, the update's metrics those of the
+    padded rows."""
+    common = ["train.prompts_per_step=4", "train.share_prompt=false", "rl.mini_batches=2",
+              "rl.ppo_epochs=2",
+              "rl.entropy_coef=0.01", "rl.aggregation=seq-mean-token-mean"]
+    padded, state = learner(*common, "train.micro_batch=2")
+    packed, packed_state = learner(*common, "train.micro_batch=2", "train.pack_tokens=24")
+    episodes = episodes_batch([1, 0, 0, 1, 0, 1, 0.5, 1] * 2, np.random.default_rng(11))
+    (rows, _, _, _), (packed_rows, _, _, signal) = padded.prepare(episodes), packed.prepare(episodes)
+    assert signal and packed_rows.packed and packed_rows.tokens.shape[1] == 24
+    # per mini-batch a multiple of the 8 (test) data-parallel devices, several episodes a row
+    assert packed_rows.size == 16 and np.asarray(packed_rows.segment_ids).max() > 1
+    (_, want, _), (_, got, _) = (learner_.update(state_, r, None, 0) for learner_, state_, r in (
+        (padded, state, rows), (packed, packed_state, packed_rows)))
+    assert want.keys() == got.keys() and want["train/updates"] == 4
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-7, err_msg=key)
+
+
+def test_packed_rows_without_signal_are_told_apart():
+    packed = learner("train.share_prompt=false", "train.pack_tokens=32")[0]
+    rng = np.random.default_rng(12)
+    rows, _, _, signal = packed.prepare(episodes_batch([0, 0, 0, 0, 1, 1, 1, 1], rng))
+    assert rows.packed and not signal
+    assert packed.prepare(episodes_batch([0, 0, 0, 1, 1, 1, 1, 1], rng))[3]
