@@ -217,18 +217,8 @@ def pack_budget(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
             raise ValueError(f"rollout {i} has {length} tokens, more than train.pack_tokens "
                              f"({budget}): raise it above the longest rollout")
     per_part = n // parts
-    parts_rows = []  # per part: rows, each a list of rollout indices
-    for part in range(parts):
-        rows, room = [], []
-        for i in sorted(range(part * per_part, (part + 1) * per_part), key=lambda i: -lengths[i]):
-            row = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
-            if row is None:
-                rows.append([])
-                room.append(budget)
-                row = len(rows) - 1
-            rows[row].append(i)
-            room[row] -= lengths[i]
-        parts_rows.append(rows)
+    parts_rows = [_first_fit_decreasing(range(k * per_part, (k + 1) * per_part), lengths, budget)
+                  for k in range(parts)]
     per = -(-max(len(r) for r in parts_rows) // row_multiple) * row_multiple
     rows = [row for part in parts_rows for row in part + [[]] * (per - len(part))]
     # one column more than the inputs: targets are the tokens shifted left by one
@@ -258,6 +248,21 @@ def pack_budget(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
         loss_mask=jnp.asarray(mask[:, 1:]), segment_ids=jnp.asarray(segments[:, :-1]),
         sampler_logprobs=jnp.asarray(behaviour[:, 1:]), advantages=jnp.asarray(advantage[:, 1:]),
         positions=jnp.asarray(positions[:, :-1]))
+
+
+def _first_fit_decreasing(items: Sequence[int], lengths: Sequence[int],
+                          budget: int) -> list[list[int]]:
+    """`items` in rows of at most `budget` total length: longest first, each into the first
+    row it fits (at most 11/9 of the fewest rows + 1)."""
+    rows, room = [], []
+    for i in sorted(items, key=lambda i: -lengths[i]):
+        row = next((r for r, left in enumerate(room) if left >= lengths[i]), len(rows))
+        if row == len(rows):
+            rows.append([])
+            room.append(budget)
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows
 
 
 @jax.tree_util.register_dataclass

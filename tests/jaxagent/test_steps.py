@@ -613,7 +613,7 @@ def test_pack_budget_rejects_a_rollout_over_the_budget():
 def test_packed_rollouts_do_not_see_each_other():
     """Each rollout's target log-probs are the same packed with others as packed alone (and as
     in the padded layout): no token attends across rollouts, positions restart per rollout."""
-    p, c, lp, _, _ = episodes()
+    p, c, _, _, _ = episodes()
     model = init_model(CFG, seed=1)
     logprobs = nnx.jit(lambda m, batch: target_logprobs(m, batch)[0])
     packed = pack_budget(p, c, budget=64)
