@@ -74,7 +74,8 @@ def check_rows(backend: str, rows: str) -> None:
     if backend != "auto" and rows not in (*_RUNS[backend], "cached"):
         raise ValueError(f"{backend} runs causal rows only (one sequence per row, then padding), "
                          f"not rows with packed or shared-prompt segments (train.share_prompt, "
-                         f"train.pack_tokens, sft.data: documents, model.attention: doc); use auto, pallas or xla")
+                         f"train.pack_tokens, sft.data: documents, model.attention: doc); use "
+                         f"auto, pallas or xla")
 
 
 def resolve_backend(kind: str, backend: str = "auto", *, rows: str = "segments",

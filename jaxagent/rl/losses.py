@@ -30,14 +30,17 @@ def sequence_sums(values, mask, segments=None):
     """(per-sequence sums of the masked values, per-sequence masked-token counts, the number of
     sequences). Without `segments` each row is one sequence: [B], [B], B. With `segments`
     [B, T] (packed rows: the tokens of one sequence share an id > 0 within their row, 0 is
-    padding) the sums and counts are over (row, id) bins, [B * T] and mostly empty, and the
+    padding) the sums and counts are over (row, id) bins, [B * (T + 1)] and mostly empty, and the
     number of sequences is that of distinct ids (ids run 1, 2, ... in each row)."""
     masked = jnp.where(mask, values, 0.0)  # where, not multiply: 0 * garbage (inf / NaN) is NaN
     if segments is None:
         return jnp.sum(masked, axis=-1), jnp.sum(mask, axis=-1), mask.shape[0]
-    b, t = mask.shape
-    bins = (jnp.arange(b)[:, None] * t + segments).reshape(-1)
-    per_bin = lambda x: jax.ops.segment_sum(x.reshape(-1), bins, num_segments=b * t)  # noqa: E731
+    b, t = mask.shape  # a row holds at most t sequences: ids 0..t, t + 1 bins a row
+    bins = (jnp.arange(b)[:, None] * (t + 1) + segments).reshape(-1)
+
+    def per_bin(x):
+        return jax.ops.segment_sum(x.reshape(-1), bins, num_segments=b * (t + 1))
+
     return per_bin(masked), per_bin(mask.astype(jnp.int32)), jnp.sum(jnp.max(segments, axis=-1))
 
 

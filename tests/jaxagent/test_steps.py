@@ -606,7 +606,8 @@ def test_pack_budget_packs_each_mini_batch_apart():
 
 
 def test_pack_budget_rejects_a_rollout_over_the_budget():
-    with pytest.raises(ValueError, match=r"rollout 1 has 9 tokens, more than train.pack_tokens \(8\)"):
+    with pytest.raises(ValueError,
+                       match=r"rollout 1 has 9 tokens, more than train.pack_tokens \(8\)"):
         pack_budget([[1], [2, 3]], [[4], [5] * 7], budget=8)
 
 

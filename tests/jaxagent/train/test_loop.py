@@ -91,7 +91,8 @@ def test_packed_rows_update_as_the_padded_rows():
     padded, state = learner(*common, "train.micro_batch=2")
     packed, packed_state = learner(*common, "train.micro_batch=2", "train.pack_tokens=24")
     episodes = episodes_batch([1, 0, 0, 1, 0, 1, 0.5, 1] * 2, np.random.default_rng(11))
-    (rows, _, _, _), (packed_rows, _, _, signal) = padded.prepare(episodes), packed.prepare(episodes)
+    rows = padded.prepare(episodes)[0]
+    packed_rows, _, _, signal = packed.prepare(episodes)
     assert signal and packed_rows.packed and packed_rows.tokens.shape[1] == 24
     # per mini-batch a multiple of the 8 (test) data-parallel devices, several episodes a row
     assert packed_rows.size == 16 and np.asarray(packed_rows.segment_ids).max() > 1
