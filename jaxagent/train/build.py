@@ -186,7 +186,8 @@ def validate(cfg: Config) -> Config:
          f"must divide train.prompts_per_step ({t.prompts_per_step}): mini-batches hold whole "
          "groups"),
         (t.pack_tokens or t.micro_batch == 0
-         or (t.prompts_per_step * r.group_size // max(r.mini_batches, 1)) % t.micro_batch == 0, "train.micro_batch", "must divide each mini-batch "
+         or (t.prompts_per_step * r.group_size // max(r.mini_batches, 1)) % t.micro_batch == 0,
+         "train.micro_batch", "must divide each mini-batch "
          "(train.prompts_per_step * rl.group_size / rl.mini_batches)"),
         (cfg.eval.samples >= max(cfg.eval.k), "eval.k", "needs eval.samples >= max(k)"),
         (cfg.tasks.source != "jsonl" or cfg.tasks.path, "tasks.path", "required for jsonl"),
