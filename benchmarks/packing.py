@@ -25,20 +25,16 @@ import datetime
 import math
 import os
 import platform
-import statistics
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxagent.config import OptimizerConfig
 from jaxagent.models import init_model
 from jaxagent.models.config import ModelConfig
-from jaxagent.optim import make_optimizer
-from jaxagent.steps import LossOptions, pack, pack_budget, rl_step
+from jaxagent.steps import LossOptions, pack, pack_budget
 from jaxagent.train.loop import PACKED_ROW_BUCKET
+from shared_prompt import time_steps  # run as a script: benchmarks/ is on the path
 
 
 def episodes(n: int, low: int, high: int, vocab: int, seed: int = 0):
@@ -57,23 +53,6 @@ def episodes(n: int, low: int, high: int, vocab: int, seed: int = 0):
         masks.append(mask)
     logprobs = [(-5.6 + 0.3 * rng.standard_normal(len(c))).tolist() for c in completions]
     return prompts, completions, masks, logprobs
-
-
-def time_steps(graphdef, params, batch, options, warmup: int, steps: int,
-               micro_batch: int) -> float:
-    params = jax.tree.map(jnp.copy, params)  # rl_step donates its inputs
-    ref = jax.tree.map(jnp.copy, params)
-    tx = make_optimizer(OptimizerConfig(learning_rate=1e-6), 100)
-    opt_state = tx.init(params)
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        params, opt_state, metrics = rl_step(graphdef, tx, params, opt_state, batch, ref,
-                                             options=options, micro_batch=micro_batch)
-        jax.block_until_ready(metrics)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main():
@@ -109,8 +88,8 @@ def main():
     graphdef, params = nnx.split(init_model(cfg, seed=0))
     seconds = {}
     for name, batch in batches.items():
-        seconds[name] = time_steps(graphdef, params, batch, options, args.warmup, args.steps,
-                                   args.micro_batch)
+        seconds[name] = time_steps(graphdef, params, batch, args.warmup, args.steps,
+                                   options=options, micro_batch=args.micro_batch)
         rows, width = batch.tokens.shape
         print(f"{name:>7}: {rows:3d} rows x {width} = {rows * width:7d} tokens, padding "
               f"{1 - real / (rows * (width + 1)):5.1%}, {seconds[name]:8.2f} s/step")

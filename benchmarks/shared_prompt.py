@@ -45,15 +45,19 @@ MODELS = {
 }
 
 
-def time_steps(graphdef, params, batch, warmup: int, steps: int) -> float:
+def time_steps(graphdef, params, batch, warmup: int, steps: int, *,
+               options: LossOptions = LossOptions(), micro_batch: int = 0) -> float:
+    """Median seconds of a jitted rl_step (after `warmup` compiling calls); with a KL term
+    against a copy of the weights when `options.kl_coef` asks for one."""
     params = jax.tree.map(jnp.copy, params)  # rl_step donates its inputs
+    ref = jax.tree.map(jnp.copy, params) if options.kl_coef else None
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-6), 100)
     opt_state = tx.init(params)
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        params, opt_state, metrics = rl_step(graphdef, tx, params, opt_state, batch,
-                                             options=LossOptions())
+        params, opt_state, metrics = rl_step(graphdef, tx, params, opt_state, batch, ref,
+                                             options=options, micro_batch=micro_batch)
         jax.block_until_ready(metrics)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
