@@ -58,10 +58,10 @@ def data_parallel(mesh: Mesh, rules: Rules) -> int:
 
 def check_batch(rows: int, mesh: Mesh, rules: Rules, key: str) -> None:
     """A global batch of `rows` must split evenly over the rules' "batch" mesh axes."""
-    data_parallel_ = data_parallel(mesh, rules)
-    if rows % data_parallel_:
+    devices = data_parallel(mesh, rules)
+    if rows % devices:
         raise ConfigError(f"{key}: the global batch ({rows} rows) does not split over the "
-                          f"{data_parallel_} data-parallel devices (mesh axes of 'batch' in "
+                          f"{devices} data-parallel devices (mesh axes of 'batch' in "
                           "mesh.rules)")
 
 
