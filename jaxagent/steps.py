@@ -339,15 +339,22 @@ def merged_model(graphdef, params, frozen=None):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "logits_chunk"))
-def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0,
-                    frozen=None) -> jax.Array:
-    """Fraction of rows whose every loss-masked target is the greedy (argmax) prediction
+def greedy_misses(graphdef, params, batch: TrainBatch, logits_chunk: int = 0,
+                  frozen=None) -> jax.Array:
+    """[B, T]: whether the greedy (argmax) prediction differs from the target, teacher-forced
     (the LM head in chunks of about `logits_chunk` tokens, as in `target_logprobs`)."""
     model = merged_model(graphdef, params, frozen)
     hidden, _ = target_hidden(model, batch)
     (miss,) = over_position_chunks(
         lambda h, targets: (jnp.argmax(model.logits(h), -1) != targets,),
         (hidden, batch.targets), logits_chunk)
+    return miss
+
+
+def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0,
+                    frozen=None) -> jax.Array:
+    """Fraction of rows whose every loss-masked target is the greedy prediction."""
+    miss = greedy_misses(graphdef, params, batch, logits_chunk, frozen)
     return jnp.mean(~(miss & (batch.loss_mask > 0)).any(-1))
 
 

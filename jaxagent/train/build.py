@@ -40,7 +40,7 @@ from rollouts.producer import RolloutProducer
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler, SamplerConfig
 from rollouts.tasks import Task, load_tasks, synthetic_tasks, task_dataset
-from rollouts.tasks.agent_family import agent_task_splits
+from rollouts.tasks.agent_family import agent_task_splits, validation_tasks
 from rollouts.tasks.agent_family import parse_spec as parse_agent_spec
 from rollouts.tasks.deletion import load_deletion_tasks
 from rollouts.tasks.pool import TaskPool
@@ -137,6 +137,12 @@ def validate(cfg: Config) -> Config:
             "embedded:")), "sft.recovery",
          "needs sft.data: agent over the embedded family (agent.tasks: embedded:N), whose "
          "tasks know a wrong guess (metadata['blind'])"),
+        (cfg.sft.valid_tasks >= 0 and cfg.sft.valid_every >= 0, "sft.valid_tasks",
+         "sft.valid_tasks and sft.valid_every must be >= 0"),
+        (not cfg.sft.valid_tasks or (cfg.sft.data == "agent" and cfg.agent.tasks.startswith(
+            "embedded:")), "sft.valid_tasks",
+         "needs sft.data: agent over the embedded family (agent.tasks: embedded:N), which "
+         "holds tasks out"),
         (cfg.tasks.num_eval >= 0, "tasks.num_eval", "must be >= 0"),
         (cfg.tasks.pool.size >= 0, "tasks.pool.size", "must be >= 0 (0: no pool)"),
         (cfg.tasks.pool.retire_after >= 1, "tasks.pool.retire_after", "must be >= 1"),
@@ -410,6 +416,14 @@ def load_agent_splits(cfg: Config) -> tuple[list[Task], list[Task]]:
         return load_deletion_tasks(cfg.agent.tasks), []
     except (TaskFormatError, ValueError) as e:
         raise ConfigError(f"agent.tasks: {e}") from None
+
+
+def load_validation_tasks(cfg: Config) -> list[Task]:
+    """`sft.valid_tasks` held-out tasks of the embedded family that `agent.tasks` names,
+    none of them evaluated on (`validation_tasks`)."""
+    _, seed = parse_agent_spec(cfg.agent.tasks)
+    return validation_tasks(cfg.sft.valid_tasks, cfg.agent.eval_tasks, seed=seed,
+                            templates=cfg.agent.templates or None, names=cfg.agent.task_names)
 
 
 def load_agent_tasks(cfg: Config) -> list[Task]:

@@ -87,6 +87,13 @@ class SFTConfig:
     # the task's blind guess, see the tests fail, then fix it (rollouts.agent.demos.
     # recovery_calls); no loss on the wrong edit. Needs agent.max_turns for the longer script
     recovery: float = 0.0
+    # agent over the embedded family only: teacher-forced scripted demonstrations of this many
+    # held-out tasks (not the evaluated ones: agent_family.validation_tasks), every
+    # `valid_every` steps (0: at the end only): the share of calls, by tool, and of whole
+    # demonstrations whose every token is the greedy prediction (sft/valid_exact/*), which
+    # shows minutes into a warm-up whether it learnt to copy the facts the calls need
+    valid_tasks: int = 0
+    valid_every: int = 0
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_o
                                   resolve_attention, rl_layout, run_tasks, task_pool,
                                   task_stream, validate)
 from jaxagent.train.evaluate import agent_held_out, held_out_pass_at_k
-from jaxagent.train.sft import sft
+from jaxagent.train.sft import sft, warmup_log
 from jaxagent.train.sync import SamplerWeights
 from jaxagent.workdir import check_resume_config, workdir_lock
 from rollouts.agent.feedback import turn_examples
@@ -281,12 +281,14 @@ class Learner:
 
 def warm_up(cfg: Config, learner: Learner, state: TrainState, train_tasks, progress: Progress,
             metrics: MetricsWriter) -> TrainState:
-    """`sft.steps` of SFT (if any); the KL reference is then the fine-tuned weights."""
+    """`sft.steps` of SFT (if any; its curves in `workdir/warmup`); the KL reference is then
+    the fine-tuned weights."""
     if not cfg.sft.steps:
         return state
-    params, sft_metrics = sft(cfg, learner.graphdef, state.params, learner.tokenizer,
-                              train_tasks, learner.layout, progress, chunk=learner.chunk,
-                              frozen=state.frozen)
+    with warmup_log(cfg.workdir) as log:
+        params, sft_metrics = sft(cfg, learner.graphdef, state.params, learner.tokenizer,
+                                  train_tasks, learner.layout, progress, chunk=learner.chunk,
+                                  frozen=state.frozen, log=log)
     metrics.write(0, sft_metrics)
     return dataclasses.replace(state, params=params, ref_params=kl_reference(cfg, params))
 

@@ -8,6 +8,7 @@ import json
 import operator
 import random
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import jax
@@ -15,15 +16,18 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxagent.config import Config, ConfigError
+from jaxagent.metrics import MetricsWriter, plot_curves
 from jaxagent.models.adapters import save_policy, split_trainable
 from jaxagent.models.lora import dropout_key
 from jaxagent.optim import make_optimizer
-from jaxagent.steps import answer_accuracy, merged_model, pack, pack_documents, sft_step
+from jaxagent.steps import (answer_accuracy, greedy_misses, merged_model, pack, pack_documents,
+                            sft_step)
 from jaxagent.tokenizer import HFTokenizer
 from jaxagent.train.build import (
     base_checkpoint,
     demo_edit_tool,
     load_model_and_tokenizer,
+    load_validation_tasks,
     logits_chunk,
     make_progress,
     make_scorer,
@@ -44,6 +48,7 @@ from rollouts.agent.demos import (
     turn_weights,
     without_actions,
 )
+from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import make_format
 from rollouts.environment import Trajectory
 from rollouts.tasks import Task
@@ -54,14 +59,19 @@ from sharding.layout import Layout
 
 
 def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Layout,
-        progress=None, *, chunk: int = 0, frozen=None):
+        progress=None, *, chunk: int = 0, frozen=None, log=None):
     """`cfg.sft.steps` of token-mean cross-entropy on `cfg.sft.data`: the tasks' reference
     completions, document-retrieval examples (then the metrics hold the held-out answer
     accuracy before and after), or agent demonstrations (after `sft.copy_steps` on copy rows;
-    `sft/copy_loss` is the last of those). `chunk`: tokens per LM-head chunk (`logits_chunk`).
-    With LoRA, `params` are the adapters over the `frozen` base."""
+    `sft/copy_loss` is the last of those; with `sft.valid_tasks`, the validation
+    demonstrations' `sft/valid_exact/*` every `sft.valid_every` steps and at the end).
+    `chunk`: tokens per LM-head chunk (`logits_chunk`). With LoRA, `params` are the adapters
+    over the `frozen` base. `log(step, metrics)`, if given, hears each step's loss and each
+    validation."""
     s = cfg.sft
     draw, eval_batch, copy_draw = _sft_data(cfg, tokenizer, tasks, progress)
+    valid = (_agent_validation(cfg, graphdef, tokenizer, layout, progress, chunk, frozen)
+             if s.valid_tasks else None)
     copy_steps = s.copy_steps if copy_draw is not None else 0
     # one optimizer (and learning-rate schedule) over the copy rows, then the demonstrations
     tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
@@ -70,7 +80,7 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
     rng = np.random.default_rng(cfg.seed)
     task_bar = (progress.add_task("sft", total=copy_steps + s.steps, info="")
                 if progress else None)
-    metrics, accuracy, copy_metrics = {}, {}, {}
+    metrics, accuracy, copy_metrics, exact = {}, {}, {}, {}
     stages = [("copy", copy_draw, s.copy_batch_size, copy_steps, "sft.copy_batch_size"),
               ("", draw, s.batch_size, s.steps, "sft.batch_size")]
     with layout.activations():  # the programs below pin activations to the trainer's layout
@@ -90,15 +100,91 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                     graphdef, tx, params, opt_state, batch, cfg.train.micro_batch, chunk, frozen,
                     dropout_key(cfg.model.lora, cfg.seed, 0, step))
                 step += 1
+                row = {f"sft/{stage}_loss" if stage else "sft/loss": float(metrics["sft/loss"])}
+                last = not stage and step == copy_steps + steps
+                if valid is not None and not stage and (last or s.valid_every and (
+                        step - copy_steps) % s.valid_every == 0):
+                    exact = valid(params)
+                    row.update(exact)
+                if log:
+                    log(step, row)
                 if progress:
+                    shown = (f" exact {exact['sft/valid_exact/episode']:.2f}" if exact else "")
                     progress.update(task_bar, advance=1, info=f"{stage} loss "
-                                    f"{float(metrics['sft/loss']):.3f}".lstrip())
+                                    f"{float(metrics['sft/loss']):.3f}{shown}".lstrip())
             if stage and steps:
                 copy_metrics = {"sft/copy_loss": metrics["sft/loss"]}
         if eval_batch is not None:
             accuracy["sft/answer_accuracy"] = answer_accuracy(graphdef, params, eval_batch, chunk,
                                                               frozen)
-    return params, {k: float(v) for k, v in {**metrics, **copy_metrics, **accuracy}.items()}
+    return params, {k: float(v) for k, v in
+                    {**metrics, **copy_metrics, **accuracy, **exact}.items()}
+
+
+@contextmanager
+def warmup_log(workdir: str | Path):
+    """log(step, metrics) into the warm-up's own `workdir/warmup` (metrics.jsonl, TensorBoard,
+    then curves.png of the loss and the validation), on the SFT steps' axis: process 0's."""
+    folder = Path(workdir) / "warmup"
+    with closing(MetricsWriter(folder, enabled=is_leader())) as writer:
+        yield writer.write
+    if is_leader():
+        plot_curves(folder / "metrics.jsonl", folder / "curves.png",
+                    keys=("sft/loss", "sft/valid_exact/episode", "sft/valid_exact/replace_line",
+                          "sft/valid_exact/edit"))
+
+
+def _agent_validation(cfg: Config, graphdef, tokenizer, layout: Layout, progress, chunk: int,
+                      frozen):
+    """valid(params) -> {"sft/valid_exact/<tool>": the share of the validation demonstrations'
+    calls of that tool, "sft/valid_exact/episode": of whole demonstrations, whose every token
+    is the greedy prediction given the demonstration before it}. A copy the warm-up has not
+    learnt (a path from an import line, a value from the test output) fails its call here;
+    greedy decoding would replay an exact demonstration and pass. Rows go
+    `sft.batch_size` at a time (one compiled shape; the last group padded)."""
+    played = _agent_demonstrations(cfg, tokenizer, load_validation_tasks(cfg), progress,
+                                   recovery=False)
+    batch, calls = validation_rows(played)
+    n, rows = len(played), cfg.sft.batch_size
+    order = np.arange(-(-n // rows) * rows) % n  # repeats fill the last group
+
+    def valid(params) -> dict[str, float]:
+        misses = []
+        with layout.activations():
+            for lo in range(0, len(order), rows):
+                group = order[lo:lo + rows][layout.local_rows(rows)]
+                part = layout.batch(jax.tree.map(lambda x: np.asarray(x)[group], batch),
+                                    "sft.batch_size")
+                misses.append(np.asarray(layout.host_copy(
+                    greedy_misses(graphdef, params, part, chunk, frozen))))
+        return {f"sft/valid_exact/{k}": v for k, v in
+                call_exactness(np.concatenate(misses)[:n], calls).items()}
+
+    return valid
+
+
+def validation_rows(played: list[tuple[Trajectory, list, list[int]]]):
+    """(one row per played demonstration, unweighted, one length; per row the [start, end)
+    target positions and the tool of each call: position t predicts token t + 1)."""
+    length = max(len(t.tokens) for t, _, _ in played) - 1
+    batch = pack([t.tokens[:t.prompt_len] for t, _, _ in played],
+                 [t.tokens[t.prompt_len:] for t, _, _ in played], bucket=length,
+                 completion_masks=[t.policy_mask[t.prompt_len:] for t, _, _ in played])
+    calls = [[(a - 1, b - 1, call.name) for (a, b), call in
+              zip(action_spans(t.policy_mask), script, strict=True)] for t, script, _ in played]
+    return batch, calls
+
+
+def call_exactness(miss: np.ndarray, calls: list[list[tuple[int, int, str]]]) -> dict[str, float]:
+    """{tool: the share of its calls with no greedy miss ([B, T] `miss`) in their span,
+    "episode": the share of rows with none in any call}."""
+    exact: dict[str, list[bool]] = {}
+    for row, spans in zip(miss, calls, strict=True):
+        right = [(tool, not row[a:b].any()) for a, b, tool in spans]
+        for tool, ok in right:
+            exact.setdefault(tool, []).append(ok)
+        exact.setdefault("episode", []).append(all(ok for _, ok in right))
+    return {k: float(np.mean(v)) for k, v in sorted(exact.items())}
 
 
 def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
@@ -184,14 +270,16 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
     return draw, None, None
 
 
-def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=None):
+def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=None, *,
+                          recovery: bool = True):
     """(trajectory, scripted calls, positions of the wrong calls): one scripted, graded episode
     per task through the configured environment (turn budget raised to fit the ordinary
     script), `rewards.workers` at a time; a demonstration that fails or is cut is a config
-    error. `sft.recovery` of them (`recovers`) play `recovery_calls`, which must fit
-    `agent.max_turns`."""
+    error. With `recovery`, `sft.recovery` of them (`recovers`) play `recovery_calls`, which
+    must fit `agent.max_turns`."""
     edit_tool = demo_edit_tool(cfg)
-    scripts = [recovery_calls(task, edit_tool) if recover else (scripted_calls(task, edit_tool), [])
+    scripts = [recovery_calls(task, edit_tool) if recover and recovery
+               else (scripted_calls(task, edit_tool), [])
                for task, recover in zip(tasks, recovers(cfg, tasks))]
     longest = max((len(calls) for calls, wrong in scripts if wrong), default=0)
     if longest > cfg.agent.max_turns:
@@ -248,9 +336,9 @@ def run_sft(cfg: Config) -> Path:
     graphdef, weights = layout.split(model)
     params, frozen = split_trainable(weights)
     train_tasks, _ = run_tasks(cfg)  # an agent config's repository tasks, or single ones
-    with make_progress() as progress:
+    with make_progress() as progress, warmup_log(cfg.workdir) as log:
         params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress,
-                              chunk=logits_chunk(cfg, model), frozen=frozen)
+                              chunk=logits_chunk(cfg, model), frozen=frozen, log=log)
     # every process joins (one array at a time, into host memory); only process 0 writes
     params, frozen = layout.host_copy(params), layout.host_copy(frozen)
     out = Path(cfg.workdir) / "sft"

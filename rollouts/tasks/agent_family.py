@@ -328,9 +328,23 @@ def agent_task_splits(num_train: int, num_eval: int, seed: int = 0,
     held-out task is ever trained on; the held-out ones come from a disjoint seed."""
     train = [t for t in agent_family_tasks(num_train, seed, templates, names)
              if not _held_out(t.metadata["split_key"])]
-    # the first num_eval held-out tasks of the other seed (a fifth of its draws, so this ends)
-    held = (t for t in _generate(seed + 10_000, templates, names) if _held_out(t.metadata["split_key"]))
-    return train, list(itertools.islice(held, num_eval))
+    return train, list(itertools.islice(_held_out_draws(seed, templates, names), num_eval))
+
+
+def validation_tasks(num: int, num_eval: int, seed: int = 0,
+                     templates: Sequence[str] | None = None,
+                     names: str = "made_up") -> list[Task]:
+    """`num` held-out tasks that are not among `agent_task_splits`' `num_eval` held-out ones
+    (those that follow them): never trained on, and apart from the tasks a run is evaluated
+    on, so a warm-up may be watched (or stopped) on them."""
+    return list(itertools.islice(_held_out_draws(seed, templates, names), num_eval,
+                                 num_eval + num))
+
+
+def _held_out_draws(seed: int, templates: Sequence[str] | None, names: str) -> Iterator[Task]:
+    # the held-out tasks of another seed (a fifth of its draws, so a slice of them ends)
+    return (t for t in _generate(seed + 10_000, templates, names)
+            if _held_out(t.metadata["split_key"]))
 
 
 def parse_spec(spec: str) -> tuple[int, int] | None:

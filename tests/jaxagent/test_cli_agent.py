@@ -87,7 +87,8 @@ def test_agent_default_shortened_end_to_end(tmp_path):
                            "agent.eval_tasks=2", "sft.copy_steps=10", "sft.steps=30",
                            # the format first: 30 steps at the shipped fact weight (0.5)
                            # leave no valid call (the weight slows the format: docs/agent.md)
-                           "sft.fact_weight=0", "train.steps=2",
+                           "sft.fact_weight=0", "sft.valid_tasks=3", "sft.valid_every=15",
+                           "train.steps=2",
                            "train.prompts_per_step=2", "agent.episodes=4", "train.micro_batch=4",
                            "rl.group_size=2", "eval.samples=1", f"workdir={tmp_path}"],
                           check=True, env=env, capture_output=True, text=True)
@@ -97,6 +98,15 @@ def test_agent_default_shortened_end_to_end(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     warm = next(r for r in rows if "sft/loss" in r)  # the copy rows' stage ran first
     assert 0 < warm["sft/copy_loss"] < 10 and 0 < warm["sft/loss"] < 10
+    # the warm-up's own curves: each step's loss, the validation every 15 steps of the 30
+    sft_rows = read_metrics(tmp_path / "warmup" / "metrics.jsonl")
+    assert [r["step"] for r in sft_rows] == list(range(1, 41))
+    assert all("sft/copy_loss" in r for r in sft_rows[:10])
+    valid = [r for r in sft_rows if "sft/valid_exact/episode" in r]
+    assert [r["step"] for r in valid] == [25, 40] and (tmp_path / "warmup" / "curves.png").exists()
+    for key in ("episode", "run_tests", "read_file", "replace_line", "finish"):
+        assert 0 <= valid[-1][f"sft/valid_exact/{key}"] <= 1
+        assert warm[f"sft/valid_exact/{key}"] == valid[-1][f"sft/valid_exact/{key}"]
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:

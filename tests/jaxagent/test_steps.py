@@ -16,6 +16,7 @@ from jaxagent.steps import (
     TrainBatch,
     answer_accuracy,
     feedback_term,
+    greedy_misses,
     pack,
     pack_documents,
     pack_budget,
@@ -259,6 +260,8 @@ def test_answer_accuracy_in_chunks_counts_rows_whose_masked_targets_are_all_gree
                        sampler_logprobs=jnp.zeros((b, t)), advantages=jnp.zeros(b))
     for chunk in (0, 18):  # 3 positions a chunk, the last one padded
         assert float(answer_accuracy(graphdef, params, batch, chunk)) == pytest.approx(4 / 6)
+        np.testing.assert_array_equal(greedy_misses(graphdef, params, batch, chunk),
+                                      targets != greedy)
 
 
 def test_logits_chunks_bound_the_step_memory():

@@ -1,5 +1,6 @@
 """The agent warm-up's recovery demonstrations (`sft.recovery`): which tasks play them, what
-they play, and what of them carries loss."""
+they play, and what of them carries loss; its validation (`sft.valid_tasks`): which tokens each
+call's exactness reads."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 from jaxagent.config import ConfigError, load_config
 from jaxagent.tokenizer import ByteTokenizer
 from jaxagent.train.build import tool_env_factory
-from jaxagent.train.sft import _agent_demonstrations, _sft_data, recovers
+from jaxagent.train.sft import (_agent_demonstrations, _sft_data, call_exactness, recovers,
+                                validation_rows)
 from rollouts.agent.demos import demonstrate, scripted_calls
+from rollouts.agent.formats import make_format
 from rollouts.rewards import Scorer
 from rollouts.tasks.agent_family import agent_family_tasks, whole
 
@@ -87,3 +90,36 @@ def test_recovery_rows_carry_no_loss_on_the_wrong_edit_and_the_usual_loss_on_the
         assert whole([value]).search(TOK.decode(row[fix[0]:fix[1]]))
         assert not whole([value]).search(TOK.decode(row[guess[0]:guess[1]]))
     assert with_facts > 0.9 * len(batch.targets)
+
+
+def test_validation_rows_name_each_calls_target_tokens():
+    """Validation demonstrations: with `sft.recovery` 1 they still play the ordinary script,
+    and each call's span in the packed row holds exactly that call's rendered tokens."""
+    tasks = agent_family_tasks(3, seed=5, names="fixed")
+    played = _agent_demonstrations(_cfg("sft.recovery=1", "agent.max_turns=7"), TOK, tasks,
+                                   recovery=False)
+    batch, calls = validation_rows(played)
+    render = make_format("compact").render_call
+    targets = np.asarray(batch.targets)
+    assert targets.shape[0] == 3 and len({len(c) for c in calls}) > 1  # hidden_file: 2 reads
+    for row, (task, spans, (_, script, wrong)) in enumerate(zip(tasks, calls, played)):
+        assert wrong == [] and script == scripted_calls(task, "replace_line")
+        assert [tool for _, _, tool in spans] == [c.name for c in script]
+        for (a, b, _), call in zip(spans, script):
+            assert list(targets[row, a:b]) == TOK.encode(render(call)) + [TOK.eos_id]
+            assert np.asarray(batch.loss_mask)[row, a:b].all()
+
+
+def test_call_exactness_counts_calls_and_rows_without_a_miss():
+    calls = [[(0, 3, "run_tests"), (5, 9, "replace_line")],
+             [(0, 2, "run_tests"), (4, 6, "read_file"), (7, 12, "replace_line")]]
+    miss = np.zeros((2, 12), bool)
+    miss[0, 4] = miss[1, 6] = True  # between calls: counts for none
+    assert call_exactness(miss, calls) == {"episode": 1.0, "read_file": 1.0,
+                                           "replace_line": 1.0, "run_tests": 1.0}
+    miss[1, 11] = True  # the last token of the second row's edit
+    assert call_exactness(miss, calls) == {"episode": 0.5, "read_file": 1.0,
+                                           "replace_line": 0.5, "run_tests": 1.0}
+    miss[0, 0] = True
+    assert call_exactness(miss, calls)["episode"] == 0.0
+    assert call_exactness(miss, calls)["run_tests"] == 0.5

@@ -17,6 +17,7 @@ from rollouts.tasks.agent_family import (
     agent_task_splits,
     answer_leaks,
     parse_spec,
+    validation_tasks,
 )
 
 
@@ -58,6 +59,11 @@ def test_split_is_fixed_and_held_out_tasks_are_never_trained_on():
     bigger, _ = agent_task_splits(800, 20, seed=0)
     assert keys <= {t.metadata["split_key"] for t in bigger}
     assert {t.id for t in held}.isdisjoint(t.id for t in train)
+    # validation tasks: held out too, and none of the tasks a run is evaluated on
+    valid = validation_tasks(30, 20, seed=0)
+    assert len(valid) == 30 and not {t.metadata["split_key"] for t in valid} & keys
+    assert {t.id for t in valid}.isdisjoint(t.id for t in held)
+    assert validation_tasks(10, 0, seed=0) == held[:10]
 
 
 def test_spec():
