@@ -139,6 +139,8 @@ def validate(cfg: Config) -> Config:
          "tasks know a wrong guess (metadata['blind'])"),
         (cfg.sft.valid_tasks >= 0 and cfg.sft.valid_every >= 0, "sft.valid_tasks",
          "sft.valid_tasks and sft.valid_every must be >= 0"),
+        (0 <= cfg.sft.valid_stop <= 1 and (not cfg.sft.valid_stop or cfg.sft.valid_tasks),
+         "sft.valid_stop", "must be in [0, 1] and needs sft.valid_tasks (what it stops on)"),
         (not cfg.sft.valid_tasks or (cfg.sft.data == "agent" and cfg.agent.tasks.startswith(
             "embedded:")), "sft.valid_tasks",
          "needs sft.data: agent over the embedded family (agent.tasks: embedded:N), which "

@@ -94,6 +94,9 @@ class SFTConfig:
     # shows minutes into a warm-up whether it learnt to copy the facts the calls need
     valid_tasks: int = 0
     valid_every: int = 0
+    # stop the warm-up (before `steps`) at the first validation where this share of the
+    # validation demonstrations is exact throughout (0: never); `sft/steps` says when it stopped
+    valid_stop: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,9 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                 step += 1
                 row = {f"sft/{stage}_loss" if stage else "sft/loss": float(metrics["sft/loss"])}
                 last = not stage and step == copy_steps + steps
-                if valid is not None and not stage and (last or s.valid_every and (
-                        step - copy_steps) % s.valid_every == 0):
+                measured = valid is not None and not stage and (last or s.valid_every and (
+                    step - copy_steps) % s.valid_every == 0)
+                if measured:
                     exact = valid(params)
                     row.update(exact)
                 if log:
@@ -112,6 +113,10 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                     shown = (f" exact {exact['sft/valid_exact/episode']:.2f}" if exact else "")
                     progress.update(task_bar, advance=1, info=f"{stage} loss "
                                     f"{float(metrics['sft/loss']):.3f}{shown}".lstrip())
+                if measured and s.valid_stop and exact["sft/valid_exact/episode"] >= s.valid_stop:
+                    break  # the copy the calls need has formed (see SFTConfig.valid_stop)
+            if not stage and valid is not None:
+                exact = {**exact, "sft/steps": step - copy_steps}
             if stage and steps:
                 copy_metrics = {"sft/copy_loss": metrics["sft/loss"]}
         if eval_batch is not None:

@@ -108,6 +108,7 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     (["sft.recovery=0.5"], "sft.recovery: needs sft.data: agent over the embedded"),
     (["sft.valid_tasks=-1"], "sft.valid_tasks: sft.valid_tasks and sft.valid_every must be >= 0"),
     (["sft.valid_tasks=4"], "sft.valid_tasks: needs sft.data: agent over the embedded"),
+    (["sft.valid_stop=0.5"], "sft.valid_stop: must be in [0, 1] and needs sft.valid_tasks"),
     (["agent.enabled=true", "sft.data=agent", "sft.copy_steps=4", "sft.copy_batch_size=12"],
      "sft.copy_batch_size: the global batch (12 rows) does not split over the 8"),
     (["agent.enabled=true", "agent.episodes=0"], "agent.episodes: must be >= 1"),

@@ -123,3 +123,36 @@ def test_call_exactness_counts_calls_and_rows_without_a_miss():
     miss[0, 0] = True
     assert call_exactness(miss, calls)["episode"] == 0.0
     assert call_exactness(miss, calls)["run_tests"] == 0.5
+
+
+@pytest.mark.slow  # ~1 min: plays demonstrations, compiles a 1.5k-token SFT step
+def test_the_warm_up_stops_at_the_first_validation_that_reaches_valid_stop(monkeypatch):
+    """`sft.valid_stop`: the steps stop after the validation that reaches the share (here
+    the third, at step 6 of 10), each validation is logged, and `sft/steps` says where."""
+    import jax
+
+    from jaxagent.models import init_model
+    from jaxagent.models.adapters import split_trainable
+    from jaxagent.train import sft as sft_module
+    from sharding.layout import Layout
+
+    shares = iter([0.0, 0.25, 0.5, 1.0, 1.0])
+    monkeypatch.setattr(sft_module, "_agent_validation", lambda *a: lambda params: {
+        "sft/valid_exact/episode": next(shares)})
+    cfg = _cfg("sft.steps=10", "sft.batch_size=8", "sft.valid_tasks=2", "sft.valid_every=2",
+               "sft.valid_stop=0.5", "sft.fact_weight=0", "sft.redraw_facts=false",
+               "model.num_layers=1")
+    layout = Layout(cfg.mesh, cfg.sampler.mesh)
+    graphdef, weights = layout.split(init_model(cfg.model, seed=0))
+    params, _ = split_trainable(weights)
+    logged = []
+    before = jax.tree.leaves(params)[0].copy()
+    params, metrics = sft_module.sft(cfg, graphdef, params, TOK,
+                                     agent_family_tasks(2, seed=3, names="fixed"), layout,
+                                     log=lambda step, row: logged.append((step, row)))
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 5, 6]
+    assert [row["sft/valid_exact/episode"] for step, row in logged if step % 2 == 0] == [
+        0.0, 0.25, 0.5]
+    assert metrics["sft/steps"] == 6 and metrics["sft/valid_exact/episode"] == 0.5
+    assert all(0 < row["sft/loss"] < 10 for _, row in logged)
+    assert not np.array_equal(jax.tree.leaves(params)[0], before)
