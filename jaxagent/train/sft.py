@@ -147,9 +147,10 @@ def _agent_validation(cfg: Config, graphdef, tokenizer, layout: Layout, progress
     learnt (a path from an import line, a value from the test output) fails its call here;
     greedy decoding would replay an exact demonstration and pass. Rows go
     `sft.batch_size` at a time (one compiled shape; the last group padded)."""
-    played = _agent_demonstrations(cfg, tokenizer, load_validation_tasks(cfg), progress,
-                                   recovery=False)
+    tasks = load_validation_tasks(cfg)
+    played = _agent_demonstrations(cfg, tokenizer, tasks, progress, recovery=False)
     batch, calls = validation_rows(played)
+    families = [t.metadata.get("family", "") for t in tasks]
     n, rows = len(played), cfg.sft.batch_size
     order = np.arange(-(-n // rows) * rows) % n  # repeats fill the last group
 
@@ -163,7 +164,7 @@ def _agent_validation(cfg: Config, graphdef, tokenizer, layout: Layout, progress
                 misses.append(np.asarray(layout.host_copy(
                     greedy_misses(graphdef, params, part, chunk, frozen))))
         return {f"sft/valid_exact/{k}": v for k, v in
-                call_exactness(np.concatenate(misses)[:n], calls).items()}
+                call_exactness(np.concatenate(misses)[:n], calls, families).items()}
 
     return valid
 
@@ -180,15 +181,20 @@ def validation_rows(played: list[tuple[Trajectory, list, list[int]]]):
     return batch, calls
 
 
-def call_exactness(miss: np.ndarray, calls: list[list[tuple[int, int, str]]]) -> dict[str, float]:
+def call_exactness(miss: np.ndarray, calls: list[list[tuple[int, int, str]]],
+                   groups: list[str] | None = None) -> dict[str, float]:
     """{tool: the share of its calls with no greedy miss ([B, T] `miss`) in their span,
-    "episode": the share of rows with none in any call}."""
+    "episode": the share of rows with none in any call, and "episode/<group>" the same over
+    the rows of each of `groups` (a label per row: the task's template)}."""
     exact: dict[str, list[bool]] = {}
-    for row, spans in zip(miss, calls, strict=True):
+    for i, (row, spans) in enumerate(zip(miss, calls, strict=True)):
         right = [(tool, not row[a:b].any()) for a, b, tool in spans]
         for tool, ok in right:
             exact.setdefault(tool, []).append(ok)
-        exact.setdefault("episode", []).append(all(ok for _, ok in right))
+        whole = all(ok for _, ok in right)
+        exact.setdefault("episode", []).append(whole)
+        if groups is not None:
+            exact.setdefault(f"episode/{groups[i]}", []).append(whole)
     return {k: float(np.mean(v)) for k, v in sorted(exact.items())}
 
 

@@ -120,6 +120,9 @@ def test_call_exactness_counts_calls_and_rows_without_a_miss():
     miss[1, 11] = True  # the last token of the second row's edit
     assert call_exactness(miss, calls) == {"episode": 0.5, "read_file": 1.0,
                                            "replace_line": 0.5, "run_tests": 1.0}
+    assert call_exactness(miss, calls, ["constant", "hidden_file"]) == {
+        "episode": 0.5, "episode/constant": 1.0, "episode/hidden_file": 0.0, "read_file": 1.0,
+        "replace_line": 0.5, "run_tests": 1.0}
     miss[0, 0] = True
     assert call_exactness(miss, calls)["episode"] == 0.0
     assert call_exactness(miss, calls)["run_tests"] == 0.5
