@@ -88,6 +88,7 @@ def test_agent_default_shortened_end_to_end(tmp_path):
                            # the format first: 30 steps at the shipped fact weight (0.5)
                            # leave no valid call (the weight slows the format: docs/agent.md)
                            "sft.fact_weight=0", "sft.valid_tasks=3", "sft.valid_every=15",
+                           "sft.valid_stop=0",
                            "train.steps=2",
                            "train.prompts_per_step=2", "agent.episodes=4", "train.micro_batch=4",
                            "rl.group_size=2", "eval.samples=1", f"workdir={tmp_path}"],
