@@ -159,10 +159,14 @@ def _check_survives(tmp_path, uninterrupted, kills, seed):
     before its kill: then a fresh run takes the rest), checking every finished run against the
     uninterrupted one; the kills survived."""
     uninterrupted, span = uninterrupted
-    landed = 0
+    landed, attempt = 0, 0
     while landed < kills:
-        workdir = tmp_path / f"run{landed}"
-        landed += _run_with_kills(workdir, kills - landed, seed + landed, span)
+        # a fresh workdir and seed each round: a round whose run finished before its kill (the
+        # machine got faster than when `span` was measured) would otherwise replay the same
+        # kill times on the finished run, forever
+        workdir = tmp_path / f"run{attempt}"
+        landed += _run_with_kills(workdir, kills - landed, seed + 1000 * attempt, span)
+        attempt += 1
         got = _record(workdir)
         losses, evals, logged = got
         assert [s for s, *_ in losses] == [1, 2, 3, 4] and [s for s, _ in evals] == [0, 2, 4]
