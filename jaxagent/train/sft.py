@@ -150,6 +150,7 @@ def _agent_validation(cfg: Config, graphdef, tokenizer, layout: Layout, progress
     tasks = load_validation_tasks(cfg)
     played = _agent_demonstrations(cfg, tokenizer, tasks, progress, recovery=False)
     batch, calls = validation_rows(played)
+    batch = jax.tree.map(np.asarray, batch)  # on the host once: each validation slices it
     families = [t.metadata.get("family", "") for t in tasks]
     n, rows = len(played), cfg.sft.batch_size
     order = np.arange(-(-n // rows) * rows) % n  # repeats fill the last group
@@ -159,8 +160,7 @@ def _agent_validation(cfg: Config, graphdef, tokenizer, layout: Layout, progress
         with layout.activations():
             for lo in range(0, len(order), rows):
                 group = order[lo:lo + rows][layout.local_rows(rows)]
-                part = layout.batch(jax.tree.map(lambda x: np.asarray(x)[group], batch),
-                                    "sft.batch_size")
+                part = layout.batch(jax.tree.map(lambda x: x[group], batch), "sft.batch_size")
                 misses.append(np.asarray(layout.host_copy(
                     greedy_misses(graphdef, params, part, chunk, frozen))))
         return {f"sft/valid_exact/{k}": v for k, v in
