@@ -131,6 +131,10 @@ def validate(cfg: Config) -> Config:
          "tasks know their facts"),
         (cfg.sft.fact_weight >= 0 and (not cfg.sft.fact_weight or cfg.sft.redraw_facts),
          "sft.fact_weight", "must be >= 0 and needs sft.redraw_facts (the facts it weighs)"),
+        (cfg.sft.observation_weight >= 0 and (not cfg.sft.observation_weight
+                                              or cfg.sft.data == "agent"),
+         "sft.observation_weight", "must be >= 0 and needs sft.data: agent (the demonstrations' "
+         "tool output it weighs)"),
         (0 <= cfg.sft.recovery <= 1, "sft.recovery", "must be in [0, 1] (the share of "
          "demonstrations that recover from a wrong edit)"),
         (not cfg.sft.recovery or (cfg.sft.data == "agent" and cfg.agent.tasks.startswith(

@@ -83,6 +83,11 @@ class SFTConfig:
     # agent only: extra loss weight on each action token that spells a redrawn fact (a turn's
     # tokens share weight 1, so a two-digit value would otherwise weigh ~1/100 of an edit)
     fact_weight: float = 0.0
+    # agent only: loss weight per token on what the environment wrote (prompt and tool
+    # output; 0: actions only). A byte model starts with no copying circuit, and the outputs
+    # repeat their own paths, names and values (pytest prints a failing value three times), so
+    # predicting them trains the lookup the actions' copies need (docs/agent.md, eleventh session)
+    observation_weight: float = 0.0
     # agent only: this share of the demonstrations (drawn per task from the seed) first make
     # the task's blind guess, see the tests fail, then fix it (rollouts.agent.demos.
     # recovery_calls); no loss on the wrong edit. Needs agent.max_turns for the longer script

@@ -212,9 +212,10 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
         length = max(len(t.tokens) for t in demos) - 1 + (32 if s.redraw_facts else 0)
 
         def demo(i, rng):
-            """A demonstration (facts drawn afresh) and its loss weights over the completion:
-            each turn weighs 1 (a recovery's wrong edits 0), and each token spelling a fact
-            `sft.fact_weight` more."""
+            """A demonstration (facts drawn afresh) and its loss weights over every token but
+            the first: each turn weighs 1 (a recovery's wrong edits 0), each token spelling a
+            fact `sft.fact_weight` more, each prompt or tool output token
+            `sft.observation_weight`."""
             (traj, _, wrong), mapping = played[i], {}
             if s.redraw_facts:
                 draw_facts = redraw_recovery if wrong else redraw
@@ -227,13 +228,16 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
             if s.fact_weight:
                 facts = fact_tokens(traj, mapping, tokenizer)
                 weights = [w + s.fact_weight * f for w, f in zip(weights, facts)]
-            return traj, weights[traj.prompt_len:]
+            if s.observation_weight:
+                weights = [w if m else s.observation_weight
+                           for w, m in zip(weights, traj.policy_mask)]
+            return traj, weights[1:]
 
         def draw(rng):
             rows = [demo(i, rng) for i in rng.integers(0, len(demos), s.batch_size)]
-            return pack([t.tokens[:t.prompt_len] for t, _ in rows],
-                        [t.tokens[t.prompt_len:] for t, _ in rows], bucket=length,
-                        completion_masks=[w for _, w in rows])
+            # the first token (BOS) is never a target: the rest is weighed by `demo`
+            return pack([t.tokens[:1] for t, _ in rows], [t.tokens[1:] for t, _ in rows],
+                        bucket=length, completion_masks=[w for _, w in rows])
 
         if not s.copy_steps:
             return draw, None, None

@@ -103,6 +103,8 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     (["sft.copy_steps=-1"], "sft.copy_steps: must be >= 0"),
     (["sft.copy_steps=4"], "sft.copy_steps: needs sft.data: agent and sft.steps > 0"),
     (["sft.redraw_facts=true"], "sft.redraw_facts: needs sft.data: agent over the embedded"),
+    (["sft.observation_weight=0.1"], "sft.observation_weight: must be >= 0 and needs sft.data"),
+    (["sft.observation_weight=-1", "sft.data=agent"], "sft.observation_weight: must be >= 0"),
     (["sft.recovery=1.5"], "sft.recovery: must be in [0, 1]"),
     (["sft.recovery=-0.1"], "sft.recovery: must be in [0, 1]"),
     (["sft.recovery=0.5"], "sft.recovery: needs sft.data: agent over the embedded"),

@@ -92,6 +92,29 @@ def test_recovery_rows_carry_no_loss_on_the_wrong_edit_and_the_usual_loss_on_the
     assert with_facts > 0.9 * len(batch.targets)
 
 
+def test_observation_weight_weighs_every_token_the_environment_wrote():
+    """`sft.observation_weight`: the prompt and every tool output weigh that much a token (the
+    BOS, never a target, nothing); the actions keep their turn weights, the same as without."""
+    tasks = agent_family_tasks(2, seed=5, names="fixed", templates=["constant", "hidden_file"])
+    base = ["sft.batch_size=6", "sft.fact_weight=0"]
+    plain, _, _ = _sft_data(_cfg(*base), TOK, tasks)
+    weighed, _, _ = _sft_data(_cfg(*base, "sft.observation_weight=0.02"), TOK, tasks)
+    a, b = plain(np.random.default_rng(4)), weighed(np.random.default_rng(4))
+    np.testing.assert_array_equal(a.targets, b.targets)
+    played = {tuple(t.tokens[1:]): t for t, _, _ in _agent_demonstrations(_cfg(), TOK, tasks)}
+    for row, plain_w, w in zip(np.asarray(a.targets), np.asarray(a.loss_mask),
+                               np.asarray(b.loss_mask)):
+        traj = next(t for key, t in played.items() if tuple(row[:len(key)]) == key)
+        n = len(traj.tokens) - 1
+        policy = np.asarray(traj.policy_mask[1:])
+        assert policy.sum() and (~policy).sum() > 300  # a prompt and tool outputs
+        np.testing.assert_allclose(w[:n][policy], plain_w[:n][policy])
+        np.testing.assert_allclose(w[:n][~policy], 0.02)
+        assert not plain_w[:n][~policy].any() and not w[n:].any()  # padding: nothing
+        calls = np.diff(np.concatenate([[0], policy.astype(int)])).clip(0).sum()
+        assert calls >= 5 and sum(plain_w) == pytest.approx(calls, rel=1e-5)  # 1 a call
+
+
 def test_validation_rows_name_each_calls_target_tokens():
     """Validation demonstrations: with `sft.recovery` 1 they still play the ordinary script,
     and each call's span in the packed row holds exactly that call's rendered tokens."""
