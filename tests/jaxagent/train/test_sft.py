@@ -96,15 +96,18 @@ def test_observation_weight_weighs_every_token_the_environment_wrote():
     """`sft.observation_weight`: the prompt and every tool output weigh that much a token (the
     BOS, never a target, nothing); the actions keep their turn weights, the same as without."""
     tasks = agent_family_tasks(2, seed=5, names="fixed", templates=["constant", "hidden_file"])
-    base = ["sft.batch_size=6", "sft.fact_weight=0"]
+    # facts as played, so each row is one of the played demonstrations token for token
+    base = ["sft.batch_size=8", "sft.fact_weight=0", "sft.redraw_facts=false"]
     plain, _, _ = _sft_data(_cfg(*base), TOK, tasks)
     weighed, _, _ = _sft_data(_cfg(*base, "sft.observation_weight=0.02"), TOK, tasks)
     a, b = plain(np.random.default_rng(4)), weighed(np.random.default_rng(4))
     np.testing.assert_array_equal(a.targets, b.targets)
     played = {tuple(t.tokens[1:]): t for t, _, _ in _agent_demonstrations(_cfg(), TOK, tasks)}
+    seen = set()
     for row, plain_w, w in zip(np.asarray(a.targets), np.asarray(a.loss_mask),
                                np.asarray(b.loss_mask)):
-        traj = next(t for key, t in played.items() if tuple(row[:len(key)]) == key)
+        key, traj = next((k, t) for k, t in played.items() if tuple(row[:len(k)]) == k)
+        seen.add(key)
         n = len(traj.tokens) - 1
         policy = np.asarray(traj.policy_mask[1:])
         assert policy.sum() and (~policy).sum() > 300  # a prompt and tool outputs
@@ -113,6 +116,7 @@ def test_observation_weight_weighs_every_token_the_environment_wrote():
         assert not plain_w[:n][~policy].any() and not w[n:].any()  # padding: nothing
         calls = np.diff(np.concatenate([[0], policy.astype(int)])).clip(0).sum()
         assert calls >= 5 and sum(plain_w) == pytest.approx(calls, rel=1e-5)  # 1 a call
+    assert len(seen) == 2  # rows of both templates
 
 
 def test_validation_rows_name_each_calls_target_tokens():
