@@ -221,16 +221,15 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
                 draw_facts = redraw_recovery if wrong else redraw
                 mapping = draw_facts(tasks[i], random.Random(int(rng.integers(2**63))))
                 traj = substitute_trajectory(traj, mapping, tokenizer)
+            acted = traj.policy_mask  # every action, a wrong edit too: not the environment's
             if wrong:  # after the substitution, which re-encodes each masked run as one text
-                traj = dataclasses.replace(traj, policy_mask=without_actions(traj.policy_mask,
-                                                                             wrong))
+                traj = dataclasses.replace(traj, policy_mask=without_actions(acted, wrong))
             weights = turn_weights(traj.policy_mask)
             if s.fact_weight:
                 facts = fact_tokens(traj, mapping, tokenizer)
                 weights = [w + s.fact_weight * f for w, f in zip(weights, facts)]
             if s.observation_weight:
-                weights = [w if m else s.observation_weight
-                           for w, m in zip(weights, traj.policy_mask)]
+                weights = [w if m else s.observation_weight for w, m in zip(weights, acted)]
             return traj, weights[1:]
 
         def draw(rng):

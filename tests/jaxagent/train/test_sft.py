@@ -119,6 +119,21 @@ def test_observation_weight_weighs_every_token_the_environment_wrote():
     assert len(seen) == 2  # rows of both templates
 
 
+def test_observation_weight_leaves_a_recoverys_wrong_edit_without_loss():
+    tasks = agent_family_tasks(1, seed=3, names="fixed", templates=["constant"])
+    cfg = _cfg("sft.recovery=1", "agent.max_turns=7", "sft.batch_size=2",
+               "sft.observation_weight=0.02")
+    draw, _, _ = _sft_data(cfg, TOK, tasks)
+    batch = draw(np.random.default_rng(0))
+    edit = TOK.encode("@replace_line ")
+    for row, weights in zip(np.asarray(batch.targets), np.asarray(batch.loss_mask)):
+        row = list(row)
+        guess = next(i for i in range(len(row)) if row[i:i + len(edit)] == edit)
+        end = row.index(TOK.eos_id, guess) + 1
+        assert not weights[guess:end].any()  # neither a turn's weight nor the observations'
+        assert weights[guess - 1] == pytest.approx(0.02)  # the tool output before it
+
+
 def test_validation_rows_name_each_calls_target_tokens():
     """Validation demonstrations: with `sft.recovery` 1 they still play the ordinary script,
     and each call's span in the packed row holds exactly that call's rendered tokens."""
