@@ -11,6 +11,7 @@ from jaxagent.rl.advantages import (
     masked_advantages,
     overlong_penalty,
     rloo_advantages,
+    scale_negatives,
 )
 from jaxagent.rl.feedback import feedback_loss, token_kl
 from jaxagent.rl.losses import (
@@ -41,6 +42,7 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "rloo_advantages",
+    "scale_negatives",
     "sequence_sums",
     "token_kl",
     "token_logprobs",

@@ -116,6 +116,24 @@ def group_has_signal(rewards, valid=None, *, eps=1e-6):
     return ((n >= 2) & ~_all_equal(r, v) & (_masked_std(centered, n) > eps))[..., 0]
 
 
+def scale_negatives(advantages, scale):
+    """Negative advantages times `scale`, positive ones as they are:
+
+        A'_i = A_i          if A_i >= 0
+        A'_i = scale * A_i  otherwise
+
+    scale 1: unchanged; 0: positive-sample reinforcement only (PSR, Zhu et al. 2025, arXiv
+    2506.01347: the policy's better-than-its-group samples made likelier, its worse ones left
+    alone, which raises pass@1 fastest and pass@k least). A failing episode of a tiny policy
+    shares most of its tokens (the call format) with the passing ones, and a full negative
+    advantage pushes those down too; a scale below 1 leaves them less pushed.
+
+    advantages: any shape; scale: a float >= 0 -> same shape and dtype.
+    """
+    advantages = jnp.asarray(advantages)
+    return jnp.where(advantages < 0, scale * advantages, advantages)
+
+
 def overlong_penalty(lengths, *, max_len, buffer_len, penalty=1.0):
     """DAPO soft overlong punishment, added to the task reward.
 

@@ -22,6 +22,9 @@ class RLConfig:
     clip_high: float | None = None  # 0.2; dapo 0.28 (clip-higher)
     # token-mean; dr_grpo: seq-mean-token-sum-norm (over train.max_new_tokens)
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
+    # Negative advantages times this (jaxagent.rl.scale_negatives): 1 = the algorithm's own;
+    # 0 = only the better-than-group episodes reinforced (PSR), any algorithm
+    negative_scale: float = 1.0
     kl_coef: float = 0.0  # > 0 keeps a frozen reference copy
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_clamp: float = 0.0  # > 0 bounds each token's KL estimate to [-kl_clamp, kl_clamp]; 0 = off

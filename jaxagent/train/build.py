@@ -187,6 +187,8 @@ def validate(cfg: Config) -> Config:
         (r.clip_ratio_c == 0 or r.clip_ratio_c > 1, "rl.clip_ratio_c",
          "must be > 1 (dual-clip), or 0 for off"),
         (r.kl_clamp >= 0, "rl.kl_clamp", "must be > 0, or 0 for off"),
+        (r.negative_scale >= 0, "rl.negative_scale",
+         "must be >= 0 (1: the algorithm's advantages; 0: positive ones only)"),
         (r.ppo_epochs >= 1, "rl.ppo_epochs", "must be >= 1"),
         (r.refill_draws >= 0, "rl.refill_draws", "must be >= 0"),
         (not r.refill_draws or r.drop_zero_variance_groups,

@@ -394,7 +394,8 @@ def compute_advantages(r: RLConfig, batch: RolloutBatch, max_new_tokens: int):
     A rollout whose environment failed (infrastructure, not the policy) has no reward: it is
     masked out, and its group's advantages are computed over the group's other members. With
     `rl.drop_zero_variance_groups` (DAPO's dynamic sampling) a group without signal is dropped;
-    with `rl.overlong_buffer`, long completions are penalised first (DAPO's overlong shaping).
+    with `rl.overlong_buffer`, long completions are penalised first (DAPO's overlong shaping);
+    `rl.negative_scale` scales the negative advantages last.
     """
     rewards, valid = batch.rewards(), batch.valid()
     if r.overlong_buffer:
@@ -404,6 +405,8 @@ def compute_advantages(r: RLConfig, batch: RolloutBatch, max_new_tokens: int):
             penalty=r.overlong_penalty))
     advantages = rl.masked_advantages(rewards, valid, baseline=r.baseline,
                                       normalize_std=r.normalize_std)
+    if r.negative_scale != 1:
+        advantages = rl.scale_negatives(advantages, r.negative_scale)
     keep = (np.asarray(rl.group_has_signal(rewards, valid)) if r.drop_zero_variance_groups
             else np.ones(len(rewards), bool))
     return np.asarray(advantages).reshape(-1), np.repeat(keep, batch.group_size) & valid.reshape(-1)

@@ -88,6 +88,7 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
 @pytest.mark.parametrize("overrides, message", [
     (["train.micro_batch=5"], "train.micro_batch: must divide the batch"),
     (["rl.group_size=1"], "rl.group_size: must be >= 2"),
+    (["rl.negative_scale=-0.5"], "rl.negative_scale: must be >= 0"),
     (["train.logits_chunk_mib=-1"], "train.logits_chunk_mib: must be >= 0"),
     (["eval.k=[1, 8]"], "eval.k: needs eval.samples >= max(k)"),
     (["tasks.source=jsonl"], "tasks.path: required for jsonl"),
@@ -314,6 +315,26 @@ def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
     want[1, [1, 3]] = reference([1.0, 0.75])
     np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-5, atol=1e-6)
     assert keep.tolist() == [(g, i) not in failed for g in range(2) for i in range(4)]
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.3])
+def test_negative_scale_scales_the_negative_advantages_only(scale):
+    """rl.negative_scale on RLOO advantages of fractional rewards, against float64 by hand."""
+    from jaxagent.rl.config import RLConfig
+    from jaxagent.train.build import expand_algorithm
+    from jaxagent.train.loop import compute_advantages
+    from rollouts.producer import Rollout, RolloutBatch
+
+    rewards = np.random.default_rng(3).choice([0.0, 0.2, 0.6, 1.0], size=(3, 5))
+    rewards[1] = 0.6  # no signal: 0 whatever the scale
+    batch = RolloutBatch(0, 5, [Rollout("t", [1], [2], [True], [-1.0], "", r, "passed", "stop", 0)
+                                for r in rewards.reshape(-1)], {})
+    cfg = expand_algorithm(RLConfig(algorithm="rloo", group_size=5, negative_scale=scale))
+    adv, keep = compute_advantages(cfg, batch, 8)
+    loo = rewards - (rewards.sum(-1, keepdims=True) - rewards) / 4
+    want = np.where(loo < 0, scale * loo, loo).reshape(-1)
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+    assert (adv > 0).sum() == (loo > 1e-9).sum() > 0 and keep.all()
 
 
 def test_validation_expands_the_algorithm_and_an_explicit_key_wins():

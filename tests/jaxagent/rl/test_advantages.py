@@ -11,6 +11,7 @@ from jaxagent.rl import (
     masked_advantages,
     overlong_penalty,
     rloo_advantages,
+    scale_negatives,
 )
 
 N, G = 5, 7  # groups, group size: distinct odd sizes so a transposed axis cannot pass
@@ -252,3 +253,15 @@ def test_masked_advantages_and_signal_on_random_batches(seed):
 def test_masked_advantages_rejects_an_unknown_baseline():
     with pytest.raises(ValueError, match="baseline"):
         masked_advantages(jnp.zeros((2, 3)), np.ones((2, 3)), baseline="median")
+
+
+def test_scale_negatives_against_a_loop():
+    rng = np.random.default_rng(11)
+    adv = rng.normal(size=(N, G)).astype(np.float32)
+    adv[2, :3] = 0.0
+    for scale in (0.0, 0.25, 1.0, 2.0):
+        want = np.array([[a * scale if a < 0 else a for a in row] for row in adv.tolist()])
+        got = jax.jit(scale_negatives)(adv, scale)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.array_equal(scale_negatives(adv, 1.0), adv)
