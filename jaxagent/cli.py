@@ -92,11 +92,12 @@ def _cmd_agent(args) -> int:
                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         stop_token_ids=tokenizer.stop_ids, seed=cfg.seed)
     n = args.episodes or len(tasks)
+    episodes = [tasks[i % len(tasks)] for i in range(n)]
     with make_scorer(cfg) as scorer:
         make_env = tool_env_factory(cfg, tokenizer, scorer)
         envs = [make_env() for _ in range(a.episodes)]
         try:
-            trajs = run_episodes(cont, envs, [tasks[i % len(tasks)] for i in range(n)])
+            trajs = run_episodes(cont, envs, episodes)
         finally:
             for env in envs:
                 env.close()
@@ -105,7 +106,7 @@ def _cmd_agent(args) -> int:
             f.writelines(json.dumps({"task_id": t.task_id, "reward": t.reward, "info": t.info,
                                      "text": tokenizer.decode(t.tokens[t.prompt_len:])}) + "\n"
                          for t in trajs)
-    for key, value in agent_metrics(trajs).items():
+    for key, value in agent_metrics(trajs, [t.metadata.get("family", "") for t in episodes]).items():
         print(f"{key}\t{value:g}")
     return 0
 

@@ -15,7 +15,8 @@ def ran_tests_before_finish(info: dict) -> bool:
     return "run_tests" in order[:end]
 
 
-def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+def agent_metrics(trajs: Sequence[Trajectory],
+                  families: Sequence[str] | None = None) -> dict[str, float]:
     """turns_mean, tool_calls (total and per tool), bad_tool_calls, truncated, masked,
     test_edit_attempts, hack, reward_mean and pass_rate, solved_tested_first (the share of
     passed episodes that ran the tests before finishing; 0 with none passed), lookup_flags (tool calls that went
@@ -57,6 +58,11 @@ def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
                 out[f"agent/reward_mean_{where}"] = sum(t.reward for t in group) / len(group)
                 out[f"agent/pass_rate_{where}"] = sum(bool(t.info.get("passed"))
                                                       for t in group) / len(group)
+    by_family: dict[str, list[bool]] = {}
+    for t, family in zip(trajs, families or [""] * n, strict=True):
+        if family:
+            by_family.setdefault(family, []).append(bool(t.info.get("passed")))
+    out.update({f"agent/pass_rate/{f}": sum(p) / len(p) for f, p in sorted(by_family.items())})
     out.update({f"agent/tool_calls/{name}": float(k) for name, k in sorted(calls.items())})
     out.update({f"agent/lookup_flags/{kind}": float(k) for kind, k in sorted(lookups.items())})
     return out

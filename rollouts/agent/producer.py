@@ -91,7 +91,8 @@ class AgentRolloutProducer:
                 r.flagged = flagged_turns(t, self.feedback_detectors)
         # Tools and grading run inside the episodes: all of it counts as generation time, of
         # which time/tools_s was spent in the environments.
-        stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0), **agent_metrics(trajs),
+        stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0), **agent_metrics(trajs, [
+            t.metadata.get("family", "") for t in tasks for _ in range(self.group_size)]),
                  "time/tools_s": timing["tools_s"]}
         batch: Future = Future()
         batch.set_result(RolloutBatch(version, self.group_size, rollouts, stats))

@@ -43,8 +43,14 @@ def test_agent_eval_plays_held_out_episodes_and_reports_pass_at_k(tmp_path, caps
                 "eval/agent/test_edit_attempts", "eval/agent/solved_tested_first"):
         assert key in scores, key
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    held = {t.id for t in load_agent_splits(load_config("configs/agent_tiny.yaml", FAST))[1]}
-    assert len(rows) == 4 and {r["task_id"] for r in rows} == held  # 2 episodes of each
+    family = {t.id: t.metadata["family"]
+              for t in load_agent_splits(load_config("configs/agent_tiny.yaml", FAST))[1]}
+    assert len(rows) == 4 and {r["task_id"] for r in rows} == set(family)  # 2 episodes of each
+    by_family = defaultdict(list)  # the pass rate of each template drawn
+    for r in rows:
+        by_family[family[r["task_id"]]].append(r["solved"])
+    assert {k: v for k, v in scores.items() if k.startswith("eval/agent/pass_rate/")} == {
+        f"eval/agent/pass_rate/{f}": pytest.approx(sum(v) / len(v)) for f, v in by_family.items()}
     assert scores["eval/agent/episodes"] == 4
     # every episode ends by finishing or at the turn limit, and the metrics say which
     assert all(1 <= r["turns"] <= 2 for r in rows)

@@ -1,4 +1,5 @@
-"""Agent metrics over finished episodes: the reverse curriculum's split by start state."""
+"""Agent metrics over finished episodes: the reverse curriculum's split by start state, the
+pass rate by task family."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def test_metrics_split_episodes_started_after_scripted_calls_from_those_from_the
     unprefixed = agent_metrics(trajs[3:])  # no curriculum: no split keys
     assert not [k for k in unprefixed if "prefix" in k or "from_start" in k]
     assert "agent/pass_rate_from_start" not in agent_metrics(trajs[:3])
+
+
+def test_pass_rate_by_family():
+    trajs = [_episode(r, 0) for r in (1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0)]
+    families = ["constant", "constant", "exception", "exception", "exception", "", "edge_case"]
+    m = agent_metrics(trajs, families)
+    assert m["agent/pass_rate/constant"] == pytest.approx(1 / 2)
+    assert m["agent/pass_rate/exception"] == pytest.approx(2 / 3)
+    assert m["agent/pass_rate/edge_case"] == 0.0
+    assert len([k for k in m if k.startswith("agent/pass_rate/")]) == 3  # none for ""
+    assert not [k for k in agent_metrics(trajs) if k.startswith("agent/pass_rate/")]
+    with pytest.raises(ValueError):
+        agent_metrics(trajs, families[:-1])
