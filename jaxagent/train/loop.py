@@ -327,6 +327,9 @@ def step_row(step: int, batch: RolloutBatch, timing: dict, update_metrics: dict,
     sampling_s = batch.stats["time/generate_s"] + batch.stats["time/reward_s"]
     return {**batch.stats, **update_metrics, **timing,
             "rollout/kept_fraction": float(keep.mean()),
+            # Share of the groups whose rewards differ: the only ones with an advantage.
+            "rollout/signal_fraction": float(np.mean(rl.group_has_signal(batch.rewards(),
+                                                                         batch.valid()))),
             "rollout/staleness": step - batch.version,
             # Share of this batch's sampling and scoring the trainer did not wait for.
             "rollout/overlap": 1 - min(1.0, timing["time/wait_s"] / max(sampling_s, 1e-9)),

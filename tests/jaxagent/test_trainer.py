@@ -317,6 +317,23 @@ def test_infrastructure_failures_are_left_out_of_the_advantages(algorithm):
     assert keep.tolist() == [(g, i) not in failed for g in range(2) for i in range(4)]
 
 
+def test_step_row_counts_the_groups_whose_rewards_differ():
+    from jaxagent.train.loop import step_row
+    from rollouts.producer import INFRA_ERROR, Rollout, RolloutBatch
+
+    # signal: differing rewards; none: all equal, or equal over the scored members only
+    rewards = [[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.2, 0.2, 0.7], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
+    failed = {(3, 1), (4, 2)}
+    batch = RolloutBatch(0, 3, [
+        Rollout("t", [1], [2], [True], [-1.0], "", r,
+                INFRA_ERROR if (g, i) in failed else "passed", "stop", 0)
+        for g, row in enumerate(rewards) for i, r in enumerate(row)],
+        {"time/generate_s": 1.0, "time/reward_s": 0.0})
+    row = step_row(1, batch, {"time/wait_s": 0.0}, {}, np.ones(15, bool), t0=0.0, train_s=0.0,
+                   sync_s=0.0)
+    assert row["rollout/signal_fraction"] == pytest.approx(2 / 5)
+
+
 @pytest.mark.parametrize("scale", [0.0, 0.3])
 def test_negative_scale_scales_the_negative_advantages_only(scale):
     """rl.negative_scale on RLOO advantages of fractional rewards, against float64 by hand."""
