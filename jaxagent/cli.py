@@ -106,7 +106,7 @@ def _cmd_agent(args) -> int:
             f.writelines(json.dumps({"task_id": t.task_id, "reward": t.reward, "info": t.info,
                                      "text": tokenizer.decode(t.tokens[t.prompt_len:])}) + "\n"
                          for t in trajs)
-    for key, value in agent_metrics(trajs, [t.metadata.get("family", "") for t in episodes]).items():
+    for key, value in agent_metrics(trajs, episodes).items():
         print(f"{key}\t{value:g}")
     return 0
 

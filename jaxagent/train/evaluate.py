@@ -98,7 +98,7 @@ def evaluate_agent(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, tas
     scores = mean_pass_at_k([(t.task_id, solved(t)) for t in trajs],
                             [k for k in ks if k <= samples])
     out = {f"eval/pass@{k}": v for k, v in scores.items()}
-    metrics = agent_metrics(trajs, [t.metadata.get("family", "") for t in episodes])
+    metrics = agent_metrics(trajs, episodes)
     out.update({f"eval/{k}": v for k, v in metrics.items()})
     calls = metrics["agent/tool_calls"]
     out.update({f"eval/agent/tool_share/{k.rsplit('/', 1)[1]}": v / calls

@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from rollouts.environment import Trajectory
+from rollouts.tasks.task import Task
 
 
 def ran_tests_before_finish(info: dict) -> bool:
@@ -16,14 +17,17 @@ def ran_tests_before_finish(info: dict) -> bool:
 
 
 def agent_metrics(trajs: Sequence[Trajectory],
-                  families: Sequence[str] | None = None) -> dict[str, float]:
+                  tasks: Sequence[Task] | None = None) -> dict[str, float]:
     """turns_mean, tool_calls (total and per tool), bad_tool_calls, truncated, masked,
     test_edit_attempts, hack, reward_mean and pass_rate, solved_tested_first (the share of
     passed episodes that ran the tests before finishing; 0 with none passed), lookup_flags (tool calls that went
     looking for the deleted code, total and per kind: rollouts.agent.monitor), over the
     episodes. Where some episodes started after scripted calls (`info["prefix_calls"]`; their
     turns and tool calls count those calls): prefix_fraction, prefix_calls_mean (over those
-    episodes), and reward_mean and pass_rate split into `_from_start` and `_from_prefix`."""
+    episodes), and reward_mean and pass_rate split into `_from_start` and `_from_prefix`. With
+    `tasks` (each episode's): pass_rate/FAMILY for each `metadata["family"]` among them (the
+    embedded family's templates), which tells a template the policy learns from one whose share
+    of the draw rose."""
     if not trajs:
         return {}
     n = len(trajs)
@@ -59,8 +63,8 @@ def agent_metrics(trajs: Sequence[Trajectory],
                 out[f"agent/pass_rate_{where}"] = sum(bool(t.info.get("passed"))
                                                       for t in group) / len(group)
     by_family: dict[str, list[bool]] = {}
-    for t, family in zip(trajs, families or [""] * n, strict=True):
-        if family:
+    for t, task in zip(trajs, tasks or [None] * n, strict=True):
+        if family := task and task.metadata.get("family"):
             by_family.setdefault(family, []).append(bool(t.info.get("passed")))
     out.update({f"agent/pass_rate/{f}": sum(p) / len(p) for f, p in sorted(by_family.items())})
     out.update({f"agent/tool_calls/{name}": float(k) for name, k in sorted(calls.items())})

@@ -81,8 +81,8 @@ class AgentRolloutProducer:
                             seed=batch_seed(self.seed, index))
         t0, timing = time.perf_counter(), {}
         prefixes = self.start_prefixes(index, tasks)
-        trajs = run_episodes(cont, self.envs, [t for t in tasks for _ in range(self.group_size)],
-                             version, timing,
+        episodes = [t for t in tasks for _ in range(self.group_size)]
+        trajs = run_episodes(cont, self.envs, episodes, version, timing,
                              prefixes=[p for p in prefixes for _ in range(self.group_size)])
         rollouts = [Rollout.from_trajectory(t, t.info.get("truncated_by") or "stop")
                     for t in trajs]
@@ -91,9 +91,8 @@ class AgentRolloutProducer:
                 r.flagged = flagged_turns(t, self.feedback_detectors)
         # Tools and grading run inside the episodes: all of it counts as generation time, of
         # which time/tools_s was spent in the environments.
-        stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0), **agent_metrics(trajs, [
-            t.metadata.get("family", "") for t in tasks for _ in range(self.group_size)]),
-                 "time/tools_s": timing["tools_s"]}
+        stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0),
+                 **agent_metrics(trajs, episodes), "time/tools_s": timing["tools_s"]}
         batch: Future = Future()
         batch.set_result(RolloutBatch(version, self.group_size, rollouts, stats))
         return batch

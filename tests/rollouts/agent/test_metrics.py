@@ -7,6 +7,7 @@ import pytest
 
 from rollouts.agent.metrics import agent_metrics
 from rollouts.environment import Trajectory
+from rollouts.tasks.task import Task
 
 
 def _episode(reward: float, prefix_calls: int) -> Trajectory:
@@ -34,11 +35,13 @@ def test_metrics_split_episodes_started_after_scripted_calls_from_those_from_the
 def test_pass_rate_by_family():
     trajs = [_episode(r, 0) for r in (1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0)]
     families = ["constant", "constant", "exception", "exception", "exception", "", "edge_case"]
-    m = agent_metrics(trajs, families)
+    tasks = [Task(f"t{i}", "", "f", (), metadata={"family": f} if f else {})
+             for i, f in enumerate(families)]
+    m = agent_metrics(trajs, tasks)
     assert m["agent/pass_rate/constant"] == pytest.approx(1 / 2)
     assert m["agent/pass_rate/exception"] == pytest.approx(2 / 3)
     assert m["agent/pass_rate/edge_case"] == 0.0
     assert len([k for k in m if k.startswith("agent/pass_rate/")]) == 3  # none for ""
     assert not [k for k in agent_metrics(trajs) if k.startswith("agent/pass_rate/")]
     with pytest.raises(ValueError):
-        agent_metrics(trajs, families[:-1])
+        agent_metrics(trajs, tasks[:-1])
