@@ -303,7 +303,7 @@ class Attention(nnx.Module):
             attend = document_attention if cfg.attention == "doc" else dense_attention
             out = attend(q, k.astype(dt), v.astype(dt), q_segment_ids=segment_ids,
                          kv_segment_ids=kv_segment_ids, q_slots=slots, kv_slots=kv_slots,
-                         backend=backend_name(cfg, rows, queries=q.shape[1]), rows=rows)
+                         backend=backend_name(cfg, rows), rows=rows)
         o = jnp.einsum("BTNH,NHD->BTD", out, self.wo[...].astype(dt))
         if cfg.out_bias:
             o = o + self.bo[...].astype(dt)
@@ -476,13 +476,13 @@ def _remat(run, remat: str, training: bool):
 
 
 def backend_name(cfg: ModelConfig, rows: str, platform: str | None = None,
-                 devices: int | None = None, queries: int = 1) -> str:
+                 devices: int | None = None) -> str:
     """The backend ("xla", "pallas", "cudnn" or "splash") a dense or document-attention model
-    runs on `rows` (``pallas_kernels.attention.ROWS``) of `queries` tokens on `platform`
-    (default: JAX's) over `devices` (default: the abstract mesh's)."""
+    runs on `rows` (``pallas_kernels.attention.ROWS``) on `platform` (default: JAX's) over
+    `devices` (default: the abstract mesh's)."""
     try:
         return resolve_backend(cfg.attention, cfg.attention_backend, rows=rows, platform=platform,
-                               dtype=cfg.dtype, devices=devices, queries=queries)
+                               dtype=cfg.dtype, devices=devices)
     except ValueError as e:
         raise ValueError(f"model.attention_backend: {e}") from None
 

@@ -62,7 +62,9 @@ def doc_attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_slots, kv_
     kh = k.shape[1]
     scale = h**-0.5 if scale is None else scale
     qg = q.reshape(b, t, kh, n // kh, h)
-    s = jnp.einsum("BTKGH,BKSH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
+    # at least float32; a float64 reference stays float64 (cuBLAS has no f64 x f64 -> f32 GEMM)
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    s = jnp.einsum("BTKGH,BKSH->BKGTS", qg, k, preferred_element_type=acc) * scale
     mask = visible(q_segment_ids, kv_segment_ids, q_slots, kv_slots)[:, None, None]
     p = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1)
     p = jnp.where(mask, p, 0.0)

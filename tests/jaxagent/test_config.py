@@ -209,9 +209,10 @@ def test_attention_backend_is_checked_on_the_runs_rows_and_named_when_one_fits(m
 
     bf16 = "model.dtype=bfloat16"
     assert resolved("cpu") == resolved("cpu", *unshared) == "xla"
-    assert resolved("gpu", bf16, *unshared) == "cudnn"  # causal rows; cached calls: XLA under both
-    assert resolved("gpu", bf16) == "auto"  # shared-prompt rows: pallas; cached calls: XLA
-    assert resolved("gpu", *unshared) == "auto"  # float32 causal rows: pallas; cached calls: XLA
+    assert resolved("gpu", bf16, *unshared) == "cudnn"  # causal rows; cached: pallas under both
+    assert resolved("gpu", bf16) == "auto"  # shared-prompt rows: pallas; SFT's causal rows: cudnn
+    assert resolved("gpu", bf16, "sft.steps=0") == "pallas"  # shared-prompt rows, cached calls
+    assert resolved("gpu", *unshared) == "pallas"  # float32 causal rows and cached calls
     assert resolved("gpu", "model.attention=doc") == "pallas"
     assert resolved("gpu", bf16, *unshared, "sft.steps=1", "sft.data=documents") == "auto"
     assert resolved("tpu", *unshared) == "splash"

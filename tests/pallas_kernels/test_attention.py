@@ -61,7 +61,11 @@ def _assert_same(attend, q, k, v, do, seg, tol):
     ("gpu", "dense", "causal", "bfloat16", "cudnn"),
     ("gpu", "dense", "causal", "float32", "pallas"),  # cuDNN's flash attention is 16-bit only
     ("gpu", "dense", "segments", "bfloat16", "pallas"),
-    ("gpu", "dense", "cached", "bfloat16", "xla"),
+    # cached calls (prefill and decode steps) on the doc and decode kernels on a GPU
+    ("gpu", "dense", "cached", "bfloat16", "pallas"),
+    ("gpu", "dense", "cached", "float32", "pallas"),
+    ("tpu", "dense", "cached", "bfloat16", "xla"),
+    ("cpu", "dense", "cached", "float32", "xla"),
     ("gpu", "doc", "causal", "bfloat16", "pallas"),
     ("tpu", "dense", "causal", "bfloat16", "splash"),
     ("tpu", "dense", "segments", "bfloat16", "xla"),
@@ -73,16 +77,6 @@ def _assert_same(attend, q, k, v, do, seg, tol):
 def test_auto_picks_per_platform_and_rows(platform, kind, rows, dtype, want):
     assert resolve_backend(kind, "auto", rows=rows, platform=platform, dtype=dtype,
                            devices=1) == want
-
-
-def test_auto_runs_a_cached_prefill_on_the_kernel_on_a_gpu():
-    """A cached call of several queries (the sampler's prefill) takes the document kernel on a
-    GPU; a decode step (one query) stays on XLA, as do both elsewhere."""
-    resolve = lambda queries, platform="gpu": resolve_backend(  # noqa: E731
-        "dense", rows="cached", platform=platform, dtype="bfloat16", devices=1, queries=queries)
-    assert (resolve(512), resolve(1)) == ("pallas", "xla")
-    assert resolve(512, "tpu") == resolve(512, "cpu") == "xla"
-    assert resolve_backend("dense", "cudnn", rows="cached", platform="gpu", queries=7) == "pallas"
 
 
 def test_splash_runs_on_one_tpu_chip_only():
@@ -103,7 +97,7 @@ def test_explicit_backend_runs_where_it_can_or_says_why():
     assert [resolve(b) for b in ("xla", "pallas", "cudnn")] == ["xla", "pallas", "cudnn"]
     assert resolve("splash", platform="tpu") == resolve("splash", platform="cpu") == "splash"
     # The training-pass kernels leave the sampler's cached calls to auto.
-    assert resolve("cudnn", rows="cached") == "xla"
+    assert resolve("cudnn", rows="cached") == "pallas"
     assert resolve("splash", rows="cached", platform="tpu") == "xla"
     with pytest.raises(ValueError, match="cudnn runs on gpu, not cpu"):
         resolve("cudnn", platform="cpu")
