@@ -13,9 +13,13 @@ one table row per run and the medians:
 
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 --variant feedback_off \
-        --out runs/agent_learning        # targeted feedback off (agent.feedback_beta=0)
+        feedback_on --out runs/agent_learning   # targeted feedback KL off and on
+    PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2 \
+        --warmup runs/agent_default/checkpoints/0   # RL only, from one finished warm-up
 
 A run that already finished in `--out` is read, not rerun (delete its folder to rerun).
+`--warmup` starts every run from the same post-warm-up checkpoint (the warm-up is most of a
+run's time, and its seed would otherwise differ between the runs compared).
 """
 
 from __future__ import annotations
@@ -25,20 +29,31 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-VARIANTS = {"feedback_on": [], "feedback_off": ["agent.feedback_beta=0"]}
+# `base`: the config as it is; the feedback variants set the targeted-feedback KL either way
+VARIANTS = {
+    "base": [],
+    "feedback_off": ["agent.feedback_beta=0"],
+    "feedback_on": ["agent.feedback_detectors=[bad_tool_call,test_edit,repeat]",
+                    "agent.feedback_beta=0.1"],
+}
 
 
-def train(config: str, workdir: Path, seed: int, overrides: list[str]) -> float:
-    """Minutes of wall clock for one `jaxagent train` (those recorded, when it finished before)."""
+def train(config: str, workdir: Path, seed: int, overrides: list[str],
+          warmup: Path | None = None) -> float:
+    """Minutes of wall clock for one `jaxagent train` (those recorded, when it finished before).
+    With `warmup` (a post-warm-up checkpoint, step 0), the run resumes from a copy of it."""
     done = workdir / "done"
     if done.exists():
         return float(done.read_text())
+    if warmup is not None and not (workdir / "checkpoints" / "0").exists():
+        shutil.copytree(warmup, workdir / "checkpoints" / "0")
     t0 = time.perf_counter()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(workdir.parent / f"{workdir.name}.log", "w") as log:
@@ -109,12 +124,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/agent_default.yaml")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--variant", choices=VARIANTS, nargs="+", default=["feedback_on"])
+    p.add_argument("--variant", choices=VARIANTS, nargs="+", default=["base"])
+    p.add_argument("--warmup", type=Path, help="a run's post-warm-up checkpoint "
+                   "(WORKDIR/checkpoints/0): every run starts RL from a copy of it")
     p.add_argument("--out", type=Path, default=Path("runs/agent_learning"))
     p.add_argument("--jsonl", type=Path, help="append one JSON row per run here")
     p.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.warmup is not None and not (a.warmup / "_CHECKPOINT_METADATA").exists():
+        p.error(f"--warmup {a.warmup}: not a checkpoint (no _CHECKPOINT_METADATA)")
     print(f"# {platform.node()} {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, "
           f"{a.config} {' '.join(a.overrides)}")
     cols = ("pass@1_warm", "pass@1_rl", "gain", "one_turn_warm", "one_turn_rl",
@@ -126,7 +145,8 @@ def main() -> None:
         for seed in a.seeds:
             workdir = a.out / f"{variant}-{seed}"
             workdir.mkdir(parents=True, exist_ok=True)
-            minutes = train(a.config, workdir, seed, [*VARIANTS[variant], *a.overrides])
+            minutes = train(a.config, workdir, seed, [*VARIANTS[variant], *a.overrides],
+                            a.warmup)
             row = summarize(workdir, minutes)
             results.append(row)
             print(f"{variant:<13} {seed:>4} " + " ".join(f"{row[c]:>17.3f}" for c in cols),
