@@ -77,23 +77,49 @@ class MetricsWriter:
             self._tb = None
 
 
+def curve_series(rows: list[dict], keys) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{panel: {line: [(step, value), ...]}} for the keys that have data. A key ending in `/*`
+    is a panel of every key under that prefix, one line each (a tool mix, a pass rate per
+    template); any other key is a panel of one line."""
+    panels = {}
+    for key in keys:
+        if key.endswith("/*"):
+            prefix = key[:-1]
+            names = sorted({k for r in rows for k in r if k.startswith(prefix)})
+        else:
+            names = [key]
+        lines = {name[len(key) - 1:] if key.endswith("/*") else name:
+                 [(r["step"], r[name]) for r in rows if r.get(name) is not None] for name in names}
+        lines = {name: points for name, points in lines.items() if points}
+        if lines:
+            panels[key] = lines
+    return panels
+
+
 def plot_curves(metrics_path: str | Path, out: str | Path,
                 keys=("rollout/reward_mean", "rollout/pass_rate", "eval/pass@1")) -> Path | None:
-    """A PNG with one panel per key that has data; None if no key has any."""
+    """A PNG with one panel per key that has data (`curve_series`), three to a row; None if no
+    key has any."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; keep the choice local to this call's backend
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
-    series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
-    series = {k: v for k, v in series.items() if v}
-    if not series:
+    panels = curve_series(read_metrics(metrics_path), keys)
+    if not panels:
         return None
-    fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.2), squeeze=False)
-    for ax, (key, points) in zip(axes[0], series.items()):
-        steps, values = zip(*points)
-        ax.plot(steps, values, marker="o" if len(points) < 30 else None)
+    cols = min(3, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (key, lines) in zip(axes.flat, panels.items()):
+        for name, points in lines.items():
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o" if len(points) < 30 else None,
+                    label=name if len(lines) > 1 else None)
+        if len(lines) > 1:
+            ax.legend(fontsize=7)
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

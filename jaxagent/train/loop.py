@@ -65,6 +65,11 @@ from rollouts.tasks.pool import TaskPool
 from sharding.distributed import is_leader
 from sharding.layout import Layout
 
+# curves.png's panels for agent runs: held-out pass@1 (and by template), the training pass rate,
+# turns, malformed calls and the tool mix over steps
+AGENT_CURVES = ("eval/pass@1", "eval/agent/pass_rate/*", "rollout/pass_rate",
+                "agent/turns_mean", "agent/bad_tool_calls", "agent/tool_calls/*")
+
 
 def train(cfg: Config, console: Console | None = None, *, task_iter=None) -> dict:
     """RL (after the SFT warm-up) as configured, one run per workdir (a second refuses at once,
@@ -163,7 +168,8 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                 ckpt.save(t.steps, state.arrays(), {"step": t.steps,
                                                     **orchestrator.snapshot(t.steps)})
     if is_leader():
-        plot_curves(workdir / "metrics.jsonl", workdir / "curves.png")
+        plot_curves(workdir / "metrics.jsonl", workdir / "curves.png",
+                    *([AGENT_CURVES] if cfg.agent.enabled else []))
     return log.summary
 
 

@@ -1,9 +1,10 @@
 import io
+import json
 
 from rich.console import Console
 from rich.progress import TextColumn
 
-from jaxagent.metrics import LogProgress, read_metrics, trim_jsonl
+from jaxagent.metrics import LogProgress, curve_series, plot_curves, read_metrics, trim_jsonl
 
 
 def _plain_lines(every_s):
@@ -36,3 +37,22 @@ def test_trim_jsonl_keeps_steps_up_to_the_checkpoint(tmp_path):
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 2]
     trim_jsonl(path, None)
     assert path.read_text() == ""
+
+
+def test_curve_series_expands_prefixes_into_lines(tmp_path):
+    rows = [{"step": 1, "agent/tool_calls/read_file": 3.0, "agent/tool_calls/finish": 1.0,
+             "rollout/pass_rate": 0.25},
+            {"step": 2, "agent/tool_calls/read_file": 5.0, "rollout/pass_rate": None},
+            {"step": 3, "eval/pass@1": 0.5, "agent/tool_calls": 9.0}]
+    panels = curve_series(rows, ("eval/pass@1", "agent/tool_calls/*", "rollout/pass_rate",
+                                 "agent/turns_mean", "eval/agent/pass_rate/*"))
+    # keys without data have no panel; `agent/tool_calls` itself is not under the prefix
+    assert list(panels) == ["eval/pass@1", "agent/tool_calls/*", "rollout/pass_rate"]
+    assert panels["agent/tool_calls/*"] == {"finish": [(1, 1.0)],
+                                            "read_file": [(1, 3.0), (2, 5.0)]}
+    assert panels["rollout/pass_rate"] == {"rollout/pass_rate": [(1, 0.25)]}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_curves(path, tmp_path / "curves.png", ("eval/pass@1", "agent/tool_calls/*"))
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert plot_curves(path, tmp_path / "none.png", ("agent/turns_mean",)) is None
