@@ -451,26 +451,32 @@ def _micro_batches(batch: TrainBatch, micro_batch: int) -> TrainBatch:
 
 
 def _accumulate(loss_fn, params, batch: TrainBatch, micro_batch: int,
-                dropout_key: jax.Array | None = None):
+                dropout_key: jax.Array | None = None, needed=None):
     """Sum of `loss_fn(params, micro-batch, its dropout key or None)`'s (already globally
-    normalised) loss and grads over micro-batches."""
+    normalised) loss and grads over micro-batches. `needed(micro-batch)`: whether its loss can
+    be non-zero; where not, it is not run (zero loss, grads and metrics)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     micro = _micro_batches(batch, micro_batch)
     n = jax.tree.leaves(micro)[0].shape[0]
     keys = None if dropout_key is None else jax.random.split(dropout_key, n)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (_, metrics0), _ = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda x: x[0], (micro, keys)))
+    no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics0)
 
     def body(carry, xs):
         loss, grads, metrics = carry
-        (l, m), g = grad_fn(params, *xs)
+        if needed is None:
+            (l, m), g = grad_fn(params, *xs)
+        else:
+            (l, m), g = jax.lax.cond(needed(xs[0]), lambda: grad_fn(params, *xs),
+                                     lambda: ((jnp.zeros(()), no_metrics), zeros))
         # "*_max" metrics are maxima over the batch; the rest are shares of a sum.
         metrics = {k: jnp.maximum(v, m[k]) if k.endswith("_max") else v + m[k]
                    for k, v in metrics.items()}
         return (loss + l, jax.tree.map(jnp.add, grads, g), metrics), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (_, metrics0), _ = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda x: x[0], (micro, keys)))
-    init = (jnp.zeros(()), zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics0))
-    (loss, grads, metrics), _ = jax.lax.scan(body, init, (micro, keys))
+    (loss, grads, metrics), _ = jax.lax.scan(body, (jnp.zeros(()), zeros, no_metrics),
+                                             (micro, keys))
     return loss, grads, metrics
 
 
@@ -613,6 +619,17 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
     # packed rows: the sequences of the sequence-level aggregations are their segments
     segments = lambda b: b.segment_ids if b.packed else None  # noqa: E731
     num_micro = _num_micro(batch, micro_batch)
+    # Where the loss is the policy term alone, a micro-batch without a token that has both a
+    # loss mask and a non-zero advantage (a group with no signal; a failed episode under
+    # rl.negative_scale 0) adds exactly zero to the loss and the grads: it is not run. The
+    # token-mean metrics then cover the micro-batches that ran (`train/computed_tokens`: their
+    # share of the loss tokens); `to_train_batch` puts the rows with a gradient first.
+    moe = merged_model(graphdef, params, frozen).config.num_experts
+    skip = not (o.kl_coef or o.entropy_coef or moe)
+
+    def needed(mb):
+        adv = mb.advantages if mb.packed else mb.advantages[:, None]
+        return jnp.any((mb.loss_mask != 0) & (adv != 0))
 
     def loss_fn(p, mb, key):
         model = merged_model(graphdef, p, frozen)
@@ -659,9 +676,16 @@ def rl_step(graphdef, tx, params, opt_state, batch: TrainBatch, ref_params=None,
         metrics = {k: v if k.endswith("_max") else v * (
             share if k in ("train/pg_loss", "train/kl") else token_share)
             for k, v in metrics.items()}
+        if skip:
+            metrics["train/computed_tokens"] = token_share
         return _add_aux_loss(loss, metrics, model, aux, num_micro, "train")
 
-    loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch, dropout_key)
+    loss, grads, metrics = _accumulate(loss_fn, params, batch, micro_batch, dropout_key,
+                                       needed if skip else None)
+    if skip:
+        ran = jnp.maximum(metrics["train/computed_tokens"], 1e-12)
+        metrics = {k: v if k.endswith("_max") or k in (
+            "train/pg_loss", "train/computed_tokens") else v / ran for k, v in metrics.items()}
     if feedback is not None:
         term, term_grads = jax.value_and_grad(
             lambda p: feedback_term(merged_model(graphdef, p, frozen), feedback, o.feedback_beta,

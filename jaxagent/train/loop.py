@@ -437,6 +437,16 @@ def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray
     `parts` mini-batches of `split_rows` packed apart, in a multiple of `row_multiple` rows)."""
     rows = batch.rollouts
     masks = [[float(k and m) for m in r.policy_mask] for r, k in zip(rows, keep)]
+    if parts == 1:
+        # rollouts (whole groups when they share a prompt) with a gradient first: the update
+        # does not run the micro-batches without one (`rl_step`); the loss is a sum, so the
+        # order is free (not with several mini-batches, which it would change)
+        has = np.asarray([a != 0 and any(m) for a, m in zip(advantages, masks)])
+        unit = batch.group_size if share_prompt else 1
+        first = np.argsort(~has.reshape(-1, unit).any(1), kind="stable")
+        order = (first[:, None] * unit + np.arange(unit)).reshape(-1)
+        rows, masks = [rows[i] for i in order], [masks[i] for i in order]
+        advantages = np.asarray(advantages)[order]
     args = ([r.prompt for r in rows], [r.completion for r in rows], [r.logprobs for r in rows],
             advantages)
     if share_prompt:

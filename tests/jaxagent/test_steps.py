@@ -119,6 +119,42 @@ def test_micro_batches_give_the_full_batch_gradient(aggregation):
         np.testing.assert_allclose(a - p0, b - p0, atol=2e-5)
 
 
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_without_a_gradient_are_skipped_exactly(aggregation):
+    """Rows 2-5 have zero advantage: with micro-batches of 2, two of the three carry no
+    gradient and are not run; the update is the whole batch's, and the token-mean metrics are
+    those of the rows that ran."""
+    graphdef, params, _, _ = setup()
+    tx = optax.sgd(1.0)
+    p, c, lp = random_rollouts(n=6, seed=5)
+    adv = np.array([0.7, -1.3, 0.0, 0.0, 0.0, 0.0])
+    batch = pack(p, c, lp, adv)
+    options = LossOptions(aggregation=aggregation, importance_cap=None)
+    ref = copy(params)
+    full, _, m_full = rl_step(graphdef, tx, copy(params), tx.init(params), batch,
+                              options=options, micro_batch=0)
+    micro, _, m_micro = rl_step(graphdef, tx, copy(params), tx.init(params), batch,
+                                options=options, micro_batch=2)
+    np.testing.assert_allclose(float(m_full["train/loss"]), float(m_micro["train/loss"]), rtol=1e-5)
+    for p0, a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(full), jax.tree.leaves(micro)):
+        np.testing.assert_allclose(a - p0, b - p0, atol=2e-5)
+    mask = np.asarray(batch.loss_mask)
+    assert float(m_full["train/computed_tokens"]) == pytest.approx(1.0)
+    assert float(m_micro["train/computed_tokens"]) == pytest.approx(mask[:2].sum() / mask.sum())
+    # the entropy of the rows that ran: rows 0-1 alone, as one batch
+    first = jax.tree.map(lambda x: x[:2], batch)
+    _, _, m_first = rl_step(graphdef, tx, copy(params), tx.init(params), first, options=options)
+    np.testing.assert_allclose(float(m_micro["train/entropy"]), float(m_first["train/entropy"]),
+                               rtol=1e-5)
+    assert float(m_full["train/entropy"]) != pytest.approx(float(m_first["train/entropy"]))
+    # with a term that needs every row (the entropy bonus), every micro-batch runs
+    _, _, m_all = rl_step(graphdef, tx, copy(params), tx.init(params), batch, micro_batch=2,
+                          options=dataclasses.replace(options, entropy_coef=0.01))
+    assert "train/computed_tokens" not in m_all
+    np.testing.assert_allclose(float(m_all["train/entropy"]), float(m_full["train/entropy"]),
+                               rtol=1e-5)
+
+
 def test_sft_step_lowers_the_loss_on_its_batch():
     graphdef, params, tx, opt_state = setup(lr=1e-2)
     p, c, _ = random_rollouts()

@@ -109,3 +109,22 @@ def test_packed_rows_without_signal_are_told_apart():
     rows, _, _, signal = packed.prepare(episodes_batch([0, 0, 0, 0, 1, 1, 1, 1], rng))
     assert rows.packed and not signal
     assert packed.prepare(episodes_batch([0, 0, 0, 1, 1, 1, 1, 1], rng))[3]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_rows_with_a_gradient_come_first(share):
+    """The update runs only the micro-batches with a gradient (`rl_step`), so the learner packs
+    those rows (whole groups, when they share a prompt) first."""
+    learner_ = learner("rl.negative_scale=0", f"train.share_prompt={str(share).lower()}")[0]
+    episodes = batch([0, 0, 0, 0, 0, 0, 1, 0], np.random.default_rng(5))
+    rows = learner_.prepare(episodes)[0]
+    adv = np.asarray(rows.advantages)
+    at = 2 if share else 0  # the second group's rows first, in their order; or the episode
+    assert adv[at] > 0 and np.count_nonzero(adv) == 1  # PSR: the one passing episode alone
+    first = episodes.rollouts[6]
+    if share:
+        np.testing.assert_array_equal(np.asarray(rows.targets[2, :4]), first.completion)
+        np.testing.assert_array_equal(np.asarray(rows.tokens[0, :5]), first.prompt)
+    else:
+        np.testing.assert_array_equal(np.asarray(rows.tokens[0, :9]),
+                                      first.prompt + first.completion)
