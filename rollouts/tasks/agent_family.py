@@ -14,19 +14,26 @@ states the behaviour incompletely:
   edge_case   an empty input gives None but must give a fixed default; which one shows only in
               the failing test output (`assert largest_item([]) == -7`)
 
+Keyed variants (`constant_keyed`, `edge_case_keyed`; drawn only by name): the same tasks with
+tests that spell the value as the fix writes it (`LIMIT = 37` in the test, then `== LIMIT`; a
+`default=None` parameter and `f([]) == f([], default=-7)`), so the fact follows the same text in
+the test output and in the edit, as the exception's class does (`errors.`). A byte-level model
+copies a token after a repeated key; after `== ` in the output and `= ` in the edit it did not.
+
 Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
 Package and module names are made up per task (`names="made_up"`: paths must be copied from
 what was read, not recalled) or the same in every task (`names="fixed"`: `app/core.py`, so the
 copies left are the facts and the lines to edit: the easier set a small model learns first).
 `metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the
 files a solver reads, in order (JSON list); no file and not the prompt hold a changed line of
-the reference (`answer_leaks`). Graded like the feature-deletion tasks: `python -m
+the reference (`answer_leaks`), but for `constant_keyed`'s test, which names the value. Graded like the feature-deletion tasks: `python -m
 pytest tests` with edits under `tests` discarded. `agent_task_splits` holds out a fixed fifth of
 all task contents (by hash), so held-out tasks are never trained on.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import keyword
@@ -71,7 +78,7 @@ def _fn(rng: random.Random, verb: Sequence[str]) -> str:
     return f"{rng.choice(verb)}_{rng.choice(_NOUNS)}"
 
 
-def _constant(rng: random.Random, names: str) -> dict:
+def _constant(rng: random.Random, names: str, keyed: bool = False) -> dict:
     (pkg, mod), const = _place(rng, names), rng.choice(_CONSTS)
     fn = _fn(rng, ("cap", "bound", "adjust", "shift"))
     op = rng.choice(("min", "max", "add"))
@@ -85,7 +92,11 @@ def _constant(rng: random.Random, names: str) -> dict:
     path = f"{pkg}/{mod}.py"
     source = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n{const} = {{}}\n\n\n'
               f"def {fn}(x):\n    \"\"\"x {how}.\"\"\"\n    return {body}\n")
+    if keyed:  # the test names the value as the fix writes it: `LIMIT = 37`, then the checks
+        checks = [(a, const if b == value else f"{const} + 5" if b == value + 5 else b)
+                  for a, b in checks]
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
+            + (f"    {const} = {value}\n" if keyed else "")
             + "".join(f"    assert {fn}({a}) == {b}\n" for a, b in checks))
     prompt = (f"`{fn}(x)` in {path} returns x {how}, but {const} has the wrong value. The right "
               f"value is not written here. Fix {const} so the tests pass.")
@@ -181,36 +192,45 @@ def _hidden_file(rng: random.Random, names: str) -> dict:
                 [s for s in _SEPS if s not in (sep, wrong)]))}}
 
 
-def _edge_case(rng: random.Random, names: str) -> dict:
+def _edge_case(rng: random.Random, names: str, keyed: bool = False) -> dict:
     pkg, mod = _place(rng, names)
     fn = _fn(rng, ("largest", "smallest", "top"))
     pick = "min" if fn.startswith("smallest") else "max"
     default = rng.randint(-99, -1)
     xs = rng.sample(range(1, 50), 3)
     path = f"{pkg}/{mod}.py"
-    head = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n\n'
-            f"def {fn}(xs):\n    \"\"\"The {'smallest' if pick == 'min' else 'largest'} of xs; "
-            "an empty xs gives a fixed default.\"\"\"\n")
-    # an empty xs gives None today: the fix is one line, the default's value
-    body = f"    return {pick}(xs) if xs else {{}}\n"
+    doc = (f"    \"\"\"The {'smallest' if pick == 'min' else 'largest'} of xs; "
+           "an empty xs gives a fixed default.\"\"\"\n")
+    top = f'"""{mod.capitalize()} of the {pkg} package."""\n\n\n'
+    expect = f"{fn}([], default={default})" if keyed else default
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
             f"    assert {fn}({xs!r}) == {min(xs) if pick == 'min' else max(xs)}\n"
-            f"    assert {fn}([]) == {default}\n")
+            f"    assert {fn}([]) == {expect}\n")
+    if keyed:  # the default is a parameter, which the test passes as the fix writes it
+        source = (f"{top}def {fn}(xs, default={{}}):\n{doc}"
+                  f"    return {pick}(xs) if xs else default\n")
+    else:  # an empty xs gives None today: the fix is one line, the default's value
+        source = f"{top}def {fn}(xs):\n{doc}    return {pick}(xs) if xs else {{}}\n"
     prompt = (f"`{fn}(xs)` in {path} returns None for an empty list; it must return a fixed "
               "default there, which the tests give. Make the tests pass.")
-    return {"files": {f"{pkg}/__init__.py": "", path: head + body.format(None),
+    return {"files": {f"{pkg}/__init__.py": "", path: source.format(None),
                       f"tests/test_{mod}.py": test},
-            "reference": {path: head + body.format(default)},
+            "reference": {path: source.format(default)},
             "prompt": prompt, "facts": {"default": default},
-            "blind": {path: head + body.format(0)}}
+            "blind": {path: source.format(0)}}
 
 
 TEMPLATES: dict[str, Callable[[random.Random, str], dict]] = {
     "constant": _constant, "exception": _exception, "helper": _helper,
     "hidden_file": _hidden_file, "edge_case": _edge_case,
+    "constant_keyed": functools.partial(_constant, keyed=True),
+    "edge_case_keyed": functools.partial(_edge_case, keyed=True),
 }
+# What `templates=None` draws: the keyed variants are chosen by name.
+DEFAULT_TEMPLATES = ("constant", "exception", "helper", "hidden_file", "edge_case")
 # Where the missing fact is only in the test output: a blind edit from the prompt cannot pass.
-FACT_IN_TEST_OUTPUT = ("constant", "exception", "hidden_file", "edge_case")
+FACT_IN_TEST_OUTPUT = ("constant", "exception", "hidden_file", "edge_case", "constant_keyed",
+                       "edge_case_keyed")
 _SUFFIX = "\n\nDo not edit the tests (edits to them are discarded). Call finish when done.\n"
 
 
@@ -238,11 +258,11 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
     right by copying them from the context. Empty for the templates without such facts
     (`helper`, `hidden_file`) and for a task whose facts' texts coincide."""
     facts, family = json.loads(task.metadata.get("facts", "{}")), task.metadata["family"]
-    if family == "constant":
+    if family in ("constant", "constant_keyed"):
         old = [facts["const"], str(facts["wrong"]), str(facts["value"])]
         value, wrong = rng.sample(range(10, 100), 2)
         new = [rng.choice(_CONSTS), str(wrong), str(value)]
-        if facts["op"] == "add":  # the second check's expected value
+        if facts["op"] == "add" and family == "constant":  # the second check's expected value
             old.append(str(facts["value"] + 5))
             new.append(str(value + 5))
     elif family == "exception":
@@ -252,7 +272,7 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
         old = [err, f"RATE = {k}", f"== {2 * k}"]
         new = [rng.choice([e for e in _ERRORS if e not in others]), f"RATE = {k2}",
                f"== {2 * k2}"]
-    elif family == "edge_case":
+    elif family in ("edge_case", "edge_case_keyed"):
         old, new = [str(facts["default"])], [str(rng.randint(-99, -1))]
     else:
         return {}
@@ -297,7 +317,7 @@ def agent_family_tasks(n: int, seed: int = 0, templates: Sequence[str] | None = 
 
 
 def _generate(seed: int, templates: Sequence[str] | None, names: str) -> Iterator[Task]:
-    kinds = list(templates or TEMPLATES)
+    kinds = list(templates or DEFAULT_TEMPLATES)
     unknown = [t for t in kinds if t not in TEMPLATES]
     if unknown:
         raise ValueError(f"unknown agent task templates {unknown}; known: {', '.join(TEMPLATES)}")

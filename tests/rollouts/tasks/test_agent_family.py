@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
 from rollouts.rewards import Scorer
 from rollouts.tasks.agent_family import (
+    DEFAULT_TEMPLATES,
     FACT_IN_TEST_OUTPUT,
     TEMPLATES,
     agent_family_tasks,
@@ -24,7 +26,7 @@ from rollouts.tasks.agent_family import (
 def test_generation_is_deterministic_and_varied():
     a, b = agent_family_tasks(40, seed=3), agent_family_tasks(40, seed=3)
     assert [(t.prompt, t.files, t.metadata) for t in a] == [(t.prompt, t.files, t.metadata) for t in b]
-    assert {t.metadata["family"] for t in a} == set(TEMPLATES)
+    assert {t.metadata["family"] for t in a} == set(DEFAULT_TEMPLATES) < set(TEMPLATES)
     assert len({t.metadata["split_key"] for t in a}) == 40  # names and constants vary
     assert agent_family_tasks(4, seed=4)[0].files != a[0].files
     with pytest.raises(ValueError, match="unknown agent task templates"):
@@ -87,6 +89,28 @@ def test_no_task_holds_its_answer_and_contexts_stay_short():
     assert answer_leaks(planted)
 
 
+def test_keyed_templates_write_the_fact_after_the_text_the_fix_writes_before_it():
+    """The keyed variants' tests spell the value as the fixed line does (`LIMIT = 37`,
+    `default=-35`), so the copy is keyed by the same text; the constant's line is then in the
+    test file (and only there), the default's line nowhere."""
+    tasks = agent_family_tasks(40, seed=1, templates=["constant_keyed", "edge_case_keyed"])
+    for t in tasks:
+        (path, content), = json.loads(t.metadata["reference"]).items()
+        fixed = next(line.strip() for line in content.splitlines()
+                     if line not in t.files[path].splitlines())
+        facts, test = json.loads(t.metadata["facts"]), next(
+            c for p, c in t.files.items() if p.startswith("tests/"))
+        if t.metadata["family"] == "constant_keyed":
+            assert fixed == f"{facts['const']} = {facts['value']}" and f"    {fixed}\n" in test
+            assert answer_leaks(t) == [f"{path}: {fixed}"]
+            # named once, then used by name
+            assert re.findall(rf"(?<!\d){facts['value']}(?!\d)", test.replace(fixed, "")) == []
+        else:
+            assert fixed.endswith(f"default={facts['default']}):")
+            assert f"default={facts['default']})" in test and answer_leaks(t) == []
+        assert len(t.prompt) + sum(len(c) for c in t.files.values()) < 1500, t.id
+
+
 @pytest.fixture(scope="module")
 def scorer():
     with Scorer(workers=2) as s:
@@ -95,7 +119,8 @@ def scorer():
 
 @pytest.mark.parametrize("names", ["made_up", "fixed"])
 def test_every_template_fails_as_given_and_passes_with_its_reference(scorer, names):
-    tasks = agent_family_tasks(2 * len(TEMPLATES), seed=7, names=names)  # two of each template
+    # two of each template
+    tasks = agent_family_tasks(2 * len(TEMPLATES), seed=7, templates=list(TEMPLATES), names=names)
     for t in tasks:
         given = scorer.submit(t, "{}").result()
         reference = scorer.submit(t, t.metadata["reference"]).result()
