@@ -87,8 +87,8 @@ def test_agent_default_shortened_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "--config",
                            "configs/agent_default.yaml", "agent.tasks=embedded:10",
                            "agent.eval_tasks=2", "sft.copy_steps=10", "sft.steps=30",
-                           # the format first: 30 steps at the shipped fact weight (0.5)
-                           # leave no valid call (the weight slows the format: docs/agent.md)
+                           # the format first: 30 steps with a fact weight leave no valid
+                           # call (the weight slows the format: docs/agent.md)
                            "sft.fact_weight=0", "sft.valid_tasks=3", "sft.valid_every=15",
                            "sft.valid_stop=0",
                            "train.steps=2",
