@@ -17,8 +17,9 @@ states the behaviour incompletely:
 Keyed variants (`constant_keyed`, `edge_case_keyed`; drawn only by name): the same tasks with
 tests that spell the value as the fix writes it (`LIMIT = 37` in the test, then `== LIMIT`; a
 `default=None` parameter and `f([]) == f([], default=-7)`), so the fact follows the same text in
-the test output and in the edit, as the exception's class does (`errors.`). A byte-level model
-copies a token after a repeated key; after `== ` in the output and `= ` in the edit it did not.
+the test output and in the edit, as the exception's class does (`errors.`). The tiny byte model
+copied neither the unkeyed digits (`== 37` in the output, `= 37` in the edit) nor, in one
+700-step warm-up, the keyed ones (docs/agent.md, fifteenth session).
 
 Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
 Package and module names are made up per task (`names="made_up"`: paths must be copied from
@@ -26,9 +27,10 @@ what was read, not recalled) or the same in every task (`names="fixed"`: `app/co
 copies left are the facts and the lines to edit: the easier set a small model learns first).
 `metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the
 files a solver reads, in order (JSON list); no file and not the prompt hold a changed line of
-the reference (`answer_leaks`), but for `constant_keyed`'s test, which names the value. Graded like the feature-deletion tasks: `python -m
-pytest tests` with edits under `tests` discarded. `agent_task_splits` holds out a fixed fifth of
-all task contents (by hash), so held-out tasks are never trained on.
+the reference (`answer_leaks`), but for `constant_keyed`'s test, which names the value. Graded
+like the feature-deletion tasks: `python -m pytest tests` with edits under `tests` discarded.
+`agent_task_splits` holds out a fixed fifth of all task contents (by hash), so held-out tasks are
+never trained on.
 """
 
 from __future__ import annotations
