@@ -204,15 +204,16 @@ def _edge_case(rng: random.Random, names: str, keyed: bool = False) -> dict:
     doc = (f"    \"\"\"The {'smallest' if pick == 'min' else 'largest'} of xs; "
            "an empty xs gives a fixed default.\"\"\"\n")
     top = f'"""{mod.capitalize()} of the {pkg} package."""\n\n\n'
-    expect = f"{fn}([], default={default})" if keyed else default
-    test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
-            f"    assert {fn}({xs!r}) == {min(xs) if pick == 'min' else max(xs)}\n"
-            f"    assert {fn}([]) == {expect}\n")
     if keyed:  # the default is a parameter, which the test passes as the fix writes it
         source = (f"{top}def {fn}(xs, default={{}}):\n{doc}"
                   f"    return {pick}(xs) if xs else default\n")
+        expect = f"{fn}([], default={default})"
     else:  # an empty xs gives None today: the fix is one line, the default's value
         source = f"{top}def {fn}(xs):\n{doc}    return {pick}(xs) if xs else {{}}\n"
+        expect = default
+    test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
+            f"    assert {fn}({xs!r}) == {min(xs) if pick == 'min' else max(xs)}\n"
+            f"    assert {fn}([]) == {expect}\n")
     prompt = (f"`{fn}(xs)` in {path} returns None for an empty list; it must return a fixed "
               "default there, which the tests give. Make the tests pass.")
     return {"files": {f"{pkg}/__init__.py": "", path: source.format(None),
@@ -260,11 +261,12 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
     right by copying them from the context. Empty for the templates without such facts
     (`helper`, `hidden_file`) and for a task whose facts' texts coincide."""
     facts, family = json.loads(task.metadata.get("facts", "{}")), task.metadata["family"]
-    if family in ("constant", "constant_keyed"):
+    keyed, family = family.endswith("_keyed"), family.removesuffix("_keyed")
+    if family == "constant":
         old = [facts["const"], str(facts["wrong"]), str(facts["value"])]
         value, wrong = rng.sample(range(10, 100), 2)
         new = [rng.choice(_CONSTS), str(wrong), str(value)]
-        if facts["op"] == "add" and family == "constant":  # the second check's expected value
+        if facts["op"] == "add" and not keyed:  # the second check's expected value
             old.append(str(facts["value"] + 5))
             new.append(str(value + 5))
     elif family == "exception":
@@ -274,7 +276,7 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
         old = [err, f"RATE = {k}", f"== {2 * k}"]
         new = [rng.choice([e for e in _ERRORS if e not in others]), f"RATE = {k2}",
                f"== {2 * k2}"]
-    elif family in ("edge_case", "edge_case_keyed"):
+    elif family == "edge_case":
         old, new = [str(facts["default"])], [str(rng.randint(-99, -1))]
     else:
         return {}
