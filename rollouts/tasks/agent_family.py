@@ -14,12 +14,13 @@ states the behaviour incompletely:
   edge_case   an empty input gives None but must give a fixed default; which one shows only in
               the failing test output (`assert largest_item([]) == -7`)
 
-Keyed variants (`constant_keyed`, `edge_case_keyed`; drawn only by name): the same tasks with
-tests that spell the value as the fix writes it (`LIMIT = 37` in the test, then `== LIMIT`; a
-`default=None` parameter and `f([]) == f([], default=-7)`), so the fact follows the same text in
-the test output and in the edit, as the exception's class does (`errors.`). The tiny byte model
-copied neither the unkeyed digits (`== 37` in the output, `= 37` in the edit) nor, in one
-700-step warm-up, the keyed ones (docs/agent.md, fifteenth session).
+Few-valued variants (`constant_few`, `edge_case_few`; drawn only by name): the same tasks with
+the value drawn from eight (`_FEW`), as the exception's class is, and the constant's wrong value
+never one of them. The tiny byte model copied neither the digits drawn from 90 values nor, in a
+700-step warm-up, the same digits after the text the edit writes before them (`LIMIT = 37` in
+the test; git ec723da, docs/agent.md, fifteenth session), while it learnt the exception's class:
+one of eight names, the only one in the context. These variants ask for that recognition, not a
+copy of arbitrary digits.
 
 Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
 Package and module names are made up per task (`names="made_up"`: paths must be copied from
@@ -27,7 +28,7 @@ what was read, not recalled) or the same in every task (`names="fixed"`: `app/co
 copies left are the facts and the lines to edit: the easier set a small model learns first).
 `metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the
 files a solver reads, in order (JSON list); no file and not the prompt hold a changed line of
-the reference (`answer_leaks`), but for `constant_keyed`'s test, which names the value. Graded
+the reference (`answer_leaks`). Graded
 like the feature-deletion tasks: `python -m pytest tests` with edits under `tests` discarded.
 `agent_task_splits` holds out a fixed fifth of all task contents (by hash), so held-out tasks are
 never trained on.
@@ -57,6 +58,9 @@ _HELPERS = ("canon", "normalize", "tidy", "clean_key", "slug", "as_key", "squash
 _SEPS = (", ", "; ", " | ", "/", " + ", "-", ":", " ")
 # (wrong-looking char, replacement) pairs a helper applies after strip + case change
 _SWAPS = ((" ", "_"), ("-", "_"), (" ", "-"), ("_", "."), ("-", " "), (".", "_"))
+# the few-valued variants' facts: eight each, with distinct first digits
+_FEW = {"constant": (12, 25, 37, 41, 58, 63, 76, 89),
+        "edge_case": (-2, -5, -9, -13, -27, -44, -61, -86)}
 
 
 def made_up_word(rng: random.Random, syllables: int) -> str:
@@ -80,12 +84,15 @@ def _fn(rng: random.Random, verb: Sequence[str]) -> str:
     return f"{rng.choice(verb)}_{rng.choice(_NOUNS)}"
 
 
-def _constant(rng: random.Random, names: str, keyed: bool = False) -> dict:
+def _constant(rng: random.Random, names: str, few: bool = False) -> dict:
     (pkg, mod), const = _place(rng, names), rng.choice(_CONSTS)
     fn = _fn(rng, ("cap", "bound", "adjust", "shift"))
     op = rng.choice(("min", "max", "add"))
-    value = rng.randint(10, 99)
-    wrong = rng.choice([v for v in range(10, 100) if v != value])
+    if few:
+        value, wrong = _few_constant(rng)
+    else:
+        value = rng.randint(10, 99)
+        wrong = rng.choice([v for v in range(10, 100) if v != value])
     body, how, checks = {
         "min": (f"min(x, {const})", f"capped at {const}", [(1000, value), (3, 3)]),
         "max": (f"max(x, {const})", f"at least {const}", [(-1000, value), (1000, 1000)]),
@@ -94,11 +101,7 @@ def _constant(rng: random.Random, names: str, keyed: bool = False) -> dict:
     path = f"{pkg}/{mod}.py"
     source = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n{const} = {{}}\n\n\n'
               f"def {fn}(x):\n    \"\"\"x {how}.\"\"\"\n    return {body}\n")
-    if keyed:  # the test names the value as the fix writes it: `LIMIT = 37`, then the checks
-        checks = [(a, const if b == value else f"{const} + 5" if b == value + 5 else b)
-                  for a, b in checks]
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
-            + (f"    {const} = {value}\n" if keyed else "")
             + "".join(f"    assert {fn}({a}) == {b}\n" for a, b in checks))
     prompt = (f"`{fn}(x)` in {path} returns x {how}, but {const} has the wrong value. The right "
               f"value is not written here. Fix {const} so the tests pass.")
@@ -108,6 +111,12 @@ def _constant(rng: random.Random, names: str, keyed: bool = False) -> dict:
             "facts": {"const": const, "wrong": wrong, "value": value, "op": op},
             # a blind guess from the prompt alone: some other value
             "blind": {path: source.format(wrong + 1 if wrong + 1 != value else wrong + 2)}}
+
+
+def _few_constant(rng: random.Random) -> tuple[int, int]:
+    """(value, wrong) of a few-valued constant: the wrong value is never one of the eight."""
+    return rng.choice(_FEW["constant"]), rng.choice(
+        [v for v in range(10, 100) if v not in _FEW["constant"]])
 
 
 def _exception(rng: random.Random, names: str) -> dict:
@@ -194,26 +203,21 @@ def _hidden_file(rng: random.Random, names: str) -> dict:
                 [s for s in _SEPS if s not in (sep, wrong)]))}}
 
 
-def _edge_case(rng: random.Random, names: str, keyed: bool = False) -> dict:
+def _edge_case(rng: random.Random, names: str, few: bool = False) -> dict:
     pkg, mod = _place(rng, names)
     fn = _fn(rng, ("largest", "smallest", "top"))
     pick = "min" if fn.startswith("smallest") else "max"
-    default = rng.randint(-99, -1)
+    default = rng.choice(_FEW["edge_case"]) if few else rng.randint(-99, -1)
     xs = rng.sample(range(1, 50), 3)
     path = f"{pkg}/{mod}.py"
     doc = (f"    \"\"\"The {'smallest' if pick == 'min' else 'largest'} of xs; "
            "an empty xs gives a fixed default.\"\"\"\n")
-    top = f'"""{mod.capitalize()} of the {pkg} package."""\n\n\n'
-    if keyed:  # the default is a parameter, which the test passes as the fix writes it
-        source = (f"{top}def {fn}(xs, default={{}}):\n{doc}"
-                  f"    return {pick}(xs) if xs else default\n")
-        expect = f"{fn}([], default={default})"
-    else:  # an empty xs gives None today: the fix is one line, the default's value
-        source = f"{top}def {fn}(xs):\n{doc}    return {pick}(xs) if xs else {{}}\n"
-        expect = default
+    # an empty xs gives None today: the fix is one line, the default's value
+    source = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n\n'
+              f"def {fn}(xs):\n{doc}    return {pick}(xs) if xs else {{}}\n")
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
             f"    assert {fn}({xs!r}) == {min(xs) if pick == 'min' else max(xs)}\n"
-            f"    assert {fn}([]) == {expect}\n")
+            f"    assert {fn}([]) == {default}\n")
     prompt = (f"`{fn}(xs)` in {path} returns None for an empty list; it must return a fixed "
               "default there, which the tests give. Make the tests pass.")
     return {"files": {f"{pkg}/__init__.py": "", path: source.format(None),
@@ -226,14 +230,14 @@ def _edge_case(rng: random.Random, names: str, keyed: bool = False) -> dict:
 TEMPLATES: dict[str, Callable[[random.Random, str], dict]] = {
     "constant": _constant, "exception": _exception, "helper": _helper,
     "hidden_file": _hidden_file, "edge_case": _edge_case,
-    "constant_keyed": functools.partial(_constant, keyed=True),
-    "edge_case_keyed": functools.partial(_edge_case, keyed=True),
+    "constant_few": functools.partial(_constant, few=True),
+    "edge_case_few": functools.partial(_edge_case, few=True),
 }
-# What `templates=None` draws: the keyed variants are chosen by name.
+# What `templates=None` draws: the few-valued variants are chosen by name.
 DEFAULT_TEMPLATES = ("constant", "exception", "helper", "hidden_file", "edge_case")
 # Where the missing fact is only in the test output: a blind edit from the prompt cannot pass.
-FACT_IN_TEST_OUTPUT = ("constant", "exception", "hidden_file", "edge_case", "constant_keyed",
-                       "edge_case_keyed")
+FACT_IN_TEST_OUTPUT = ("constant", "exception", "hidden_file", "edge_case", "constant_few",
+                       "edge_case_few")
 _SUFFIX = "\n\nDo not edit the tests (edits to them are discarded). Call finish when done.\n"
 
 
@@ -261,12 +265,12 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
     right by copying them from the context. Empty for the templates without such facts
     (`helper`, `hidden_file`) and for a task whose facts' texts coincide."""
     facts, family = json.loads(task.metadata.get("facts", "{}")), task.metadata["family"]
-    keyed, family = family.endswith("_keyed"), family.removesuffix("_keyed")
+    few, family = family.endswith("_few"), family.removesuffix("_few")
     if family == "constant":
         old = [facts["const"], str(facts["wrong"]), str(facts["value"])]
-        value, wrong = rng.sample(range(10, 100), 2)
+        value, wrong = _few_constant(rng) if few else rng.sample(range(10, 100), 2)
         new = [rng.choice(_CONSTS), str(wrong), str(value)]
-        if facts["op"] == "add" and not keyed:  # the second check's expected value
+        if facts["op"] == "add":  # the second check's expected value
             old.append(str(facts["value"] + 5))
             new.append(str(value + 5))
     elif family == "exception":
@@ -277,7 +281,8 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
         new = [rng.choice([e for e in _ERRORS if e not in others]), f"RATE = {k2}",
                f"== {2 * k2}"]
     elif family == "edge_case":
-        old, new = [str(facts["default"])], [str(rng.randint(-99, -1))]
+        default = rng.choice(_FEW["edge_case"]) if few else rng.randint(-99, -1)
+        old, new = [str(facts["default"])], [str(default)]
     else:
         return {}
     if len(set(old)) < len(old) or len(set(new)) < len(new):

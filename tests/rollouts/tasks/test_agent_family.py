@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 
 import pytest
 
 from rollouts.rewards import Scorer
 from rollouts.tasks.agent_family import (
+    _FEW,
     DEFAULT_TEMPLATES,
     FACT_IN_TEST_OUTPUT,
     TEMPLATES,
@@ -19,6 +21,7 @@ from rollouts.tasks.agent_family import (
     agent_task_splits,
     answer_leaks,
     parse_spec,
+    redraw,
     validation_tasks,
 )
 
@@ -89,26 +92,27 @@ def test_no_task_holds_its_answer_and_contexts_stay_short():
     assert answer_leaks(planted)
 
 
-def test_keyed_templates_write_the_fact_after_the_text_the_fix_writes_before_it():
-    """The keyed variants' tests spell the value as the fixed line does (`LIMIT = 37`,
-    `default=-35`), so the copy is keyed by the same text; the constant's line is then in the
-    test file (and only there), the default's line nowhere."""
-    tasks = agent_family_tasks(40, seed=1, templates=["constant_keyed", "edge_case_keyed"])
+def test_few_valued_templates_draw_their_value_from_eight_and_the_wrong_one_from_the_rest():
+    """`constant_few` / `edge_case_few`: the value (and every redraw of it) is one of the
+    template's eight, the constant's wrong value never is, so the file holds no candidate; the
+    value shows in the test only."""
+    tasks = agent_family_tasks(100, seed=1, templates=["constant_few", "edge_case_few"])
+    seen, rng = set(), random.Random(2)
     for t in tasks:
-        (path, content), = json.loads(t.metadata["reference"]).items()
-        fixed = next(line.strip() for line in content.splitlines()
-                     if line not in t.files[path].splitlines())
-        facts, test = json.loads(t.metadata["facts"]), next(
-            c for p, c in t.files.items() if p.startswith("tests/"))
-        if t.metadata["family"] == "constant_keyed":
-            assert fixed == f"{facts['const']} = {facts['value']}" and f"    {fixed}\n" in test
-            assert answer_leaks(t) == [f"{path}: {fixed}"]
-            # named once, then used by name
-            assert re.findall(rf"(?<!\d){facts['value']}(?!\d)", test.replace(fixed, "")) == []
-        else:
-            assert fixed.endswith(f"default={facts['default']}):")
-            assert f"default={facts['default']})" in test and answer_leaks(t) == []
-        assert len(t.prompt) + sum(len(c) for c in t.files.values()) < 1500, t.id
+        family, facts = t.metadata["family"].removesuffix("_few"), json.loads(t.metadata["facts"])
+        key = "value" if family == "constant" else "default"
+        assert facts[key] in _FEW[family], t.id
+        if family == "constant":
+            assert facts["wrong"] not in _FEW[family] and 10 <= facts["wrong"] <= 99
+        (path, _), = json.loads(t.metadata["reference"]).items()
+        test = next(c for p, c in t.files.items() if p.startswith("tests/"))
+        value = re.compile(rf"(?<![\d-]){facts[key]}(?!\d)")
+        assert value.search(test) and not value.search(t.files[path]) and answer_leaks(t) == []
+        seen.add(facts[key])
+        mapping = redraw(t, rng)
+        if mapping:  # the redrawn value is one of the eight too
+            assert int(mapping[str(facts[key])]) in _FEW[family]
+    assert len(seen) == 16  # all eight of each drawn
 
 
 @pytest.fixture(scope="module")
