@@ -28,10 +28,9 @@ what was read, not recalled) or the same in every task (`names="fixed"`: `app/co
 copies left are the facts and the lines to edit: the easier set a small model learns first).
 `metadata["reference"]` is a JSON {path: new content} that passes, `metadata["reads"]` the
 files a solver reads, in order (JSON list); no file and not the prompt hold a changed line of
-the reference (`answer_leaks`). Graded
-like the feature-deletion tasks: `python -m pytest tests` with edits under `tests` discarded.
-`agent_task_splits` holds out a fixed fifth of all task contents (by hash), so held-out tasks are
-never trained on.
+the reference (`answer_leaks`). Graded like the feature-deletion tasks: `python -m pytest tests`
+with edits under `tests` discarded. `agent_task_splits` holds out a fixed fifth of all task
+contents (by hash), so held-out tasks are never trained on.
 """
 
 from __future__ import annotations
@@ -58,7 +57,8 @@ _HELPERS = ("canon", "normalize", "tidy", "clean_key", "slug", "as_key", "squash
 _SEPS = (", ", "; ", " | ", "/", " + ", "-", ":", " ")
 # (wrong-looking char, replacement) pairs a helper applies after strip + case change
 _SWAPS = ((" ", "_"), ("-", "_"), (" ", "-"), ("_", "."), ("-", " "), (".", "_"))
-# the few-valued variants' facts: eight each, with distinct first digits
+# the few-valued variants' facts: eight each, with distinct first digits but -2 / -27 (as
+# measured, docs/agent.md sixteenth session)
 _FEW = {"constant": (12, 25, 37, 41, 58, 63, 76, 89),
         "edge_case": (-2, -5, -9, -13, -27, -44, -61, -86)}
 
