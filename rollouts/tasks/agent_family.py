@@ -57,10 +57,10 @@ _HELPERS = ("canon", "normalize", "tidy", "clean_key", "slug", "as_key", "squash
 _SEPS = (", ", "; ", " | ", "/", " + ", "-", ":", " ")
 # (wrong-looking char, replacement) pairs a helper applies after strip + case change
 _SWAPS = ((" ", "_"), ("-", "_"), (" ", "-"), ("_", "."), ("-", " "), (".", "_"))
-# the few-valued variants' facts: eight each, with distinct first digits but -2 / -27 (as
-# measured, docs/agent.md sixteenth session)
+# the few-valued variants' facts: eight each, no two with the same first digit, so the first
+# digit names the value (-2 beside -27 was read as -27: docs/agent.md, sixteenth session)
 _FEW = {"constant": (12, 25, 37, 41, 58, 63, 76, 89),
-        "edge_case": (-2, -5, -9, -13, -27, -44, -61, -86)}
+        "edge_case": (-3, -5, -9, -13, -27, -44, -61, -86)}
 
 
 def made_up_word(rng: random.Random, syllables: int) -> str:

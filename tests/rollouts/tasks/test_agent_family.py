@@ -113,6 +113,8 @@ def test_few_valued_templates_draw_their_value_from_eight_and_the_wrong_one_from
         if mapping:  # the redrawn value is one of the eight too
             assert int(mapping[str(facts[key])]) in _FEW[family]
     assert len(seen) == 16  # all eight of each drawn
+    for values in _FEW.values():  # the first digit names the value
+        assert len({str(abs(v))[0] for v in values}) == len(values)
 
 
 @pytest.fixture(scope="module")
