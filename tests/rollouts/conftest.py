@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -115,14 +116,14 @@ def leftovers() -> Callable[[], list[str]]:
 
 @pytest.fixture(scope="session")
 def host_mounts() -> Callable[[], list[str]]:
-    """Our mount table, less the mounts our docker engine makes for its containers."""
+    """Our mount table, less the mounts private docker engines make for their containers: this
+    session's, and under xdist the other workers' (each starts its own, and their containers
+    come and go in the host's mount table while this worker's test runs)."""
+    engines = os.path.join(tempfile.gettempdir(), "jaxagent-dockerd-")
 
     def mounts() -> list[str]:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
-        if not _ENGINE:
-            return lines
-        engine = os.path.dirname(os.environ["DOCKER_HOST"].removeprefix("unix://"))
-        return [line for line in lines if engine not in line]
+        return [line for line in lines if engines not in line]
 
     return mounts
 
