@@ -22,6 +22,14 @@ the test; git ec723da, docs/agent.md, fifteenth session), while it learnt the ex
 one of eight names, the only one in the context. These variants ask for that recognition, not a
 copy of arbitrary digits.
 
+Keyed variants (`constant_keyed`, `hidden_file_keyed`; drawn only by name): the failing
+assertion's message names the fact as the edit writes it, beside the name the edited line
+starts with (`"CAP should be 37"`, `"SEP should be '/'"`), never the edited line itself. The
+few-valued constant (first digit 0.05 from a prior) and the separator between the expected
+string's digits (right in 14 of 112 held-out episodes, chance) did not move in warm-up or in RL
+(docs/agent.md, seventeenth and eighteenth sessions); these ask for the exception's kind of
+copy, a span after a key, and the constant's value is one of the eight.
+
 Names and constants are drawn per task, so tasks vary; generation is deterministic per seed.
 Package and module names are made up per task (`names="made_up"`: paths must be copied from
 what was read, not recalled) or the same in every task (`names="fixed"`: `app/core.py`, so the
@@ -84,7 +92,7 @@ def _fn(rng: random.Random, verb: Sequence[str]) -> str:
     return f"{rng.choice(verb)}_{rng.choice(_NOUNS)}"
 
 
-def _constant(rng: random.Random, names: str, few: bool = False) -> dict:
+def _constant(rng: random.Random, names: str, few: bool = False, keyed: bool = False) -> dict:
     (pkg, mod), const = _place(rng, names), rng.choice(_CONSTS)
     fn = _fn(rng, ("cap", "bound", "adjust", "shift"))
     op = rng.choice(("min", "max", "add"))
@@ -101,8 +109,11 @@ def _constant(rng: random.Random, names: str, few: bool = False) -> dict:
     path = f"{pkg}/{mod}.py"
     source = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n{const} = {{}}\n\n\n'
               f"def {fn}(x):\n    \"\"\"x {how}.\"\"\"\n    return {body}\n")
+    # keyed: the failing check's message names the constant beside its value
+    said = f', "{const} should be {value}"' if keyed else ""
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
-            + "".join(f"    assert {fn}({a}) == {b}\n" for a, b in checks))
+            + "".join(f"    assert {fn}({a}) == {b}{said if i == 0 else ''}\n"
+                      for i, (a, b) in enumerate(checks)))
     prompt = (f"`{fn}(x)` in {path} returns x {how}, but {const} has the wrong value. The right "
               f"value is not written here. Fix {const} so the tests pass.")
     return {"files": {f"{pkg}/__init__.py": "", path: source.format(wrong),
@@ -177,7 +188,7 @@ def _helper(rng: random.Random, names: str) -> dict:
             "blind": {path: head + body.format("n.strip().lower() for n in names")}}
 
 
-def _hidden_file(rng: random.Random, names: str) -> dict:
+def _hidden_file(rng: random.Random, names: str, keyed: bool = False) -> dict:
     pkg, mod = _place(rng, names)
     low = rng.choice(("fmt", "render", "layout", "join"))
     fn, joiner = _fn(rng, ("summary", "line", "show")), rng.choice(("join_all", "glue", "concat"))
@@ -190,7 +201,8 @@ def _hidden_file(rng: random.Random, names: str) -> dict:
     low_src = (f'"""Formatting."""\n\nSEP = {{!r}}\n\n\n'
                f"def {joiner}(parts):\n    return SEP.join(parts)\n")
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
-            f"    assert {fn}({items!r}) == {sep.join(map(str, items))!r}\n")
+            f"    assert {fn}({items!r}) == {sep.join(map(str, items))!r}"
+            + (f', "SEP should be {sep!r}"' if keyed else "") + "\n")
     prompt = (f"`{fn}(items)` in {pkg}/{mod}.py puts the wrong separator between the items. "
               "Make the tests pass.")
     return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/{mod}.py": api,
@@ -232,12 +244,14 @@ TEMPLATES: dict[str, Callable[[random.Random, str], dict]] = {
     "hidden_file": _hidden_file, "edge_case": _edge_case,
     "constant_few": functools.partial(_constant, few=True),
     "edge_case_few": functools.partial(_edge_case, few=True),
+    "constant_keyed": functools.partial(_constant, few=True, keyed=True),
+    "hidden_file_keyed": functools.partial(_hidden_file, keyed=True),
 }
 # What `templates=None` draws: the few-valued variants are chosen by name.
 DEFAULT_TEMPLATES = ("constant", "exception", "helper", "hidden_file", "edge_case")
 # Where the missing fact is only in the test output: a blind edit from the prompt cannot pass.
 FACT_IN_TEST_OUTPUT = ("constant", "exception", "hidden_file", "edge_case", "constant_few",
-                       "edge_case_few")
+                       "edge_case_few", "constant_keyed", "hidden_file_keyed")
 _SUFFIX = "\n\nDo not edit the tests (edits to them are discarded). Call finish when done.\n"
 
 
@@ -265,7 +279,8 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
     right by copying them from the context. Empty for the templates without such facts
     (`helper`, `hidden_file`) and for a task whose facts' texts coincide."""
     facts, family = json.loads(task.metadata.get("facts", "{}")), task.metadata["family"]
-    few, family = family.endswith("_few"), family.removesuffix("_few")
+    few = family.endswith(("_few", "_keyed"))  # a keyed constant is few-valued
+    family = family.removesuffix("_few").removesuffix("_keyed")
     if family == "constant":
         old = [facts["const"], str(facts["wrong"]), str(facts["value"])]
         value, wrong = _few_constant(rng) if few else rng.sample(range(10, 100), 2)

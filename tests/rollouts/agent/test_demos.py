@@ -207,7 +207,8 @@ def test_a_redrawn_demonstration_is_the_demonstration_of_the_redrawn_task():
         ops.setdefault(facts.get("op", t.metadata["family"]), t)
     picked = [ops[k] for k in ("add", "min", "exception", "edge_case")]
     picked.append(agent_family_tasks(3, seed=4, templates=["exception"])[0])  # made-up names
-    picked += agent_family_tasks(2, seed=3, templates=["constant_few", "edge_case_few"])
+    picked += agent_family_tasks(3, seed=3, templates=["constant_few", "edge_case_few",
+                                                       "constant_keyed"])
     rng = random.Random(0)
     with Scorer(workers=1) as scorer:
         def play(task):

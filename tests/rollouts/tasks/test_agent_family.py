@@ -96,10 +96,12 @@ def test_few_valued_templates_draw_their_value_from_eight_and_the_wrong_one_from
     """`constant_few` / `edge_case_few`: the value (and every redraw of it) is one of the
     template's eight, the constant's wrong value never is, so the file holds no candidate; the
     value shows in the test only."""
-    tasks = agent_family_tasks(100, seed=1, templates=["constant_few", "edge_case_few"])
+    tasks = agent_family_tasks(150, seed=1, templates=["constant_few", "edge_case_few",
+                                                       "constant_keyed"])
     seen, rng = set(), random.Random(2)
     for t in tasks:
-        family, facts = t.metadata["family"].removesuffix("_few"), json.loads(t.metadata["facts"])
+        family = t.metadata["family"].removesuffix("_few").removesuffix("_keyed")
+        facts = json.loads(t.metadata["facts"])
         key = "value" if family == "constant" else "default"
         assert facts[key] in _FEW[family], t.id
         if family == "constant":
@@ -115,6 +117,27 @@ def test_few_valued_templates_draw_their_value_from_eight_and_the_wrong_one_from
     assert len(seen) == 16  # all eight of each drawn
     for values in _FEW.values():  # the first digit names the value
         assert len({str(abs(v))[0] for v in values}) == len(values)
+
+
+def test_keyed_templates_name_the_fact_as_the_edit_writes_it_and_only_there():
+    """`constant_keyed` / `hidden_file_keyed`: the failing assertion's message says
+    `NAME should be VALUE`, where the reference's changed line is `NAME = VALUE`; the plain
+    templates' tests (same draws otherwise) say nothing of the kind."""
+    for plain, keyed in (("constant_few", "constant_keyed"), ("hidden_file", "hidden_file_keyed")):
+        pairs = zip(agent_family_tasks(30, seed=4, templates=[plain]),
+                    agent_family_tasks(30, seed=4, templates=[keyed]))
+        for a, b in pairs:
+            (path, content), = json.loads(b.metadata["reference"]).items()
+            assert json.loads(a.metadata["reference"]) == {path: content}  # same task drawn
+            changed, = (line for line in content.splitlines()
+                        if line not in b.files[path].splitlines())
+            name, value = changed.split(" = ")
+            test_path = next(p for p in b.files if p.startswith("tests/"))
+            said = f'"{name} should be {value}"'
+            assert said in b.files[test_path] and said not in a.files[test_path], b.id
+            # the message is the only difference, and no file holds the changed line
+            assert b.files[test_path].replace(", " + said, "") == a.files[test_path]
+            assert answer_leaks(b) == [], b.id
 
 
 @pytest.fixture(scope="module")
