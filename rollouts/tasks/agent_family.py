@@ -25,8 +25,9 @@ copy of arbitrary digits.
 Keyed variants (`constant_keyed`, `hidden_file_keyed`; drawn only by name): the failing
 assertion's message names the fact as the edit writes it, beside the name the edited line
 starts with (`"CAP should be 37"`, `"SEP should be '/'"`), never the edited line itself. The
-few-valued constant (held-out 0.05, its first digit guessed from a prior) and the separator between the expected
-string's digits (right in 14 of 112 held-out episodes, chance) did not move in warm-up or in RL
+few-valued constant (held-out 0.05, its first digit guessed from a prior) and the separator
+between the expected string's digits (right in 14 of 112 held-out episodes, chance) did not move
+in warm-up or in RL
 (docs/agent.md, seventeenth and eighteenth sessions); these ask for the exception's kind of
 copy, a span after a key, and the constant's value is one of the eight.
 
