@@ -4,11 +4,13 @@
     python benchmarks/attention.py --seq 8192 16384 32768 65536 --heads 16 --kv-heads 1 --head-dim 128
 
 On GPU the dense baselines are `jax.nn.dot_product_attention` (cuDNN) and the Pallas Triton
-flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); `nsa_layer` runs the Pallas
-selected-block kernel (`pallas_kernels.nsa.select_attention`), cuDNN's sliding window and the
-compressed branch in XLA, `nsa_layer_kernels` all three Pallas kernels; each branch is also
-timed alone, kernel vs XLA/cuDNN (`nsa_compressed_*` includes the compression MLPs and the
-top-n), and `nsa_selected_mosaic` / `nsa_window_mosaic` / `nsa_compressed_mosaic` are those
+flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`); `nsa_layer` is the layer as
+the model runs it (`pallas_kernels.nsa.nsa_attention`, `kernels: auto`: on Hopper the Mosaic
+selected and compressed kernels and cuDNN's sliding window), `nsa_layer_triton` the Triton
+selected-block kernel, cuDNN's window and the compressed branch in XLA (the default before
+2026-11-28), `nsa_layer_kernels` all three Triton kernels; each branch is also timed alone,
+kernel vs XLA/cuDNN (`nsa_compressed_*` includes the compression MLPs and the top-n, which on a
+GPU takes rounds of argmax), and `nsa_selected_mosaic` / `nsa_window_mosaic` / `nsa_compressed_mosaic` are those
 branches on the Hopper (Mosaic GPU) kernels, `nsa_layer_mosaic` all three. On CPU both sides are compiled XLA: dense `dot_product_attention` vs the chunked
 plain-JAX NSA (`nsa_forward`: gathered selected blocks, banded window). Each number is the best
 of --repeats timed runs after a compile run; FLOP counts are analytic (matmuls only, causal
@@ -29,6 +31,7 @@ import numpy as np
 
 from pallas_kernels.nsa import (
     compressed_attention,
+    nsa_attention,
     select_attention,
     select_mgpu,
     sliding_window_attention,
@@ -133,7 +136,8 @@ def main():
         def compressed(q, k, v, compressed_fn=None):
             """The compressed branch and the selection it drives, from the keys (MLPs included)."""
             kc, vc = X.compress_blocks(k, params["compress_k"], shape), X.compress_blocks(v, params["compress_v"], shape)
-            return X.compressed_branch(q, kc, vc, shape, -(-t // shape.select_block), h**-0.5, compressed_fn)
+            return X.compressed_branch(q, kc, vc, shape, -(-t // shape.select_block), h**-0.5, compressed_fn,
+                                       top_n_form="argmax" if on_gpu else "top_k")
 
         cases = {"nsa_compressed_xla": lambda q, k, v, idx: compressed(q, k, v)}
         if on_gpu:
@@ -143,18 +147,20 @@ def main():
             cases["dense_pallas_flash"] = lambda q, k, v, idx: flash.mha(
                 q, jnp.repeat(k, n // kh, 2), jnp.repeat(v, n // kh, 2), None, sm_scale=h**-0.5, causal=True
             )
-            cases["nsa_selected_kernel"] = lambda q, k, v, idx: select_attention(q, k, v, idx, block_size=shape.select_block)
-            cases["nsa_layer"] = lambda q, k, v, idx: X.nsa_forward(
-                q, k, v, params, shape, select_fn=select_attention, window_fn=window_cudnn
+            triton = dict(gpu_kernels="triton")
+            cases["nsa_selected_kernel"] = lambda q, k, v, idx: select_attention(
+                q, k, v, idx, block_size=shape.select_block, **triton)
+            cases["nsa_layer"] = lambda q, k, v, idx: nsa_attention(q, k, v, params, shape)
+            cases["nsa_layer_triton"] = lambda q, k, v, idx: X.nsa_forward(
+                q, k, v, params, shape, select_fn=functools.partial(select_attention, **triton), window_fn=window_cudnn
             )
             # the window branch alone: our Pallas kernel vs cuDNN's sliding window
-            cases["nsa_window_kernel"] = lambda q, k, v, idx: sliding_window_attention(q, k, v, window=shape.window)
+            cases["nsa_window_kernel"] = lambda q, k, v, idx: sliding_window_attention(q, k, v, window=shape.window, **triton)
             cases["nsa_window_cudnn"] = lambda q, k, v, idx: window_cudnn(q, k, v, window=shape.window, scale=h**-0.5)
-            cases["nsa_compressed_kernel"] = lambda q, k, v, idx: compressed(q, k, v, compressed_attention)
-            cases["nsa_layer_kernels"] = lambda q, k, v, idx: X.nsa_forward(
-                q, k, v, params, shape, select_fn=select_attention, window_fn=sliding_window_attention,
-                compressed_fn=compressed_attention,
-            )
+            cases["nsa_compressed_kernel"] = lambda q, k, v, idx: compressed(
+                q, k, v, functools.partial(compressed_attention, **triton))
+            cases["nsa_layer_kernels"] = lambda q, k, v, idx: nsa_attention(
+                q, k, v, params, shape, kernels="all", gpu_kernels="triton")
             # the Hopper kernels (Mosaic GPU: TMA + wgmma over a tile's block union); last, as they
             # have not run on hardware yet and a fault must not take the others with it
             mosaic = {
@@ -214,6 +220,9 @@ def main():
                 row["ms"][name] = f"error: {type(e).__name__}: {str(e)[:200]}"
             print(t, name, row["ms"][name], flush=True)
         results["rows"].append(row)
+        if args.out:  # after every length, so a run cut by its time budget keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
 
     print(json.dumps(results, indent=1))
     for row in results["rows"]:
@@ -224,7 +233,8 @@ def main():
         print(f"  selected-branch key/value block loads, one per position's pick / one per tile union "
               f"(R={loads['positions_per_tile']}) = {loads['ratio']:.2f}x")
         for kind in ("fwd", "fwd+bwd"):
-            for nsa in ("nsa_selected_kernel", "nsa_selected_gathered", "nsa_layer", "nsa_layer_kernels", "nsa_layer_mosaic"):
+            for nsa in ("nsa_selected_kernel", "nsa_selected_gathered", "nsa_layer", "nsa_layer_triton",
+                        "nsa_layer_kernels", "nsa_layer_mosaic"):
                 a, c = ms.get(f"{dense}/{kind}"), ms.get(f"{nsa}/{kind}")
                 if isinstance(a, float) and isinstance(c, float):
                     print(f"  {kind:8s} {dense} / {nsa} = {a / c:.2f}x ({a:.2f} ms vs {c:.2f} ms)")
@@ -238,9 +248,6 @@ def main():
         a, c = ms.get("dense/decode"), ms.get("nsa/decode")
         if isinstance(a, float) and isinstance(c, float):
             print(f"  decode   dense / nsa = {a / c:.2f}x ({a:.3f} ms vs {c:.3f} ms)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

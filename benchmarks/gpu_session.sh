@@ -9,6 +9,7 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh backends   # attention backends: cuDNN test, timings
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh lora       # train step: full vs LoRA r16/r64 at 0.5B
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh async      # async vs sync RL, slow test suites
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh profile    # the fifth lease's call: MFU, NSA profile
 #
 # A lease (15 minutes, starts included) takes about one rl call and one shorter one: what has
 # never run on a GPU comes first (rl's decode kernel and Tunix's GRPO step; backends; lora; async).
@@ -69,6 +70,37 @@ if [ "$STAGE" = rl ]; then
   t=$(budget 590); log "train step, float32 masters, cuDNN attention, 4 micro-batches" $t
   timeout $t python3 benchmarks/train_step.py --gpu --attention-backend cudnn --steps 5 --micro-batch 4 \
     --logits-chunk-mib 1024 --param-dtype float32 2>&1 | quiet | tail -3 | tee -a "$OUT/rl.log"
+  exit 0
+fi
+
+# Fifth lease (2026-11-28; ~8 min, one call): numbers the aims still wait on, in priority order.
+# The 0.5B train step with the LM head whole (float32 logits fit an H200; the 1 GiB chunks'
+# backward recomputes the head's forward, ~8% more matmul work than MFU counts: 37.3% -> 40%?);
+# the NSA layer and every branch at 16k, 32k, 64k with a per-kernel profile of each forward
+# (nsa_kernels.md, what the compressed branch's time is made of before retiling it); the
+# Mosaic selected-block tests, the last three of the nine never run to the end; the batch-64
+# decode loop's profile with the decode kernel in it (the fourth lease's trace was empty).
+if [ "$STAGE" = profile ]; then
+  # 8 files come back: device.txt, profile.log, attention.{json,log}, nsa_kernels.md,
+  # gpu_tests_mosaic.log, sampler.jsonl, decode_b64_kernels.md
+  echo "== train step, LM head whole, float32 masters, cuDNN attention" | tee -a "$OUT/profile.log"
+  timeout $(budget 90) python3 benchmarks/train_step.py --gpu --attention-backend cudnn --param-dtype float32 \
+    --steps 5 --micro-batch 0 --logits-chunk-mib 0 2>&1 | quiet | tail -4 | tee -a "$OUT/profile.log"
+  timeout $(budget 300) python3 benchmarks/attention.py --seq 65536 16384 32768 --heads 16 --kv-heads 1 \
+    --head-dim 128 --repeats 3 --only dense_cudnn nsa_layer nsa_layer_mosaic nsa_compressed_mosaic \
+    nsa_selected_kernel nsa_selected_mosaic nsa_window_cudnn nsa_window_mosaic \
+    --trace /tmp/nsa_trace --out "$OUT/attention.json" 2>&1 | quiet | tee "$OUT/attention.log"
+  for d in /tmp/nsa_trace/65536-* /tmp/nsa_trace/16384-nsa_layer_mosaic /tmp/nsa_trace/32768-nsa_layer_mosaic; do
+    [ -d "$d" ] && python3 benchmarks/trace_kernels.py "$d" --top 12 2>&1 | tee -a "$OUT/nsa_kernels.md"
+  done
+  JAX_PLATFORMS=cuda timeout $(budget 420) python3 -m pytest -n 0 -v --tb=short -m gpu -k "mosaic and select" \
+    -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
+  echo "== sampler 0.5b ours, batch 64, decode-loop profile" | tee -a "$OUT/profile.log"
+  timeout $(budget 500) python3 benchmarks/sampler.py --gpu --sizes qwen2.5-0.5b --repeats 2 \
+    --settings '[[64,512,128]]' --peers "" --checkpoint-dir /tmp/ckpts --trace /tmp/trace \
+    --jsonl "$OUT/sampler.jsonl" 2>&1 | quiet | tee -a "$OUT/profile.log"
+  python3 benchmarks/trace_kernels.py /tmp/trace --steps 31 --top 25 --module decode_segment 2>&1 \
+    | tee "$OUT/decode_b64_kernels.md"
   exit 0
 fi
 

@@ -3,7 +3,9 @@
 is decided here only: ``branch_kernels`` turns ``kernels`` into the branches that run as Pallas
 kernels (the rest stay XLA, ``xla.py``), and ``platform_kernel`` picks each branch's kernel
 from the platform: Mosaic TPU on TPU, else the GPU-style kernel, as Pallas Triton or, on
-Hopper with ``gpu_kernels="mosaic"``, Mosaic GPU (interpreted on CPU).
+Hopper (``gpu_kernels`` "auto" or "mosaic"), Mosaic GPU (interpreted on CPU). On Hopper, "auto"
+runs each branch on what an H200 timed fastest (docs/nsa.md): Mosaic GPU for the selected and
+compressed branches, cuDNN's sliding window for the window.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pallas_kernels.nsa.select_gpu import select_attention_gpu
 from pallas_kernels.nsa.select_tpu import select_attention_tpu
 from pallas_kernels.nsa.window_gpu import sliding_window_attention_gpu
 from pallas_kernels.nsa.window_tpu import sliding_window_attention_tpu
-from pallas_kernels.nsa.xla import NSAShape, nsa_forward
+from pallas_kernels.nsa.xla import NSAShape, nsa_forward, sliding_window_banded
 
 # branch -> (TPU kernel, GPU-style kernel, that kernel's BlockSizes)
 _KERNELS = {
@@ -39,28 +41,52 @@ def is_hopper(device) -> bool:
         return False
 
 
-def platform_kernel(branch: str, *, interpret: bool, gpu_kernels: str = "triton"):
+def _mosaic_gpu(gpu_kernels: str) -> bool:
+    """Whether this platform runs the Mosaic GPU kernels: a Hopper GPU, `gpu_kernels` not
+    "triton"."""
+    if gpu_kernels not in ("auto", "triton", "mosaic"):
+        raise ValueError(f"gpu_kernels={gpu_kernels!r} is not 'auto', 'triton' or 'mosaic'")
+    return gpu_kernels != "triton" and jax.default_backend() == "gpu" and is_hopper(jax.devices()[0])
+
+
+def platform_kernel(branch: str, *, interpret: bool, gpu_kernels: str = "auto"):
     """The kernel of `branch` ("select", "window", "compressed") for this platform: TPU runs the
-    Mosaic TPU kernel, anything else the GPU-style one, on Mosaic GPU when `gpu_kernels` is
-    "mosaic" and the GPU is a Hopper (older GPUs and ROCm keep Triton)."""
+    Mosaic TPU kernel, anything else the GPU-style one, on Mosaic GPU when the GPU is a Hopper
+    and `gpu_kernels` is "auto" or "mosaic" (older GPUs and ROCm keep Triton)."""
     tpu, gpu, block_sizes = _KERNELS[branch]
-    platform = jax.default_backend()
-    if platform == "tpu":
+    if jax.default_backend() == "tpu":
         return functools.partial(tpu, interpret=interpret)
-    backend = gpu_kernels if platform == "gpu" and is_hopper(jax.devices()[0]) else "triton"
+    backend = "mosaic" if _mosaic_gpu(gpu_kernels) else "triton"
     return functools.partial(gpu, interpret=interpret, block_sizes=block_sizes(backend=backend))
 
 
-def branch_kernels(kernels: str = "auto", gpu_kernels: str = "triton"):
+def sliding_window_cudnn(q, k, v, *, window, scale, implementation="cudnn"):
+    """The window branch on cuDNN's sliding-window attention (keys t - window < s <= t), the
+    banded XLA form where cuDNN takes no such inputs (float32, head dims past 128). On an H200
+    at 64k: 1.1 ms forward, 4.0 ms with the backward, against the Mosaic kernel's 2.7 and 8.1.
+    (`implementation="xla"` runs the same call on any platform: how the CPU tests check it.)"""
+    h = q.shape[-1]
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or h % 8 or h > 128 or v.shape[-1] != h:
+        return sliding_window_banded(q, k, v, window=window, scale=scale)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=(window - 1, 0),
+                                        implementation=implementation)
+
+
+def branch_kernels(kernels: str = "auto", gpu_kernels: str = "auto"):
     """(select_fn, window_fn, compressed_fn) for ``nsa_forward``, per `model.nsa.kernels`; None
-    is the branch's plain-XLA form. "auto": the selected branch on GPU/TPU, none on CPU. On CPU
-    the kernels run interpreted. Decided at trace time, from the platform."""
+    is the branch's plain-XLA form. "auto": on a Hopper GPU (`gpu_kernels` not "triton") the
+    fastest per branch, the selected and compressed kernels on Mosaic GPU and cuDNN's window;
+    the selected branch alone on other GPUs and TPU; none on CPU. On CPU the kernels run
+    interpreted. Decided at trace time, from the platform."""
     on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    options = dict(interpret=not on_accelerator, gpu_kernels=gpu_kernels)
+    if kernels == "auto" and _mosaic_gpu(gpu_kernels):
+        return (functools.partial(select_attention, **options), sliding_window_cudnn,
+                functools.partial(compressed_attention, **options))
     if kernels == "auto":
         kernels = "select" if on_accelerator else "xla"
     if kernels == "xla":
         return None, None, None
-    options = dict(interpret=not on_accelerator, gpu_kernels=gpu_kernels)
     select = functools.partial(select_attention, **options)
     if kernels == "select":
         return select, None, None
@@ -68,17 +94,19 @@ def branch_kernels(kernels: str = "auto", gpu_kernels: str = "triton"):
             functools.partial(compressed_attention, **options))
 
 
-def nsa_attention(q, k, v, params, shape: NSAShape, *, kernels: str = "auto", gpu_kernels: str = "triton"):
+def nsa_attention(q, k, v, params, shape: NSAShape, *, kernels: str = "auto", gpu_kernels: str = "auto"):
     """The NSA layer on a causal sequence, q[B,T,N,H], k[B,S,K,H], v[B,S,K,V] -> [B,T,N,V]: the
     branches `kernels` names ("auto", "xla", "select", "all") as Pallas kernels, the others in
-    XLA (``xla.nsa_forward``). ``params``: {"compress_k", "compress_v", "gate"}."""
+    XLA (``xla.nsa_forward``). ``params``: {"compress_k", "compress_v", "gate"}. On a GPU the
+    top-n takes rounds of argmax (``xla.top_n``: 4x faster than XLA's TopK kernel at 64k)."""
     select_fn, window_fn, compressed_fn = branch_kernels(kernels, gpu_kernels)
     return nsa_forward(q, k, v, params, shape, select_fn=select_fn, window_fn=window_fn,
-                       compressed_fn=compressed_fn)
+                       compressed_fn=compressed_fn,
+                       top_n_form="argmax" if jax.default_backend() == "gpu" else "top_k")
 
 
 def select_attention(q, k, v, block_idx, *, block_size, causal=True, scale=None, interpret=False,
-                     gpu_kernels="triton"):
+                     gpu_kernels="auto"):
     """q[B,T,Hq,D], k[B,S,Hkv,D], v[B,S,Hkv,Dv], block_idx[B,T,Hkv,n] int32 -> [B,T,Hq,Dv].
 
     Query t of head h attends to the keys of the blocks listed for its kv head h // (Hq/Hkv)
@@ -103,7 +131,7 @@ def select_attention(q, k, v, block_idx, *, block_size, causal=True, scale=None,
     return kernel(q, k, v, block_idx.astype("int32"), block_size=block_size, causal=causal, scale=scale)
 
 
-def sliding_window_attention(q, k, v, *, window, scale=None, interpret=False, gpu_kernels="triton"):
+def sliding_window_attention(q, k, v, *, window, scale=None, interpret=False, gpu_kernels="auto"):
     """q[B,T,Hq,D], k[B,S,Hkv,D], v[B,S,Hkv,Dv] -> [B,T,Hq,Dv].
 
     Query t of head h attends to the keys s of kv head h // (Hq/Hkv) with t - window < s <= t
@@ -123,7 +151,7 @@ def sliding_window_attention(q, k, v, *, window, scale=None, interpret=False, gp
 
 
 def compressed_attention(q, k_cmp, v_cmp, *, shape: NSAShape, num_select_blocks, scale=None, interpret=False,
-                         gpu_kernels="triton"):
+                         gpu_kernels="auto"):
     """q[B,T,N,H], k_cmp[B,C,K,H], v_cmp[B,C,K,V] -> (o [B,T,N,V], importance [B,T,K,P]).
 
     Query t attends to the compressed blocks i with i*d + l - 1 <= t (eq. 7; none: zeros) and

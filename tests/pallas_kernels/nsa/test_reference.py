@@ -103,6 +103,29 @@ def test_select_blocks_forced_causal_group_summed_ties_low():
             assert sorted(sel) == sorted(forced | set(free[: 4 - len(forced)]))
 
 
+def test_top_n_by_argmax_rounds_equals_top_k():
+    """``top_n``'s argmax rounds (a GPU's form) give top_k's values and indices, largest first
+    and ties to the lower index, on fresh scores with ties, +inf and -inf; the blocks
+    ``top_blocks`` picks agree too."""
+    rng = np.random.default_rng(11)
+    score = rng.integers(0, 5, size=(3, 37, 2, 23)).astype(np.float32)  # many ties ...
+    score += rng.random(score.shape) * (rng.random(score.shape) < 0.5)  # ... and as many not
+    score[0, :, :, 4] = np.inf
+    score[1, :, :, 7:] = -np.inf
+    score = jnp.asarray(score)
+    for j in (1, 6, 23):
+        want = jax.lax.top_k(score, j)
+        got = X.top_n(score, j, "argmax")
+        np.testing.assert_array_equal(got[0], want[0])
+        finite = np.asarray(want[0]) > -np.inf  # equal -inf picks: top_blocks turns them into -1
+        np.testing.assert_array_equal(np.where(finite, got[1], -1), np.where(finite, want[1], -1))
+    shape = X.NSAShape(compress_block=4, compress_stride=2, select_block=4, num_selected=5, num_local_blocks=2)
+    blocks = jnp.asarray(rng.random((2, 90, 3, 23)), jnp.float32)
+    np.testing.assert_array_equal(X.top_blocks(blocks, shape, top_n_form="argmax"), X.top_blocks(blocks, shape))
+    with pytest.raises(ValueError, match="form='sort'"):
+        X.top_n(score, 2, "sort")
+
+
 def test_nsa_reference_float64_and_gradients():
     shape = X.NSAShape(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
     rng = np.random.default_rng(3)
@@ -296,8 +319,9 @@ def test_xla_path_matches_the_reference_at_odd_sizes(seed):
             for a, w in zip(got, want):
                 np.testing.assert_allclose(a, w, atol=1e-12)
         want = R.nsa_reference(q, k, v, params, shape)
-        for select_fn in (X.select_attention_masked, X.select_attention_gathered):
-            got = X.nsa_forward(q, k, v, params, shape, select_fn=select_fn, chunk=7)
+        for select_fn, top_n_form in ((X.select_attention_masked, "top_k"), (X.select_attention_gathered, "top_k"),
+                                      (X.select_attention_masked, "argmax")):
+            got = X.nsa_forward(q, k, v, params, shape, select_fn=select_fn, chunk=7, top_n_form=top_n_form)
             np.testing.assert_allclose(got, want, atol=1e-12)
 
 
