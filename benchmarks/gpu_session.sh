@@ -11,8 +11,11 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh async      # async vs sync RL, slow test suites
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh profile    # the fifth lease's call: MFU, NSA profile
 #
-# A lease (15 minutes, starts included) takes about one rl call and one shorter one: what has
-# never run on a GPU comes first (rl's decode kernel and Tunix's GRPO step; backends; lora; async).
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh nsa        # the NSA layer as auto runs it vs dense
+#
+# A lease (15 minutes, starts included) takes about one rl call and one shorter one. Next, in
+# order (2026-11-28): nsa (the Hopper default never timed whole), then rl with the sampler's
+# batch-64 profile first (two leases lost it to the time budget), then async (last on an H100).
 #
 # Needs jax with a CUDA plugin (`pip install -e .[gpu]`); wheels missing on the machine (grain,
 # google-tunix and the four of its imports the lent machines lack: clu, google-metrax, perfetto,
@@ -104,20 +107,20 @@ if [ "$STAGE" = profile ]; then
   exit 0
 fi
 
-# NSA on hardware (~5 min): the whole layer on the Mosaic kernels against cuDNN dense at 16k,
-# 32k and 64k, forward and forward + backward (only 64k has been timed, on an H200), with a
-# per-kernel profile of each case's forward at 64k (nsa_kernels.md: what the layer's 32.8 ms
-# are made of; docs/nsa.md says what limits the aim); then the Mosaic selected-block test
-# that the third lease's time cut (2026-11-26: compressed 3/3 and selected 2/3 passed).
+# NSA on hardware (~5 min): the layer as `kernels: auto` now runs it on Hopper (Mosaic selected
+# and compressed kernels, cuDNN window, argmax top-n; estimated from the fifth lease's parts at
+# ~26.8 ms forward, ~74 ms forward + backward at 64k, never timed whole) against cuDNN dense,
+# the old default and all-Mosaic, at 64k, 16k and 32k (64k first: the aims' point), with a
+# per-kernel profile of each forward at 64k and of the new layer at every length.
 if [ "$STAGE" = nsa ]; then
-  timeout $(budget ${NSA_SECONDS:-240}) python3 benchmarks/attention.py --seq 16384 32768 65536 --heads 16 \
-    --kv-heads 1 --head-dim 128 --repeats 3 --only dense_cudnn nsa_layer_mosaic nsa_compressed_mosaic \
-    nsa_selected_kernel nsa_window_mosaic --trace /tmp/nsa_trace --out "$OUT/attention.json" 2>&1 | quiet | tee "$OUT/attention.log"
-  for d in /tmp/nsa_trace/65536-*; do
-    python3 benchmarks/trace_kernels.py "$d" --top 12 2>&1 | tee -a "$OUT/nsa_kernels.md"
+  JAX_PLATFORMS=cuda timeout $(budget 40) python3 -m pytest -n 0 -q --tb=short -m gpu -p no:cacheprovider \
+    tests/pallas_kernels/nsa/test_attention.py 2>&1 | quiet | tee "$OUT/gpu_tests_cudnn_window.log"
+  timeout $(budget ${NSA_SECONDS:-400}) python3 benchmarks/attention.py --seq 65536 16384 32768 --heads 16 \
+    --kv-heads 1 --head-dim 128 --repeats 3 --only dense_cudnn nsa_layer nsa_layer_triton nsa_layer_mosaic \
+    nsa_compressed_mosaic --trace /tmp/nsa_trace --out "$OUT/attention.json" 2>&1 | quiet | tee "$OUT/attention.log"
+  for d in /tmp/nsa_trace/65536-* /tmp/nsa_trace/16384-nsa_layer /tmp/nsa_trace/32768-nsa_layer; do
+    [ -d "$d" ] && python3 benchmarks/trace_kernels.py "$d" --top 12 2>&1 | tee -a "$OUT/nsa_kernels.md"
   done
-  JAX_PLATFORMS=cuda timeout $(budget 400) python3 -m pytest -n 0 -v --tb=short -m gpu -k "mosaic and select" \
-    -p no:cacheprovider tests/pallas_kernels 2>&1 | quiet | tee "$OUT/gpu_tests_mosaic.log"
   exit 0
 fi
 
