@@ -48,6 +48,10 @@ class AgentConfig:
     embedding: Literal["ngram", "minilm"] = "ngram"  # semantic search; minilm: extra `semantic`
     feedback_detectors: tuple[str, ...] = ()  # bad_tool_call, test_edit, repeat
     feedback_beta: float = 0.0  # weight of KL(policy with hint || policy) at flagged turns
+    # A detector's hint in place of its English default (rollouts.agent.feedback.HINTS): the
+    # teacher is the policy reading it, so it must be text the policy can read (a byte model
+    # trained only on episodes reads its own call format, not English).
+    feedback_hints: dict[str, str] = dataclasses.field(default_factory=dict)
     # Flagged turns per step that get the KL (the batch's first ones): each costs a forward
     # pass over its context with and without the hint.
     feedback_max_examples: int = 4
@@ -72,3 +76,9 @@ class AgentConfig:
         if self.truncation not in ("mask", "penalty"):
             raise ValueError(f"AgentConfig.truncation must be 'mask' or 'penalty', got {self.truncation!r}")
         make_format(self.call_format)
+        from rollouts.agent.feedback import HINTS  # the detectors' names live with their hints
+
+        unknown = sorted(set(self.feedback_hints) - set(HINTS))
+        if unknown or not all(isinstance(h, str) and h.strip() for h in self.feedback_hints.values()):
+            raise ValueError(f"AgentConfig.feedback_hints maps detectors {sorted(HINTS)} to non-empty "
+                             f"text, got {self.feedback_hints!r}")

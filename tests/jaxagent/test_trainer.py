@@ -445,6 +445,14 @@ def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
     np.testing.assert_array_equal(fb.teacher_index[0, :5], np.arange(11, 16) + n)
     np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [5, 5, 0, 0])
     assert to_feedback_batch(batch, tok, rows=1).mask.sum() == 5  # capped at `rows`
+    # a configured hint (agent.feedback_hints) replaces its detector's, the others stay
+    mine = {**HINTS, "bad_tool_call": "@run_tests"}
+    fb = to_feedback_batch(batch, tok, rows=2, hints=mine)
+    calls = tok.encode("\n@run_tests\n")
+    np.testing.assert_array_equal(fb.teacher_tokens[0, :17 + len(calls)], seq[:12] + calls + seq[12:17])
+    np.testing.assert_array_equal(fb.teacher_index[0, :5], np.arange(11, 16) + len(calls))
+    repeat = tok.encode("\n" + HINTS["repeat"] + "\n")
+    np.testing.assert_array_equal(fb.teacher_tokens[1, :30 + len(repeat)], seq[:25] + repeat + seq[25:30])
 
 
 @pytest.mark.slow

@@ -160,6 +160,11 @@ def test_reset_refuses_function_tasks_and_options_are_checked():
         AgentConfig(scripted_prefix=1.5)
     with pytest.raises(ValueError, match="AgentConfig.bad_call_penalty must be >= 0"):
         AgentConfig(bad_call_penalty=-0.1)
+    with pytest.raises(ValueError, match="feedback_hints maps detectors"):
+        AgentConfig(feedback_hints={"bad_call": "@run_tests"})  # no such detector
+    with pytest.raises(ValueError, match="feedback_hints maps detectors"):
+        AgentConfig(feedback_hints={"repeat": " "})
+    assert AgentConfig(feedback_hints={"repeat": "@finish"}).feedback_hints == {"repeat": "@finish"}
     with pytest.raises(RuntimeError, match="before reset"):
         env.step([1])
 
