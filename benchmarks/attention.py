@@ -39,6 +39,7 @@ from pallas_kernels.nsa import (
 from pallas_kernels.nsa import reference as R
 from pallas_kernels.nsa import xla as X
 from pallas_kernels.nsa._index import clean_block_idx
+from pallas_kernels.nsa.attention import sliding_window_cudnn
 from pallas_kernels.nsa.compressed_gpu import BlockSizes as CompressedBlockSizes
 from pallas_kernels.nsa.compressed_gpu import compressed_attention_gpu
 from pallas_kernels.nsa.select_gpu import BlockSizes as SelectBlockSizes
@@ -128,11 +129,6 @@ def main():
         do = jax.random.normal(ks[3], (b, t, n, h), dtype)
         idx = random_selection(ks[4], b, t, kh, shape)
 
-        def window_cudnn(q, k, v, *, window, scale):
-            return jax.nn.dot_product_attention(
-                q, k, v, scale=scale, is_causal=True, local_window_size=(window - 1, 0), implementation="cudnn"
-            )
-
         def compressed(q, k, v, compressed_fn=None):
             """The compressed branch and the selection it drives, from the keys (MLPs included)."""
             kc, vc = X.compress_blocks(k, params["compress_k"], shape), X.compress_blocks(v, params["compress_v"], shape)
@@ -152,11 +148,12 @@ def main():
                 q, k, v, idx, block_size=shape.select_block, **triton)
             cases["nsa_layer"] = lambda q, k, v, idx: nsa_attention(q, k, v, params, shape)
             cases["nsa_layer_triton"] = lambda q, k, v, idx: X.nsa_forward(
-                q, k, v, params, shape, select_fn=functools.partial(select_attention, **triton), window_fn=window_cudnn
+                q, k, v, params, shape, select_fn=functools.partial(select_attention, **triton),
+                window_fn=sliding_window_cudnn,
             )
             # the window branch alone: our Pallas kernel vs cuDNN's sliding window
             cases["nsa_window_kernel"] = lambda q, k, v, idx: sliding_window_attention(q, k, v, window=shape.window, **triton)
-            cases["nsa_window_cudnn"] = lambda q, k, v, idx: window_cudnn(q, k, v, window=shape.window, scale=h**-0.5)
+            cases["nsa_window_cudnn"] = lambda q, k, v, idx: sliding_window_cudnn(q, k, v, window=shape.window, scale=h**-0.5)
             cases["nsa_compressed_kernel"] = lambda q, k, v, idx: compressed(
                 q, k, v, functools.partial(compressed_attention, **triton))
             cases["nsa_layer_kernels"] = lambda q, k, v, idx: nsa_attention(

@@ -6,10 +6,10 @@ XLA layer's top-n over 1,024-query chunks ran as sorts of 22 us each (1.4 ms in 
     python benchmarks/top_n.py --seq 16384 65536 --jsonl out.jsonl
 
 Letters: T queries, K kv heads, P selection blocks (T / 64), J selected (16). Forms:
-  top_k       lax.top_k over every row at once (what `top_blocks` runs)
+  top_k       lax.top_k over every row at once (`xla.top_n`'s "top_k", CPU and TPU)
   top_k_1024  lax.top_k in chunks of 1,024 rows (lax.map)
   sort        a stable sort of (-score, block) per row, first J kept
-  argmax      J rounds of argmax, each taking its block out
+  argmax      J rounds of argmax, each taking its block out (`xla.top_n`'s "argmax", GPUs)
 Every form's indices must equal top_k's (ties to the lower block); best of --repeats.
 """
 
@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.nsa import xla as X
+
 
 def top_k(score, j):
-    return jax.lax.top_k(score, j)[1]
+    return X.top_n(score, j, "top_k")[1]
 
 
 def top_k_chunked(score, j, rows=1024):
@@ -42,12 +44,7 @@ def by_sort(score, j):
 
 
 def by_argmax(score, j):
-    picks = []
-    for _ in range(j):
-        i = jnp.argmax(score, axis=-1)
-        picks.append(i)
-        score = jnp.where(jnp.arange(score.shape[-1]) == i[..., None], -jnp.inf, score)
-    return jnp.stack(picks, axis=-1).astype(jnp.int32)
+    return X.top_n(score, j, "argmax")[1]
 
 
 FORMS = {"top_k": top_k, "top_k_1024": top_k_chunked, "sort": by_sort, "argmax": by_argmax}
