@@ -93,7 +93,8 @@ def test_agent_default_shortened_end_to_end(tmp_path):
                            "sft.valid_stop=0",
                            "train.steps=2",
                            "train.prompts_per_step=2", "agent.episodes=4", "train.micro_batch=4",
-                           "rl.group_size=2", "eval.samples=1", f"workdir={tmp_path}"],
+                           "rl.group_size=2", "eval.samples=1", "eval.k=[1]",
+                           f"workdir={tmp_path}"],
                           check=True, env=env, capture_output=True, text=True)
     # progress lines for each long phase, though stderr is a pipe
     for phase in ("demos", "sft", "eval", "rl"):
