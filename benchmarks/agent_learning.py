@@ -13,7 +13,8 @@ one table row per run and the medians:
 
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 --variant feedback_off \
-        feedback_on --out runs/agent_learning   # targeted feedback KL off and on
+        feedback_on feedback_script --out runs/agent_learning   # targeted feedback off, on
+        # (the policy reading a hint), on (the scripted teacher)
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2 \
         --warmup runs/agent_default/checkpoints/0   # RL only, from one finished warm-up
 
@@ -36,12 +37,15 @@ import sys
 import time
 from pathlib import Path
 
-# `base`: the config as it is; the feedback variants set the targeted-feedback KL either way
+# `base`: the config as it is; the feedback variants set the targeted feedback either way, with
+# the policy reading a hint or the task's scripted demonstration as the teacher
 VARIANTS = {
     "base": [],
     "feedback_off": ["agent.feedback_beta=0"],
     "feedback_on": ["agent.feedback_detectors=[bad_tool_call,test_edit,repeat]",
                     "agent.feedback_beta=0.1"],
+    "feedback_script": ["agent.feedback_detectors=[bad_tool_call]", "agent.feedback_beta=0.005",
+                        "agent.feedback_teacher=script"],
 }
 
 

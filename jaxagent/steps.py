@@ -270,61 +270,78 @@ def _first_fit_decreasing(items: Sequence[int], lengths: Sequence[int],
 class FeedbackBatch:
     """Targeted-feedback examples (`jaxagent.rl.feedback`), F rows: each flagged turn's context
     as the student saw it and with the hint (teacher), right-padded, and the N aligned
-    positions whose logits predict the turn's tokens in each."""
+    positions whose logits predict the turn's tokens in each. With the scripted teacher the
+    student row holds the context and the script's call (`targets`) instead of the turn, and
+    there is no teacher row (None)."""
 
     student_tokens: jax.Array  # [F, L] int32
     student_segment_ids: jax.Array  # [F, L] int32: 1 on tokens, 0 on padding
     student_index: jax.Array  # [F, N] int32
-    teacher_tokens: jax.Array  # [F, L'] int32
-    teacher_segment_ids: jax.Array  # [F, L'] int32
-    teacher_index: jax.Array  # [F, N] int32
+    targets: jax.Array  # [F, N] int32: the tokens the student positions predict
     mask: jax.Array  # [F, N] float32: 1 on the turns' tokens
+    teacher_tokens: jax.Array | None = None  # [F, L'] int32
+    teacher_segment_ids: jax.Array | None = None  # [F, L'] int32
+    teacher_index: jax.Array | None = None  # [F, N] int32
 
 
-def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int],
-                                           Sequence[int]]], *, rows: int,
-                  bucket: int = 64) -> FeedbackBatch:
+def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int] | None, Sequence[int],
+                                           Sequence[int] | None]], *, rows: int,
+                  bucket: int = 64, scripted: bool = False) -> FeedbackBatch:
     """(student tokens, teacher tokens, student index, teacher index) per flagged turn ->
-    a FeedbackBatch of exactly `rows` rows (empty rows: no loss), lengths rounded to `bucket`."""
+    a FeedbackBatch of exactly `rows` rows (empty rows: no loss), lengths rounded to `bucket`.
+    `scripted`: the teacher is a point mass on the student row's own next tokens, so the
+    examples' teacher tokens and index are None and the batch has no teacher rows."""
     if len(examples) > rows:
         raise ValueError(f"{len(examples)} feedback examples for {rows} rows")
-    up = lambda n: -(-max(n, 1) // bucket) * bucket  # noqa: E731
-    length_s = up(max((len(e[0]) for e in examples), default=1))
-    length_t = up(max((len(e[1]) for e in examples), default=1))
-    n = up(max((len(e[2]) for e in examples), default=1))
-    out = {k: np.zeros((rows, w), np.int32) for k, w in [
-        ("student_tokens", length_s), ("student_segment_ids", length_s), ("student_index", n),
-        ("teacher_tokens", length_t), ("teacher_segment_ids", length_t), ("teacher_index", n)]}
-    mask = np.zeros((rows, n), np.float32)
-    for i, (student, teacher, s_index, t_index) in enumerate(examples):
-        if len(s_index) != len(t_index):
+    for i, (_, teacher, s_index, t_index) in enumerate(examples):
+        if scripted and (teacher is not None or t_index is not None):
+            raise ValueError(f"feedback example {i}: the scripted teacher has no teacher context")
+        if not scripted and (teacher is None or len(s_index) != len(t_index)):
             raise ValueError(f"feedback example {i}: {len(s_index)} student positions but "
-                             f"{len(t_index)} teacher positions")
-        for name, seq in (("student", student), ("teacher", teacher)):
-            out[f"{name}_tokens"][i, :len(seq)] = seq
-            out[f"{name}_segment_ids"][i, :len(seq)] = 1
-        out["student_index"][i, :len(s_index)] = s_index
-        out["teacher_index"][i, :len(t_index)] = t_index
+                             f"{None if t_index is None else len(t_index)} teacher positions")
+    up = lambda n: -(-max(n, 1) // bucket) * bucket  # noqa: E731
+    n = up(max((len(e[2]) for e in examples), default=1))
+    sides = [("student", 0, 2)] + ([] if scripted else [("teacher", 1, 3)])
+    out = {}
+    for name, seq, index in sides:
+        length = up(max((len(e[seq]) for e in examples), default=1))
+        out |= {f"{name}_tokens": np.zeros((rows, length), np.int32),
+                f"{name}_segment_ids": np.zeros((rows, length), np.int32),
+                f"{name}_index": np.zeros((rows, n), np.int32)}
+        for i, e in enumerate(examples):
+            out[f"{name}_tokens"][i, :len(e[seq])] = e[seq]
+            out[f"{name}_segment_ids"][i, :len(e[seq])] = 1
+            out[f"{name}_index"][i, :len(e[index])] = e[index]
+    targets, mask = np.zeros((rows, n), np.int32), np.zeros((rows, n), np.float32)
+    for i, (student, _, s_index, _) in enumerate(examples):
+        targets[i, :len(s_index)] = np.asarray(student)[np.asarray(s_index, int) + 1]
         mask[i, :len(s_index)] = 1.0
-    return FeedbackBatch(**{k: jnp.asarray(v) for k, v in out.items()}, mask=jnp.asarray(mask))
+    return FeedbackBatch(**{k: jnp.asarray(v) for k, v in out.items()},
+                         targets=jnp.asarray(targets), mask=jnp.asarray(mask))
 
 
 def feedback_term(model, feedback: FeedbackBatch, beta: float,
                   logits_chunk: int = 0) -> jax.Array:
-    """beta * KL(policy with the hint || policy) at the flagged turns' tokens; the teacher
-    pass carries no gradient. The LM head runs in chunks as in `target_logprobs`."""
+    """beta * KL(teacher || policy) at the flagged turns' tokens: the teacher is the policy
+    with the hint (its pass carries no gradient) or, without teacher rows, the script's call
+    (`rl.target_kl`). The LM head runs in chunks as in `target_logprobs`."""
 
     def hidden_at(tokens, segment_ids, index):
         hidden = model(tokens, None, segment_ids, hidden_only=True, rows="causal")  # right-padded
         return hidden[jnp.arange(index.shape[0])[:, None], index]
 
     f = feedback
-    teacher = jax.lax.stop_gradient(
-        hidden_at(f.teacher_tokens, f.teacher_segment_ids, f.teacher_index))
     student = hidden_at(f.student_tokens, f.student_segment_ids, f.student_index)
-    (kl,) = over_position_chunks(
-        lambda t, s, mask: (rl.token_kl(model.logits(t), model.logits(s), mask),),
-        (teacher, student, f.mask), logits_chunk)
+    if f.teacher_tokens is None:
+        (kl,) = over_position_chunks(
+            lambda y, s, mask: (rl.target_kl(y, model.logits(s), mask),),
+            (f.targets, student, f.mask), logits_chunk)
+    else:
+        teacher = jax.lax.stop_gradient(
+            hidden_at(f.teacher_tokens, f.teacher_segment_ids, f.teacher_index))
+        (kl,) = over_position_chunks(
+            lambda t, s, mask: (rl.token_kl(model.logits(t), model.logits(s), mask),),
+            (teacher, student, f.mask), logits_chunk)
     return rl.feedback_loss(kl, f.mask, beta=beta)
 
 

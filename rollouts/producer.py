@@ -67,6 +67,8 @@ class Rollout:
     # (start, end, detector) of the agent turns a feedback detector flagged, in prompt +
     # completion coordinates (rollouts.agent.feedback.flagged_turns)
     flagged: list = dataclasses.field(default_factory=list)
+    # the scripted teacher's call (tokens) for each flagged turn (agent.feedback_teacher script)
+    corrections: list = dataclasses.field(default_factory=list)
     lookups: dict = dataclasses.field(default_factory=dict)  # look-up kind -> tool calls (agent.monitor)
 
     def to_json(self) -> dict:

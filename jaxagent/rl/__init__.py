@@ -13,7 +13,7 @@ from jaxagent.rl.advantages import (
     rloo_advantages,
     scale_negatives,
 )
-from jaxagent.rl.feedback import feedback_loss, token_kl
+from jaxagent.rl.feedback import feedback_loss, target_kl, token_kl
 from jaxagent.rl.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -44,6 +44,7 @@ __all__ = [
     "rloo_advantages",
     "scale_negatives",
     "sequence_sums",
+    "target_kl",
     "token_kl",
     "token_logprobs",
     "token_logprobs_and_entropy",

@@ -8,6 +8,12 @@ original context) is pulled towards it:
     loss = beta * aggregate_bt( m_bt * KL(teacher_bt || student_bt) )
     KL(p || q) = sum_v p_v (log p_v - log q_v)
 
+Or the teacher is a script that knows the task (`agent.feedback_teacher: script`): its turn is
+the call a scripted demonstration makes next, a point mass on each of its tokens y_bt, so the
+KL is the student's negative log-likelihood of that call:
+
+    KL(onehot(y) || q) = -log q_y
+
 Letters: B sequences, T positions of flagged-turn tokens (aligned between the two contexts),
 V vocabulary. mask [B, T] is nonzero only at the tokens of flagged turns, so the term is
 exactly zero where no detector fired.
@@ -38,3 +44,13 @@ def feedback_loss(kl, mask, *, beta, aggregation="token-mean", norm_length=None)
     """beta * the masked aggregate of the per-position KL [B, T] (`token_kl` with the mask;
     0 when the mask is empty)."""
     return beta * aggregate(kl, mask, aggregation=aggregation, norm_length=norm_length)
+
+
+def target_kl(targets, student_logits, mask=None):
+    """KL(point mass at `targets` || softmax(student)) = -log q[target] per position [B, T]
+    (the scripted teacher's); with `mask`, 0 (and no gradient, not even a NaN) where it is 0."""
+    if mask is not None:
+        student_logits = jnp.where((jnp.asarray(mask) != 0)[..., None], student_logits, 0.0)
+    s = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(s, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
+    return nll if mask is None else jnp.where(jnp.asarray(mask) != 0, nll, 0.0)

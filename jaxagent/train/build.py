@@ -531,5 +531,7 @@ def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task
         max_action_tokens=cfg.agent.max_action_tokens, temperature=t.temperature,
         top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p, seed=cfg.seed,
         feedback_detectors=cfg.agent.feedback_detectors if cfg.agent.feedback_beta else (),
-        scripted_prefix=cfg.agent.scripted_prefix,
-        edit_tool=demo_edit_tool(cfg) if cfg.agent.scripted_prefix else "edit")
+        feedback_teacher=cfg.agent.feedback_teacher, scripted_prefix=cfg.agent.scripted_prefix,
+        edit_tool=(demo_edit_tool(cfg) if cfg.agent.scripted_prefix
+                   or (cfg.agent.feedback_beta and cfg.agent.feedback_teacher == "script")
+                   else "edit"))

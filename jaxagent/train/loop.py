@@ -55,7 +55,7 @@ from jaxagent.train.evaluate import agent_held_out, held_out_pass_at_k
 from jaxagent.train.sft import sft, warmup_log
 from jaxagent.train.sync import SamplerWeights
 from jaxagent.workdir import check_resume_config, workdir_lock
-from rollouts.agent.feedback import HINTS, turn_examples
+from rollouts.agent.feedback import HINTS, correction_examples, turn_examples
 from rollouts.orchestrator import Orchestrator
 from rollouts.producer import RolloutBatch
 from rollouts.rewards import Scorer
@@ -239,7 +239,8 @@ class Learner:
                               row_multiple=math.lcm(t.micro_batch or 1, PACKED_ROW_BUCKET,
                                                     self.layout.data_parallel))
         feedback = (to_feedback_batch(batch, self.tokenizer, cfg.agent.feedback_max_examples,
-                                      {**HINTS, **cfg.agent.feedback_hints})
+                                      {**HINTS, **cfg.agent.feedback_hints},
+                                      scripted=cfg.agent.feedback_teacher == "script")
                     if self.options.feedback_beta else None)
         signal = self.carries_signal(rows, feedback)
         if feedback is not None:
@@ -458,11 +459,14 @@ def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray
     return pack(*args, completion_masks=masks)
 
 
-def to_feedback_batch(batch: RolloutBatch, tokenizer, rows: int, hints=HINTS) -> FeedbackBatch:
+def to_feedback_batch(batch: RolloutBatch, tokenizer, rows: int, hints=HINTS, *,
+                      scripted: bool = False) -> FeedbackBatch:
     """The first `rows` flagged turns of the batch (`Rollout.flagged`), each with its hinted
-    teacher context (rollouts.agent.feedback; `hints`: detector -> text), as a FeedbackBatch of
+    teacher context (rollouts.agent.feedback; `hints`: detector -> text) or, `scripted`, with
+    the script's call in place of the turn (`Rollout.corrections`), as a FeedbackBatch of
     exactly `rows` rows."""
-    examples = [e for r in batch.rollouts
-                for e in turn_examples(r.prompt + r.completion, r.flagged, tokenizer, hints)][:rows]
+    examples = [e for r in batch.rollouts for e in (
+        correction_examples(r.prompt + r.completion, r.flagged, r.corrections) if scripted
+        else turn_examples(r.prompt + r.completion, r.flagged, tokenizer, hints))][:rows]
     return pack_feedback([(e.student_tokens, e.teacher_tokens, e.student_index, e.teacher_index)
-                          for e in examples], rows=rows)
+                          for e in examples], rows=rows, scripted=scripted)

@@ -47,7 +47,10 @@ class AgentConfig:
     memory: bool = True  # the memory tool's notes persist under WORKDIR/agent_memory
     embedding: Literal["ngram", "minilm"] = "ngram"  # semantic search; minilm: extra `semantic`
     feedback_detectors: tuple[str, ...] = ()  # bad_tool_call, test_edit, repeat
-    feedback_beta: float = 0.0  # weight of KL(policy with hint || policy) at flagged turns
+    feedback_beta: float = 0.0  # weight of KL(teacher || policy) at flagged turns
+    # The teacher at a flagged turn: the policy reading the detector's hint, or the task's
+    # scripted demonstration (`script`: its next call, as a target; tasks with a reference)
+    feedback_teacher: Literal["hint", "script"] = "hint"
     # A detector's hint in place of its English default (rollouts.agent.feedback.HINTS): the
     # teacher is the policy reading it, so it must be text the policy can read (a byte model
     # trained only on episodes reads its own call format, not English).

@@ -151,6 +151,35 @@ def _edits(edit_tool: str, before: dict[str, str], after: dict[str, str]) -> lis
     return [c for p in sorted(after) for c in EDIT_TOOLS[edit_tool](p, before.get(p, ""), after[p])]
 
 
+def next_scripted_call(script: Sequence[ToolCall], ran: Sequence[ToolCall]) -> ToolCall:
+    """The call `script` (`scripted_calls`) makes next after the calls that `ran`: its first
+    call not matched when `ran` is read, in order, against it (a call other than the script's
+    next, such as a wrong edit, matches nothing, so the script's edit is still to come)."""
+    i = 0
+    for call in ran:
+        i += i < len(script) - 1 and call == script[i]
+    return script[i]
+
+
+def scripted_corrections(traj: Trajectory, task: Task, flagged: Sequence[tuple[int, int, str]],
+                         fmt, tokenizer, edit_tool: str = "edit",
+                         prefix: Sequence[ToolCall] = ()) -> list[list[int]]:
+    """The scripted teacher's turn at each of `flagged` (`flagged_turns` of `traj`): the tokens
+    of `next_scripted_call` after the calls that ran before that turn (`prefix`, the scripted
+    calls the episode started after, then the policy's turns that were not bad calls), written
+    as `demonstrate` writes a call (its text, then the first stop token)."""
+    script = scripted_calls(task, edit_tool)
+    ran, before = list(prefix), {}
+    flags = traj.info.get("turn_flags", [])[len(prefix):]
+    for (a, b), fired in zip(action_spans(traj.policy_mask), flags, strict=True):
+        before[a] = list(ran)
+        call = fmt.parse(tokenizer.decode(traj.tokens[a:b]))
+        if not fired.get("bad_tool_call") and isinstance(call, ToolCall):
+            ran.append(call)
+    return [tokenizer.encode(fmt.render_call(next_scripted_call(script, before[start])))
+            + list(tokenizer.stop_ids[:1]) for start, _, _ in flagged]
+
+
 def without_actions(policy_mask: Sequence[bool], actions: Collection[int]) -> list[bool]:
     """`policy_mask` with the tokens of the `actions` (numbered from 0 in order) taken out:
     they stay in the context and carry no loss (a recovery demonstration's wrong edits)."""

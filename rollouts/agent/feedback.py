@@ -4,7 +4,8 @@
 The loss itself is `jaxagent.rl.feedback` (`token_kl`, `feedback_loss`): the trainer runs the
 policy on the student sequence and (without gradient) on each teacher sequence, takes the
 logits at the returned indices (those that predict the flagged turn's tokens) and masks with
-`mask`.
+`mask`. The scripted teacher (`correction_examples`) has no teacher sequence: the student
+sequence ends with the script's call in place of the turn, and the loss is `target_kl`.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ class FeedbackExample:
 
     detector: str
     student_tokens: list[int]  # the context up to the end of the turn
-    teacher_tokens: list[int]
+    teacher_tokens: list[int] | None  # None: the scripted teacher (the targets are its call)
     student_index: np.ndarray  # [n] positions in the student sequence whose logits predict the turn
-    teacher_index: np.ndarray  # [n] the same predictions in the teacher sequence
-    targets: np.ndarray  # [n] the turn's tokens
+    teacher_index: np.ndarray | None  # [n] the same predictions in the teacher sequence
+    targets: np.ndarray  # [n] the turn's tokens (the scripted teacher's: its call's)
 
 
 def flagged_turns(traj: Trajectory, detectors: Sequence[str]) -> list[tuple[int, int, str]]:
@@ -80,4 +81,17 @@ def turn_examples(tokens: Sequence[int], flagged: Sequence[tuple[int, int, str]]
         student_index = np.arange(start - 1, end - 1)
         examples.append(FeedbackExample(name, tokens[:end], teacher, student_index,
                                         student_index + len(hint), np.asarray(tokens[start:end])))
+    return examples
+
+
+def correction_examples(tokens: Sequence[int], flagged: Sequence[tuple[int, int, str]],
+                        corrections: Sequence[Sequence[int]]) -> list[FeedbackExample]:
+    """A scripted-teacher example per flagged turn: the context before the turn, then the
+    script's call for it (`rollouts.agent.demos.scripted_corrections`) as the targets."""
+    tokens = list(tokens)
+    examples = []
+    for (start, _, name), call in zip(flagged, corrections, strict=True):
+        examples.append(FeedbackExample(name, tokens[:start] + list(call), None,
+                                        np.arange(start - 1, start - 1 + len(call)), None,
+                                        np.asarray(call)))
     return examples

@@ -7,7 +7,8 @@ row is the episode's token-exact trajectory: the completion interleaves sampled 
 (`policy_mask` True, sampler log-probs) with tool output (mask False), and the reward is the
 end-of-episode grade. Budget-cut episodes arrive `masked` (kept out of the advantage) or already
 penalised, as the environment's options say; with `feedback_detectors`, each rollout lists
-the turns they flagged (`Rollout.flagged`) for the trainer's targeted-feedback KL. With
+the turns they flagged (`Rollout.flagged`) for the trainer's targeted-feedback KL, and with
+`feedback_teacher` "script" the scripted demonstration's call for each (`Rollout.corrections`). With
 `scripted_prefix` (a reverse curriculum), that fraction of the groups start after the first k
 calls of the task's scripted demonstration (`start_prefixes`). Sampling
 and tools interleave, so a batch is played to the end in the calling (producer) thread; the
@@ -21,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
-from rollouts.agent.demos import EDIT_TOOLS, scripted_calls
+from rollouts.agent.demos import EDIT_TOOLS, scripted_calls, scripted_corrections
 from rollouts.agent.feedback import flagged_turns
 from rollouts.agent.formats import ToolCall
 from rollouts.agent.metrics import agent_metrics
@@ -37,8 +38,8 @@ class AgentRolloutProducer:
                  envs: Sequence[Environment], *, prompts_per_step: int, group_size: int,
                  max_action_tokens: int, temperature: float, seed: int,
                  top_k: int | None = None, top_p: float | None = None,
-                 feedback_detectors: Sequence[str] = (), scripted_prefix: float = 0.0,
-                 edit_tool: str = "edit"):
+                 feedback_detectors: Sequence[str] = (), feedback_teacher: str = "hint",
+                 scripted_prefix: float = 0.0, edit_tool: str = "edit"):
         if not envs:
             raise ValueError("AgentRolloutProducer needs at least one environment")
         self.sampler, self.tokenizer, self.tasks, self.envs = sampler, tokenizer, tasks, envs
@@ -46,6 +47,7 @@ class AgentRolloutProducer:
         self.max_action_tokens, self.temperature = max_action_tokens, temperature
         self.top_k, self.top_p, self.seed = top_k, top_p, seed
         self.feedback_detectors = tuple(feedback_detectors)
+        self.feedback_teacher = feedback_teacher
         self.scripted_prefix, self.edit_tool = scripted_prefix, edit_tool
 
     def start_prefixes(self, index: int, tasks: Sequence[Task]) -> list[list[ToolCall]]:
@@ -82,13 +84,16 @@ class AgentRolloutProducer:
         t0, timing = time.perf_counter(), {}
         prefixes = self.start_prefixes(index, tasks)
         episodes = [t for t in tasks for _ in range(self.group_size)]
-        trajs = run_episodes(cont, self.envs, episodes, version, timing,
-                             prefixes=[p for p in prefixes for _ in range(self.group_size)])
+        episode_prefixes = [p for p in prefixes for _ in range(self.group_size)]
+        trajs = run_episodes(cont, self.envs, episodes, version, timing, prefixes=episode_prefixes)
         rollouts = [Rollout.from_trajectory(t, t.info.get("truncated_by") or "stop")
                     for t in trajs]
         if self.feedback_detectors:  # the turns the trainer's feedback KL applies to
-            for r, t in zip(rollouts, trajs, strict=True):
+            for r, t, task, prefix in zip(rollouts, trajs, episodes, episode_prefixes, strict=True):
                 r.flagged = flagged_turns(t, self.feedback_detectors)
+                if self.feedback_teacher == "script" and r.flagged:
+                    r.corrections = scripted_corrections(t, task, r.flagged, self.envs[0].format,
+                                                         self.tokenizer, self.edit_tool, prefix)
         # Tools and grading run inside the episodes: all of it counts as generation time, of
         # which time/tools_s was spent in the environments.
         stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0),

@@ -502,6 +502,48 @@ def test_feedback_term_equals_float64_kl_and_the_step_reduces_it():
     assert after < 0.9 * want
 
 
+def test_scripted_feedback_term_is_the_float64_nll_of_the_scripts_call_and_the_step_lowers_it():
+    """Without teacher rows (`scripted`), beta * token-mean -log p(the script's call tokens)
+    after each flagged turn's context, from full forwards in float64; rl_step with zero
+    advantages raises the call's likelihood."""
+    graphdef, params, tx, opt_state = setup(lr=3e-2)
+    jitted = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+
+    def forward(params, seq):
+        return jitted(params, jnp.asarray([seq + [0] * (24 - len(seq))]))[0, :len(seq)]
+
+    rng = np.random.default_rng(4)
+    examples = []
+    for start, call in [(9, 4), (5, 7)]:
+        seq = rng.integers(1, 61, start + call).tolist()  # context, then the script's call
+        examples.append((seq, None, np.arange(start - 1, start - 1 + call), None))
+    fb = pack_feedback(examples, rows=3, bucket=8, scripted=True)
+    assert fb.teacher_tokens is None and fb.teacher_index is None
+    np.testing.assert_array_equal(fb.targets[1, :7], examples[1][0][5:])
+    np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [4, 7, 0])
+    with pytest.raises(ValueError, match="the scripted teacher has no teacher context"):
+        pack_feedback(feedback_examples(), rows=3, scripted=True)
+    beta = 0.2
+    nll = []
+    for seq, _, index, _ in examples:
+        logits = np.float64(forward(params, seq))[index]
+        logits -= logits.max(-1, keepdims=True)
+        log_q = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll += (-log_q[np.arange(len(index)), np.asarray(seq)[index + 1]]).tolist()
+    want = beta * np.mean(nll)
+    term = jax.jit(lambda params: feedback_term(nnx.merge(graphdef, params), fb, beta))
+    np.testing.assert_allclose(float(term(params)), want, rtol=1e-4)
+    chunked = jax.jit(lambda params: feedback_term(nnx.merge(graphdef, params), fb, beta, 9))
+    np.testing.assert_allclose(float(chunked(params)), want, rtol=1e-4)
+
+    p, c, lp = random_rollouts(4, seed=3)
+    new_params, _, m = rl_step(graphdef, tx, copy(params), opt_state, pack(p, c, lp, np.zeros(4)),
+                               None, fb, options=LossOptions(feedback_beta=beta), logits_chunk=9)
+    np.testing.assert_allclose(float(m["train/feedback_loss"]), want, rtol=1e-4)
+    assert float(m["train/feedback_tokens"]) == 11
+    assert float(term(new_params)) < 0.9 * want
+
+
 @pytest.mark.parametrize("sampling", [(0.6, 7, 0.9), pytest.param((0.6, None, None), marks=pytest.mark.slow),
                                       pytest.param((1.3, None, 0.8), marks=pytest.mark.slow)])
 def test_on_policy_ratios_are_one_under_the_sampling_distribution(sampling):

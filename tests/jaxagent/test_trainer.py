@@ -453,6 +453,16 @@ def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
     np.testing.assert_array_equal(fb.teacher_index[0, :5], np.arange(11, 16) + len(calls))
     repeat = tok.encode("\n" + HINTS["repeat"] + "\n")
     np.testing.assert_array_equal(fb.teacher_tokens[1, :30 + len(repeat)], seq[:25] + repeat + seq[25:30])
+    # the scripted teacher: the context before each turn, then the script's call as targets
+    batch.rollouts[0].corrections, batch.rollouts[1].corrections = [[7, 8, 9]], [[5, 6]]
+    fb = to_feedback_batch(RolloutBatch.from_json(batch.to_json()), tok, rows=4, scripted=True)
+    assert fb.teacher_tokens is None
+    np.testing.assert_array_equal(fb.student_tokens[0, :15], seq[:12] + [7, 8, 9])
+    np.testing.assert_array_equal(fb.student_tokens[1, :27], seq[:25] + [5, 6])
+    np.testing.assert_array_equal(fb.student_index[0, :3], [11, 12, 13])
+    np.testing.assert_array_equal(fb.targets[0, :3], [7, 8, 9])
+    np.testing.assert_array_equal(fb.targets[1, :2], [5, 6])
+    np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [3, 2, 0, 0])
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxagent.rl.feedback import feedback_loss, token_kl
+from jaxagent.rl.feedback import feedback_loss, target_kl, token_kl
 
 
 def kl_reference(teacher, student):
@@ -77,3 +77,28 @@ def test_gradient_reaches_only_the_student():
     # d/ds KL(p || softmax(s)) = softmax(s) - p, averaged over the 2 masked tokens, times beta
     expected = 0.7 * (jax.nn.softmax(student) - jax.nn.softmax(teacher)) / 2 * mask[..., None]
     np.testing.assert_allclose(g_student, expected, atol=1e-6)
+
+
+def test_scripted_teachers_kl_is_the_float64_negative_log_likelihood_of_its_tokens():
+    """KL(point mass at y || softmax(s)) = -log softmax(s)[y], against float64 NumPy; a
+    teacher whose logits all but put the mass on y gives the same per-position value."""
+    b, t, v = 3, 5, 7
+    ks, ky, km = jax.random.split(jax.random.key(12), 3)
+    student = 2.0 * jax.random.normal(ks, (b, t, v))
+    targets = jax.random.randint(ky, (b, t), 0, v)
+    s = np.asarray(student, np.float64)
+    s = s - s.max(-1, keepdims=True)
+    log_q = s - np.log(np.exp(s).sum(-1, keepdims=True))
+    ref = -np.take_along_axis(log_q, np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(target_kl(targets, student), ref, rtol=1e-5, atol=1e-6)
+    peaked = 60.0 * jax.nn.one_hot(targets, v)
+    np.testing.assert_allclose(token_kl(peaked, student), ref, rtol=1e-4, atol=1e-5)
+    mask = jax.random.bernoulli(km, 0.5, (b, t)).astype(jnp.float32)
+    m = np.asarray(mask, bool)
+    np.testing.assert_allclose(target_kl(targets, student, mask), np.where(m, ref, 0.0),
+                               rtol=1e-5, atol=1e-6)
+    garbage = jnp.where(mask[..., None] != 0, student, jnp.nan)
+    grad = jax.grad(lambda x: feedback_loss(target_kl(targets, x, mask), mask, beta=1.0))(garbage)
+    assert np.isfinite(np.asarray(grad)).all()
+    np.testing.assert_allclose(feedback_loss(target_kl(targets, student, mask), mask, beta=0.3),
+                               0.3 * ref[m].mean(), rtol=1e-5)

@@ -15,17 +15,19 @@ from rollouts.agent.demos import (
     copy_rows,
     demonstrate,
     fact_tokens,
+    next_scripted_call,
     path_copy_rows,
     recovery_calls,
     redraw_recovery,
     reference_line_edits,
     scripted_calls,
+    scripted_corrections,
     scripted_start,
     substitute_trajectory,
     value_spans,
     without_actions,
 )
-from rollouts.agent.feedback import action_spans
+from rollouts.agent.feedback import action_spans, flagged_turns
 from rollouts.agent.formats import ToolCall, make_format
 from rollouts.rewards import Scorer
 from rollouts.sandbox.session import Session
@@ -37,6 +39,7 @@ from rollouts.tasks.agent_family import (
     whole,
 )
 from rollouts.tools import ToolContext
+from rollouts.environment import Trajectory
 from rollouts.tools.builtin import replace_line
 
 TOK = ByteTokenizer()
@@ -371,3 +374,62 @@ def test_a_redrawn_recovery_keeps_its_guess_wrong_and_is_the_redrawn_task_s_reco
     assert want.reward == 1.0
     assert (got.tokens, got.policy_mask, got.prompt_len) == (
         want.tokens, want.policy_mask, want.prompt_len)
+
+
+def test_next_scripted_call_follows_the_calls_that_ran_through_the_script():
+    run, fin = ToolCall("run_tests", {}), ToolCall("finish", {})
+    read = ToolCall("read_file", {"path": "app/_core.py"})
+    fix = ToolCall("replace_line", {"path": "app/_core.py", "line": 3, "text": "LIMIT = 76"})
+    wrong = ToolCall("replace_line", {"path": "app/_core.py", "line": 3, "text": "LIMIT = 7"})
+    script = [run, read, fix, run, fin]
+    for ran, want in [([], run), ([run], read), ([run, read], fix),
+                      ([run, read, wrong, run], fix),  # a wrong edit leaves the fix to come
+                      ([read], run),  # the tests first, as the script does
+                      ([run, run, read, fix], run), ([run, read, fix, run], fin),
+                      ([run, read, fix, run, run, run], fin)]:
+        assert next_scripted_call(script, ran) == want, ran
+
+
+def test_scripted_corrections_name_the_scripts_next_call_at_each_flagged_turn():
+    """A played episode (run the tests, a malformed call, the read, another malformed call,
+    the read again): the teacher's turn at the first bad call is the read, at the second the
+    fix, token for token as a demonstration writes them."""
+    task = agent_family_tasks(3, seed=5, templates=["constant_keyed"])[0]
+    fmt = make_format("compact")
+    script = scripted_calls(task, "replace_line")
+    run, read, fix = script[:3]
+    assert (run.name, read.name, fix.name) == ("run_tests", "read_file", "replace_line")
+    actions = [fmt.render_call(run), "@ruoreste_t", fmt.render_call(read),
+               '@readelele {"pat.p/cen_te', fmt.render_call(read)]
+
+    def play(prefix, texts):
+        env = ToolEnvironment(TOK, AgentConfig(max_turns=8, max_context_tokens=4096,
+                                               call_format="compact"), scorer=scorer)
+        try:
+            traj = scripted_start(env, task, prefix, version=0)
+            for text in texts:
+                action = TOK.encode(text) + list(TOK.stop_ids[:1])
+                traj.add_action(action, [0.0] * len(action))
+                traj.record(env.step(action))
+        finally:
+            env.close()
+        return traj
+
+    def tokens(*calls):
+        return [TOK.encode(fmt.render_call(c)) + list(TOK.stop_ids[:1]) for c in calls]
+
+    with Scorer(workers=1) as scorer:
+        traj = play([], actions)
+        # after the scripted calls an episode started with (a reverse curriculum) and a read
+        started = play([run], ["@ruoreste_t", fmt.render_call(read), "@finis"])
+    flagged = flagged_turns(traj, ["bad_tool_call"])
+    spans = action_spans(traj.policy_mask)
+    assert [(a, b) for a, b, _ in flagged] == [spans[1], spans[3]]
+    corrections = scripted_corrections(traj, task, flagged, fmt, TOK, "replace_line")
+    assert corrections == tokens(read, fix)
+    flagged = flagged_turns(started, ["bad_tool_call"])
+    assert len(flagged) == 2
+    assert scripted_corrections(started, task, flagged, fmt, TOK, "replace_line",
+                                prefix=[run]) == tokens(read, fix)
+    with pytest.raises(ValueError, match="holds no files to demonstrate"):
+        scripted_corrections(traj, dataclasses.replace(task, metadata={}), flagged, fmt, TOK)

@@ -19,8 +19,15 @@ from jaxagent.tokenizer import ByteTokenizer
 from jaxagent.train.build import expand_algorithm
 from jaxagent.train.loop import compute_advantages, to_train_batch
 from rollouts.agent import AgentConfig, ToolEnvironment
-from rollouts.agent.demos import EDIT_TOOLS, demonstrate, scripted_calls, turn_weights
+from rollouts.agent.demos import (
+    EDIT_TOOLS,
+    demonstrate,
+    next_scripted_call,
+    scripted_calls,
+    turn_weights,
+)
 from rollouts.agent.feedback import action_spans
+from rollouts.agent.formats import make_format
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
@@ -121,10 +128,11 @@ def test_turn_weights_give_every_turn_weight_one():
 FAMILY_TOOLS = [t for t in TOOLS if t.name in ("read_file", "replace_line", "run_tests", "finish")]
 
 
-def _curriculum_producer(sampler, envs, tasks, fraction, seed=0, group_size=2):
+def _curriculum_producer(sampler, envs, tasks, fraction, seed=0, group_size=2, **kwargs):
     return AgentRolloutProducer(sampler, TOK, iter(tasks), envs, prompts_per_step=len(tasks),
                                 group_size=group_size, max_action_tokens=8, temperature=1.0,
-                                seed=seed, scripted_prefix=fraction, edit_tool="replace_line")
+                                seed=seed, scripted_prefix=fraction, edit_tool="replace_line",
+                                **kwargs)
 
 
 def test_scripted_prefixes_are_drawn_per_group_from_seed_and_index():
@@ -159,7 +167,10 @@ def test_prefixed_groups_sample_after_the_scripted_calls_and_train_only_the_samp
     options = AgentConfig(max_turns=3, max_context_tokens=4096, max_output_chars=200)
     with Scorer(workers=1) as scorer:
         envs = [ToolEnvironment(TOK, options, scorer=scorer, tools=FAMILY_TOOLS) for _ in range(2)]
-        producer = _curriculum_producer(sampler, envs, tasks, 1.0)
+        # every sampled turn a bad call or not, the scripted teacher's call for it
+        producer = _curriculum_producer(sampler, envs, tasks, 1.0,
+                                        feedback_detectors=["bad_tool_call"],
+                                        feedback_teacher="script")
         prefixes = producer.start_prefixes(0, tasks)
         batch = producer.produce(0, version=1)
         starts = [demonstrate(envs[0], task, prefix).tokens
@@ -171,6 +182,13 @@ def test_prefixed_groups_sample_after_the_scripted_calls_and_train_only_the_samp
         mask = np.asarray(r.policy_mask)
         assert mask[0] and np.all(np.asarray(r.logprobs)[mask] < 0.0)
         assert r.finish_reason == "max_turns"
+        # a flagged turn (the prefix's calls ran, no sampled call before it) gets the script's
+        # call after the prefix
+        script = scripted_calls(tasks[i // 2], "replace_line")
+        want = TOK.encode(make_format("compact").render_call(
+            next_scripted_call(script, prefixes[i // 2]))) + list(TOK.stop_ids[:1])
+        assert r.corrections == [want] * len(r.flagged)
+    assert any(r.flagged for r in batch.rollouts)  # a random policy's calls are malformed
     stats = batch.stats
     assert stats["agent/prefix_fraction"] == 1.0
     assert stats["agent/prefix_calls_mean"] == sum(map(len, prefixes)) / 2
