@@ -2,13 +2,14 @@
 (`pallas_kernels.attention.dense_attention`): xla, cudnn, pallas (the doc kernel) and splash,
 forward and forward+backward, at the Qwen2.5-0.5B head layout (14 query heads, 2 kv heads, head
 dim 64), batch 1, bfloat16. `xla-whole` is the xla backend with its queries all at once (no
-`QUERY_CHUNK` chunks), the baseline of the chunking.
+`default_query_chunk()` chunks), the baseline of the chunking; `xla-cN` is the xla backend in
+chunks of N queries (to compare chunk sizes side by side).
 
     python benchmarks/attention_backends.py --out /tmp/attention_backends.jsonl   # GPU: 4k-32k
     PYTHONPATH=. python benchmarks/attention_backends.py --seq 256                # CPU smoke run
-    # CPU, the tiny agent model's heads on 4 episode rows: chunked vs whole XLA
+    # CPU, the tiny agent model's heads on 4 episode rows: chunk sizes and whole XLA
     PYTHONPATH=. python benchmarks/attention_backends.py --seq 1024 3072 --batch 4 --heads 4 \
-        --kv-heads 2 --head-dim 32 --dtype float32 --backends xla xla-whole --repeats 3
+        --kv-heads 2 --head-dim 32 --dtype float32 --backends xla xla-c256 xla-whole --repeats 3
 
 Each (backend, tokens, pass) is one JSON line in --out as soon as it exists: the best of
 --repeats timed runs after a compile run, TFLOP/s (analytic: the causal half of the matmuls; the
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention import dense_attention, resolve_backend
-from pallas_kernels.doc_attention.xla import QUERY_CHUNK, xla_attention
+from pallas_kernels.doc_attention.xla import default_query_chunk, xla_attention
 
 BACKENDS = ("xla", "xla-whole", "cudnn", "pallas", "splash")
 PASSES = ("fwd", "fwd+bwd")
@@ -51,13 +52,24 @@ def timed(fn, *args, repeats):
     return out, best
 
 
+def backend_arg(name: str) -> str:
+    if name in BACKENDS or (name.startswith("xla-c") and name[5:].isdigit()):
+        return name
+    raise argparse.ArgumentTypeError(f"{name}: one of {', '.join(BACKENDS)} or xla-cN")
+
+
+def query_chunk(backend: str) -> int | None:
+    """The xla variants' queries per chunk (0: whole; None: the default), else None."""
+    return 0 if backend == "xla-whole" else int(backend[5:]) if backend.startswith("xla-c") else None
+
+
 def programs(backend):
     """(forward, forward+backward) jitted for `backend` on causal rows."""
 
     def attend(q, k, v, seg, slots):
         ids = dict(q_segment_ids=seg, kv_segment_ids=seg, q_slots=slots, kv_slots=slots)
-        if backend == "xla-whole":
-            return xla_attention(q, k, v, **ids, query_chunk=0)
+        if backend.startswith("xla-"):
+            return xla_attention(q, k, v, **ids, query_chunk=query_chunk(backend))
         return dense_attention(q, k, v, **ids, backend=backend, rows="causal")
 
     def forward_backward(q, k, v, seg, slots, do):
@@ -70,11 +82,13 @@ def programs(backend):
 def why_not(backend, t, n, dtype, which):
     """The reason `backend` cannot run here at `t` tokens, or None."""
     try:
-        resolve_backend("dense", backend.removesuffix("-whole"), rows="causal", dtype=dtype)
+        resolve_backend("dense", backend.split("-")[0], rows="causal", dtype=dtype)
     except ValueError as e:
         return str(e)
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-    need = XLA_BUFFERS[which] * n * (t if backend == "xla-whole" else min(t, QUERY_CHUNK)) * t * 4
+    chunk = query_chunk(backend)
+    chunk = default_query_chunk() if chunk is None else chunk or t
+    need = XLA_BUFFERS[which] * n * min(t, chunk) * t * 4
     if backend.startswith("xla") and limit and need > limit:
         return f"XLA's float32 scores would take ~{need / 2**30:.0f} GiB of {limit / 2**30:.0f}"
     return None
@@ -84,7 +98,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     on_cpu = jax.default_backend() == "cpu"
     ap.add_argument("--seq", type=int, nargs="+", default=[256] if on_cpu else [4096, 8192, 16384, 32768])
-    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    ap.add_argument("--backends", nargs="+", type=backend_arg, default=list(BACKENDS),
+                    help=f"of {', '.join(BACKENDS)}, or xla-cN: xla in chunks of N queries")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--kv-heads", type=int, default=2)

@@ -13,16 +13,24 @@ from pallas_kernels.doc_attention.kernel import visible
 # Queries per chunk of a long call: a whole row's float32 scores [B, K, G, T, S] and the
 # probabilities its backward keeps are quadratic in length. For 4 rows of 3,072 tokens at the
 # tiny agent model's heads, one layer's forward and backward took 2,352 MiB of XLA:CPU
-# temporaries whole and 211 MiB in chunks of 256, and ran 2.1-2.5x faster (a chunk's scores stay
-# in cache); 1.3-2.1x at 1,024 tokens (benchmarks/attention_backends.py, xla vs xla-whole).
-QUERY_CHUNK = 256
+# temporaries whole and 211 MiB in chunks of 256 (benchmarks/attention_backends.py). On CPU
+# the chunk's scores should also stay in the core's caches: chunks of 32 ran that pass 2.5x
+# faster than 256, a prefill of 8 rows x 512 tokens onto 2,048 cached slots 3.3x, and were
+# within 10% of the best size at every shape tried (2-core Xeon, 2 MiB L2 a core, 2026-11-29).
+# Accelerators keep 256: their matrix units want whole tiles.
+def default_query_chunk(platform: str | None = None) -> int:
+    """Queries per chunk on `platform` (default: JAX's default backend)."""
+    return 32 if (platform or jax.default_backend()) == "cpu" else 256
 
 
 def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots,
-                  query_chunk: int = QUERY_CHUNK):
+                  query_chunk: int | None = None):
     """Plain einsums, softmax in float32; GQA without repeating K/V. More than `query_chunk`
-    queries run in chunks of that many (a scan), each recomputed in the backward pass, so no
-    pass holds more than one chunk's scores; 0 attends all queries at once."""
+    queries (None: `default_query_chunk()`) run in chunks of that many (a scan), each
+    recomputed in the backward pass, so no pass holds more than one chunk's scores; 0 attends
+    all queries at once."""
+    if query_chunk is None:
+        query_chunk = default_query_chunk()
     t = q.shape[1]
     if t == 1:
         return _decode_attention(q, k, v, visible(q_segment_ids, kv_segment_ids, q_slots, kv_slots))

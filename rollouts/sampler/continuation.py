@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxagent.models.llama import KVCache
 from rollouts.sampler.decode import Sampling, _round_up, check_prompts, decode, left_pad, reserve
-from rollouts.sampler.programs import _extend, _forget_slots
+from rollouts.sampler.programs import _extend, _forget_slots, _pack_slots
 
 if TYPE_CHECKING:
     from rollouts.sampler.sampler import Sampler
@@ -43,11 +43,15 @@ class Continuation:
     unwritten tail of its action plus the new observation) onto the cache, never the whole
     history, then decodes every active slot's action together. All rows share the cache's write
     index, so each turn's chunks are left-padded (segment 0) like prompts; slots a row did not
-    use (padding, decode steps after it stopped, a finished episode) are marked empty. The cache
-    grows by `cache_bucket`; past `max_cache_slots` it is rebuilt by re-prefilling the live
-    histories (the only whole-history prefill). The default bound (`context_cache_slots`) is
-    the smallest a rebuilt cache always fits: the padding the rows' shared index leaves
-    piles up with every turn, and each prefill chunk holds its scores over the whole cache.
+    use (padding, decode steps after it stopped, a finished episode) are marked empty. That
+    padding would pile up with every turn, and each prefill chunk's attention reads the whole
+    cache, so before each prefill a dense model's cache is packed: every row's written slots,
+    in order, end at the longest row's count (a gather; the keys carry their positions, so
+    nothing is recomputed) and the cache is cut to that plus the turn, in whole `cache_bucket`s.
+    Past `max_cache_slots` the cache is rebuilt by re-prefilling the live histories (the only
+    whole-history prefill): at every such turn for NSA, whose compressed blocks map positions to
+    slots and are not packed; for a dense model only once a history outgrows the bound. The
+    default bound (`context_cache_slots`) is the smallest a rebuilt cache always fits.
     """
 
     def __init__(self, sampler: Sampler, slots: int, *, max_new_tokens: int,
@@ -71,7 +75,8 @@ class Continuation:
         self.cache = _fresh_cache(sampler.config, self.batch, sampler.cache_bucket)
         self.used = 0  # host copy of cache.index
         self.turns = 0
-        self.stats = {"prefill_tokens": 0, "prefill_slots": 0, "decode_row_steps": 0, "rebuilds": 0}
+        self.stats = {"prefill_tokens": 0, "prefill_slots": 0, "decode_row_steps": 0, "rebuilds": 0,
+                      "packs": 0}
 
     # ---- episodes ----
     def start(self, slot: int, prompt) -> None:
@@ -105,6 +110,25 @@ class Continuation:
         keep[slot] = 0
         self.cache = _forget_slots(self.cache, jnp.asarray(keep))
 
+    def _pack(self, needed: int) -> None:
+        """Drop the padding between each row's written slots (see the class): they end at the
+        longest row's count, in a cache with room for `needed` more slots after them."""
+        written = np.asarray(jax.device_get(self.cache.segment_ids))[:, :self.used] != 0
+        index = int(written.sum(1).max(initial=0))
+        size = _round_up(index + needed, self.sampler.cache_bucket)
+        if index == self.used and size >= self.cache.size:
+            return  # no padding to drop, no slots to free
+        source = np.zeros((self.batch, size), np.int32)
+        keep = np.zeros((self.batch, size), np.int32)
+        for row, slots in enumerate(written):
+            slots = np.flatnonzero(slots)
+            source[row, index - len(slots):index] = slots
+            keep[row, index - len(slots):index] = 1
+        self.cache = _pack_slots(self.cache, jnp.asarray(source), jnp.asarray(keep),
+                                 jnp.int32(index))
+        self.used = index
+        self.stats["packs"] += 1
+
     def _rebuild(self) -> None:
         """A fresh cache: every live history is prefilled again at the next turn."""
         self.cache = _fresh_cache(self.sampler.config, self.batch, self.sampler.cache_bucket)
@@ -120,6 +144,8 @@ class Continuation:
         s = self.sampler
         lengths = [len(p) for p in self.pending]
         chunk = _round_up(max(max(lengths), 1), s.prompt_bucket)
+        if self.cache.slot_of is None and self.used:
+            self._pack(chunk + self.sampling.max_new_tokens)
         if self.used + chunk + self.sampling.max_new_tokens > self.max_cache_slots and self.used:
             self._rebuild()
             return self.prefill()

@@ -94,6 +94,17 @@ def _forget_slots(cache: KVCache, keep):
 
 
 @jax.jit
+def _pack_slots(cache: KVCache, source, keep, index) -> KVCache:
+    """A cache whose row b's slot j holds its old slot `source[b, j]` [B, S'] (S' the new size),
+    empty where `keep` [B, S'] is 0, written up to `index`. Keys carry their positions (RoPE is
+    applied before they are cached) and visibility is by slot order, which a row's slots keep."""
+    take = lambda x: jnp.take_along_axis(x, source[:, None, :, None], axis=2)
+    return dataclasses.replace(
+        cache, k=[take(x) for x in cache.k], v=[take(x) for x in cache.v],
+        segment_ids=jnp.take_along_axis(cache.segment_ids, source, axis=1) * keep, index=index)
+
+
+@jax.jit
 def _stack_layers(cache: KVCache) -> jax.Array:
     """[B, Y, 2, K, S, H]: every layer's k and v of each row (the KV store's entry layout)."""
     return jnp.stack([jnp.stack(kv, axis=1) for kv in zip(cache.k, cache.v)], axis=1)

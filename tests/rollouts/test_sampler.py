@@ -10,6 +10,7 @@ from jaxagent.models import init_model
 from jaxagent.models.config import ModelConfig, NSAConfig
 from rollouts import sampler as sampler_lib
 from rollouts.sampler import Continuation, Sampler, ThreadedContinuation, continuation
+from rollouts.sampler.decode import _round_up
 
 CFG = ModelConfig(vocab_size=67, hidden_size=36, intermediate_size=53, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=10, tie_embeddings=False)
@@ -359,9 +360,10 @@ def test_nsa_turns_over_a_gapped_cache_equal_teacher_forcing(nsa_model):
 
 
 def test_released_slots_are_refilled_and_rebuilds_keep_the_logits(model):
+    # A bound the histories outgrow: the cache is rebuilt (re-prefilled) at those turns.
     rng = np.random.default_rng(1)
     cont = Continuation(Sampler(model, **CONT_OPTS), slots=2, max_new_tokens=7, stop_token_ids=(STOP,),
-                        max_cache_slots=64)
+                        max_cache_slots=48)
     cont.start(0, tokens(rng, 9))
     cont.start(1, tokens(rng, 4))
     for turn in range(4):
@@ -377,9 +379,10 @@ def test_released_slots_are_refilled_and_rebuilds_keep_the_logits(model):
     assert cont.history[1] is not None and len(cont.history[1]) < len(cont.history[0])
 
 
-def test_the_default_cache_bound_is_the_models_context_and_rebuilds_keep_the_logits():
-    # The rows share one write index, so padding piles up turn after turn while every history
-    # stays short: the cache must be rebuilt at the context's bound, not grow without end.
+def test_packing_keeps_the_cache_to_the_longest_history_and_the_logits():
+    # The rows share one write index, so each turn leaves padding in the rows with the shorter
+    # chunk or action; packed before each prefill, the cache stays as long as the longest
+    # history plus one turn (in cache buckets), far inside the context's bound, with no rebuild.
     short = _peaked(init_model(dataclasses.replace(CFG, max_position_embeddings=37), seed=3))
     opts = {**CONT_OPTS, "cache_bucket": 16}
     cont = Continuation(Sampler(short, **opts), slots=3, max_new_tokens=5, stop_token_ids=(STOP,))
@@ -387,18 +390,19 @@ def test_the_default_cache_bound_is_the_models_context_and_rebuilds_keep_the_log
     rng = np.random.default_rng(6)
     for slot in range(3):
         cont.start(slot, tokens(rng, int(rng.integers(2, 9))))
-    sizes = []
     for _ in range(8):
         before = {s: list(cont.history[s]) for s in range(3)}
+        chunk = _round_up(max(len(p) for p in cont.pending), opts["prompt_bucket"])
         check_turn(short, cont, before, cont.turn())
-        sizes.append(cont.cache.size)
+        longest = max(len(h) for h in before.values())  # in the cache before the turn
+        assert cont.cache.size <= _round_up(longest + chunk + 5, 16)
         for slot in range(3):
             if len(cont.history[slot]) > 20:  # the episode ended: histories stay short
                 cont.release(slot)
                 cont.start(slot, tokens(rng, int(rng.integers(2, 9))))
             else:
                 cont.append(slot, tokens(rng, int(rng.integers(1, 6))))
-    assert cont.stats["rebuilds"] >= 2 and max(sizes) <= 64
+    assert cont.stats["packs"] >= 4 and cont.stats["rebuilds"] == 0
 
 
 def test_threaded_continuation_takes_the_one_thread_actions(model):
