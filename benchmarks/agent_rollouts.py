@@ -4,8 +4,10 @@ appended observation onto the kept KV cache) vs re-prefilling the whole history 
 
 Episodes are synthetic so that only the policy's sampling is timed: a prompt of `prompt`
 tokens, then per turn an action of exactly `action` tokens (greedy, no stop token) and an
-observation of `obs` random tokens. Both paths run the same episodes once to compile, then
-once timed.
+observation of `obs-min` to `obs` random tokens (uneven, as tools' outputs are: the rows'
+shared write index pads the shorter ones). Also the one-thread continuation without packing
+(`Unpacked`: the padding left in the cache, rebuilt at its bound; the baseline of packing).
+Every path runs the same episodes once to compile, then once timed.
 
     PYTHONPATH=. python benchmarks/agent_rollouts.py          # CPU-sized model
     PYTHONPATH=. python benchmarks/agent_rollouts.py --size 100m --episodes 16 --turns 8
@@ -33,14 +35,23 @@ SIZES = {
 }
 
 
-def episodes(n, turns, prompt, obs, vocab, seed=0):
+class Unpacked(Continuation):
+    """A continuation that leaves the shared index's padding in its cache (before packing)."""
+
+    def _pack(self, needed: int) -> None:
+        pass
+
+
+def episodes(n, turns, prompt, obs, obs_min, vocab, seed=0):
     rng = np.random.default_rng(seed)
     return ([rng.integers(1, vocab, prompt).tolist() for _ in range(n)],
-            [[rng.integers(1, vocab, obs).tolist() for _ in range(turns)] for _ in range(n)])
+            [[rng.integers(1, vocab, rng.integers(obs_min, obs + 1)).tolist() for _ in range(turns)]
+             for _ in range(n)])
 
 
-def run_incremental(sampler, prompts, observations, action, one_thread=False):
-    make = Continuation if one_thread else continuation  # CPU: slots split over host threads
+def run_incremental(sampler, prompts, observations, action, make=continuation):
+    """`make`: continuation (CPU: slots split over host threads), Continuation (one thread) or
+    Unpacked."""
     cont = make(sampler, slots=len(prompts), max_new_tokens=action, temperature=0.0)
     for slot, p in enumerate(prompts):
         cont.start(slot, p)
@@ -79,18 +90,22 @@ def main():
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--obs", type=int, default=192)
+    ap.add_argument("--obs-min", type=int, default=None, help="default: obs // 4")
     ap.add_argument("--action", type=int, default=48)
     args = ap.parse_args()
+    obs_min = args.obs // 4 if args.obs_min is None else args.obs_min
     cfg = SIZES[args.size]
     model = init_model(cfg, seed=0)
     sampler = Sampler(model, prompt_bucket=64, cache_bucket=512, batch_bucket=8, segment_steps=32)
-    prompts, obs = episodes(args.episodes, args.turns, args.prompt, args.obs, cfg.vocab_size)
+    prompts, obs = episodes(args.episodes, args.turns, args.prompt, args.obs, obs_min,
+                            cfg.vocab_size)
     print(f"# {jax.devices()[0].device_kind} ({platform.node()}), model {args.size}, "
           f"{args.episodes} episodes x {args.turns} turns, prompt {args.prompt}, "
-          f"obs {args.obs}, action {args.action} tokens")
+          f"obs {obs_min}-{args.obs}, action {args.action} tokens")
     rows = {}
-    one_thread = functools.partial(run_incremental, one_thread=True)
-    for name, fn in [("incremental", run_incremental), ("incr, 1 thread", one_thread),
+    for name, fn in [("incremental", run_incremental),
+                     ("incr, 1 thread", functools.partial(run_incremental, make=Continuation)),
+                     ("incr, unpacked", functools.partial(run_incremental, make=Unpacked)),
                      ("re-prefill", run_reprefill)]:
         seconds, tokens, prefilled = timed(fn, sampler, prompts, obs, args.action)
         turns = args.episodes * args.turns
@@ -98,7 +113,8 @@ def main():
         print(f"{name:14s} {seconds:8.3f} s  {turns / seconds:8.2f} turns/s  "
               f"{tokens / seconds:9.1f} policy tokens/s  prefilled {prefilled} tokens")
     print(f"speed-up (re-prefill time / incremental time): {rows['re-prefill'] / rows['incremental']:.2f}x; "
-          f"host threads: {rows['incr, 1 thread'] / rows['incremental']:.2f}x")
+          f"host threads: {rows['incr, 1 thread'] / rows['incremental']:.2f}x; packing "
+          f"(unpacked / 1 thread): {rows['incr, unpacked'] / rows['incr, 1 thread']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 forward and forward+backward, at the Qwen2.5-0.5B head layout (14 query heads, 2 kv heads, head
 dim 64), batch 1, bfloat16. `xla-whole` is the xla backend with its queries all at once (no
 `default_query_chunk()` chunks), the baseline of the chunking; `xla-cN` is the xla backend in
-chunks of N queries (to compare chunk sizes side by side).
+chunks of N queries, all reading every key (no causal bands: the baseline of the bands).
 
     python benchmarks/attention_backends.py --out /tmp/attention_backends.jsonl   # GPU: 4k-32k
     PYTHONPATH=. python benchmarks/attention_backends.py --seq 256                # CPU smoke run
     # CPU, the tiny agent model's heads on 4 episode rows: chunk sizes and whole XLA
     PYTHONPATH=. python benchmarks/attention_backends.py --seq 1024 3072 --batch 4 --heads 4 \
-        --kv-heads 2 --head-dim 32 --dtype float32 --backends xla xla-c256 xla-whole --repeats 3
+        --kv-heads 2 --head-dim 32 --dtype float32 --backends xla xla-c32 xla-c256 xla-whole --repeats 3
 
 Each (backend, tokens, pass) is one JSON line in --out as soon as it exists: the best of
 --repeats timed runs after a compile run, TFLOP/s (analytic: the causal half of the matmuls; the

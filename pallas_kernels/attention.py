@@ -154,4 +154,5 @@ def _attend(kind, backend, rows, q, k, v, keys_transposed, **segments):
         return cudnn_attention(q, k, v, **ids)
     if backend == "splash":
         return splash_attention(q, k, v, **ids, interpret=interpret)
-    return xla_attention(q, k, v, **segments)
+    # an uncached call's slots are its token indices (the module docstring): causal bands
+    return xla_attention(q, k, v, **segments, slots_are_indices=rows != "cached")

@@ -23,15 +23,24 @@ def default_query_chunk(platform: str | None = None) -> int:
     return 32 if (platform or jax.default_backend()) == "cpu" else 256
 
 
+# Bands of query chunks an uncached call's causal rows are split into (see xla_attention).
+CAUSAL_BANDS = 8
+
+
 def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots,
-                  query_chunk: int | None = None):
+                  query_chunk: int | None = None, slots_are_indices: bool = False):
     """Plain einsums, softmax in float32; GQA without repeating K/V. More than `query_chunk`
     queries (None: `default_query_chunk()`) run in chunks of that many (a scan), each
     recomputed in the backward pass, so no pass holds more than one chunk's scores; 0 attends
-    all queries at once."""
+    all queries at once. `slots_are_indices`: every row's slots are its token indices 0..T-1
+    for queries and keys alike (an uncached call, S = T), so no key after a chunk's last query
+    is visible to it: the chunks run in `CAUSAL_BANDS` bands, each reading the keys up to its
+    last query only (~56% of the scores of a whole row)."""
     if query_chunk is None:
         query_chunk = default_query_chunk()
-    t = q.shape[1]
+    t, s = q.shape[1], k.shape[2]
+    if slots_are_indices and s != t:
+        raise ValueError(f"slots_are_indices: {t} queries but {s} keys (a cached call?)")
     if t == 1:
         return _decode_attention(q, k, v, visible(q_segment_ids, kv_segment_ids, q_slots, kv_slots))
     if not query_chunk or t <= query_chunk:
@@ -44,8 +53,19 @@ def xla_attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_slots, kv_slots,
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(x.shape[0], n_chunks, size, *x.shape[2:]).swapaxes(0, 1)
 
-    attend = jax.checkpoint(lambda xs: _attend(xs[0], k, v, xs[1], kv_segment_ids, xs[2], kv_slots))
-    out = jax.lax.map(attend, (chunks(q), chunks(q_segment_ids), chunks(q_slots)))
+    def attend_keys(end):  # the chunks' attention to keys [0, end)
+        return jax.checkpoint(lambda xs: _attend(xs[0], k[:, :, :end], v[:, :, :end], xs[1],
+                                                 kv_segment_ids[:, :end], xs[2], kv_slots[:, :end]))
+
+    xs = (chunks(q), chunks(q_segment_ids), chunks(q_slots))
+    if not slots_are_indices:
+        out = jax.lax.map(attend_keys(s), xs)
+    else:
+        per = -(-n_chunks // CAUSAL_BANDS)  # chunks per band
+        out = jnp.concatenate([
+            jax.lax.map(attend_keys(min((a + per) * size, s)),
+                        jax.tree.map(lambda x: x[a:a + per], xs))
+            for a in range(0, n_chunks, per)])
     return out.swapaxes(0, 1).reshape(q.shape[0], -1, *q.shape[2:])[:, :t]
 
 

@@ -138,6 +138,28 @@ def test_xla_attention_in_query_chunks_matches_reference(query_chunk):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("query_chunk", [4, 7, 41])
+def test_xla_attention_in_causal_bands_matches_reference(query_chunk):
+    """An uncached call's chunks read only the keys up to their last query (`slots_are_indices`):
+    packed documents and a shared-prompt group (negative segments see the documents before
+    them) over 41 tokens in 11 chunks of 4 (6 bands of 2; the last band short), 6 of 7 (one a
+    band) and one whole chunk; values and gradients against the float64 reference."""
+    q, k, v, seg, slots = inputs(seed=13, names=("documents", "shared_prompt"))
+    do = np.random.default_rng(14).standard_normal(q.shape)
+    ids = dict(q_segment_ids=seg, kv_segment_ids=seg, q_slots=slots, kv_slots=slots)
+    attend = lambda q, k, v: xla_attention(q, k, v, **ids, query_chunk=query_chunk,  # noqa: E731
+                                           slots_are_indices=True)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    out, vjp = jax.vjp(attend, *f32)
+    for got, want in zip((out, *vjp(jnp.asarray(do, jnp.float32))),
+                         float64_reference(q, k, v, seg, slots, do)):
+        assert_close(got, want, 1e-5)
+    with pytest.raises(ValueError, match="slots_are_indices: 41 queries but 40 keys"):
+        xla_attention(*f32[:1], k[:, :, :40], v[:, :, :40], q_segment_ids=seg,
+                      kv_segment_ids=seg[:, :40], q_slots=slots, kv_slots=slots[:, :40],
+                      slots_are_indices=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_and_backward_lower_to_triton_for_a_gpu(dtype, lower):
     """The compiled prefill test's layout (a 900-slot cache, not a power of two) lowers through

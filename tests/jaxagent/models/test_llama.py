@@ -63,7 +63,7 @@ def test_xla_attention_matches_float64_reference(t):
     q_slots = np.sort(rng.integers(0, s, (b, t))); kv_slots = np.tile(np.arange(s), (b, 1))
     out = dense_attention(*(jnp.asarray(x, jnp.float32) for x in (q, kk, v)),
                           q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_slots=q_slots,
-                          kv_slots=kv_slots, backend="xla")
+                          kv_slots=kv_slots, backend="xla", rows="cached")  # T != S: a cache
     ref = np.zeros((b, t, n, h))
     for bi in range(b):
         for ti in range(t):
