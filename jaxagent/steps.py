@@ -272,7 +272,8 @@ class FeedbackBatch:
     as the student saw it and with the hint (teacher), right-padded, and the N aligned
     positions whose logits predict the turn's tokens in each. With the scripted teacher the
     student row holds the context and the script's call (`targets`) instead of the turn, and
-    there is no teacher row (None)."""
+    there is no teacher row (None); with the grammar teacher neither, and `allowed` holds the
+    tokens that keep the call well-formed at each position."""
 
     student_tokens: jax.Array  # [F, L] int32
     student_segment_ids: jax.Array  # [F, L] int32: 1 on tokens, 0 on padding
@@ -282,26 +283,35 @@ class FeedbackBatch:
     teacher_tokens: jax.Array | None = None  # [F, L'] int32
     teacher_segment_ids: jax.Array | None = None  # [F, L'] int32
     teacher_index: jax.Array | None = None  # [F, N] int32
+    allowed: jax.Array | None = None  # [F, N, V] bool
 
 
 def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int] | None, Sequence[int],
                                            Sequence[int] | None]], *, rows: int,
-                  bucket: int = 64, scripted: bool = False) -> FeedbackBatch:
+                  bucket: int = 64, teacher_rows: bool = True,
+                  allowed: Sequence[np.ndarray] | None = None) -> FeedbackBatch:
     """(student tokens, teacher tokens, student index, teacher index) per flagged turn ->
     a FeedbackBatch of exactly `rows` rows (empty rows: no loss), lengths rounded to `bucket`.
-    `scripted`: the teacher is a point mass on the student row's own next tokens, so the
-    examples' teacher tokens and index are None and the batch has no teacher rows."""
+    Without `teacher_rows` (the scripted teacher: a point mass on the student row's own next
+    tokens; the grammar teacher) the examples' teacher tokens and index are None; the grammar
+    teacher's `allowed` [n, V] per example are the tokens its student positions may take."""
     if len(examples) > rows:
         raise ValueError(f"{len(examples)} feedback examples for {rows} rows")
+    if allowed is not None and (teacher_rows or len(allowed) != len(examples)):
+        raise ValueError(f"{len(allowed)} allowed sets for {len(examples)} feedback examples "
+                         f"{'with' if teacher_rows else 'without'} teacher rows")
     for i, (_, teacher, s_index, t_index) in enumerate(examples):
-        if scripted and (teacher is not None or t_index is not None):
-            raise ValueError(f"feedback example {i}: the scripted teacher has no teacher context")
-        if not scripted and (teacher is None or len(s_index) != len(t_index)):
+        if not teacher_rows and (teacher is not None or t_index is not None):
+            raise ValueError(f"feedback example {i}: this teacher has no teacher context")
+        if teacher_rows and (teacher is None or len(s_index) != len(t_index)):
             raise ValueError(f"feedback example {i}: {len(s_index)} student positions but "
                              f"{None if t_index is None else len(t_index)} teacher positions")
+        if allowed is not None and len(allowed[i]) != len(s_index):
+            raise ValueError(f"feedback example {i}: {len(s_index)} student positions but "
+                             f"{len(allowed[i])} allowed sets")
     up = lambda n: -(-max(n, 1) // bucket) * bucket  # noqa: E731
     n = up(max((len(e[2]) for e in examples), default=1))
-    sides = [("student", 0, 2)] + ([] if scripted else [("teacher", 1, 3)])
+    sides = [("student", 0, 2)] + ([("teacher", 1, 3)] if teacher_rows else [])
     out = {}
     for name, seq, index in sides:
         length = up(max((len(e[seq]) for e in examples), default=1))
@@ -312,6 +322,13 @@ def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int] | None, 
             out[f"{name}_tokens"][i, :len(e[seq])] = e[seq]
             out[f"{name}_segment_ids"][i, :len(e[seq])] = 1
             out[f"{name}_index"][i, :len(e[index])] = e[index]
+    if allowed is not None:
+        vocab = {a.shape[1] for a in allowed}
+        if len(vocab) > 1:
+            raise ValueError(f"allowed sets over vocabularies of {sorted(vocab)} tokens")
+        out["allowed"] = np.ones((rows, n, vocab.pop() if vocab else 1), bool)
+        for i, a in enumerate(allowed):
+            out["allowed"][i, :len(a)] = a
     targets, mask = np.zeros((rows, n), np.int32), np.zeros((rows, n), np.float32)
     for i, (student, _, s_index, _) in enumerate(examples):
         targets[i, :len(s_index)] = np.asarray(student)[np.asarray(s_index, int) + 1]
@@ -323,8 +340,8 @@ def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int] | None, 
 def feedback_term(model, feedback: FeedbackBatch, beta: float,
                   logits_chunk: int = 0) -> jax.Array:
     """beta * KL(teacher || policy) at the flagged turns' tokens: the teacher is the policy
-    with the hint (its pass carries no gradient) or, without teacher rows, the script's call
-    (`rl.target_kl`). The LM head runs in chunks as in `target_logprobs`."""
+    with the hint (its pass carries no gradient), the policy restricted to the allowed tokens
+    (`rl.allowed_kl`) or, without either, the script's call (`rl.target_kl`). The LM head runs in chunks as in `target_logprobs`."""
 
     def hidden_at(tokens, segment_ids, index):
         hidden = model(tokens, None, segment_ids, hidden_only=True, rows="causal")  # right-padded
@@ -332,7 +349,11 @@ def feedback_term(model, feedback: FeedbackBatch, beta: float,
 
     f = feedback
     student = hidden_at(f.student_tokens, f.student_segment_ids, f.student_index)
-    if f.teacher_tokens is None:
+    if f.allowed is not None:
+        (kl,) = over_position_chunks(
+            lambda a, s, mask: (rl.allowed_kl(a, model.logits(s), mask),),
+            (f.allowed, student, f.mask), logits_chunk)
+    elif f.teacher_tokens is None:
         (kl,) = over_position_chunks(
             lambda y, s, mask: (rl.target_kl(y, model.logits(s), mask),),
             (f.targets, student, f.mask), logits_chunk)

@@ -13,7 +13,7 @@ from jaxagent.rl.advantages import (
     rloo_advantages,
     scale_negatives,
 )
-from jaxagent.rl.feedback import feedback_loss, target_kl, token_kl
+from jaxagent.rl.feedback import allowed_kl, feedback_loss, target_kl, token_kl
 from jaxagent.rl.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -32,6 +32,7 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "aggregate",
+    "allowed_kl",
     "entropy_from_logits",
     "feedback_loss",
     "group_has_signal",

@@ -14,6 +14,12 @@ KL is the student's negative log-likelihood of that call:
 
     KL(onehot(y) || q) = -log q_y
 
+Or the teacher is the policy itself restricted to the tokens A_bt that keep the call
+well-formed (`agent.feedback_teacher: grammar`), p = q 1[A] / q(A) under `stop_gradient`,
+whose KL, and its gradient, is the log of the mass the student puts on them:
+
+    KL(p || q) = sum_{v in A} (q_v / q(A)) log(1 / q(A)) = -log q(A)
+
 Letters: B sequences, T positions of flagged-turn tokens (aligned between the two contexts),
 V vocabulary. mask [B, T] is nonzero only at the tokens of flagged turns, so the term is
 exactly zero where no detector fired.
@@ -54,3 +60,17 @@ def target_kl(targets, student_logits, mask=None):
     s = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(s, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
     return nll if mask is None else jnp.where(jnp.asarray(mask) != 0, nll, 0.0)
+
+
+def allowed_kl(allowed, student_logits, mask=None):
+    """KL(the student restricted to `allowed` [B, T, V] (bool) || the student) = -log q(allowed)
+    per position [B, T] (the grammar teacher's); with `mask`, 0 (and no gradient) where it is 0.
+    A position must allow at least one token where the mask is on."""
+    keep = jnp.asarray(allowed, bool)
+    if mask is not None:
+        on = (jnp.asarray(mask) != 0)[..., None]
+        student_logits = jnp.where(on, student_logits, 0.0)
+        keep = keep | ~on  # off the mask every token is allowed: log q(all) = 0
+    s = student_logits.astype(jnp.float32)
+    inside = jax.nn.logsumexp(jnp.where(keep, s, -jnp.inf), axis=-1)
+    return jax.nn.logsumexp(s, axis=-1) - inside

@@ -35,6 +35,7 @@ from jaxagent.steps import LossOptions, logits_chunk_tokens
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
 from pallas_kernels.attention import check_rows
 from rollouts.agent import ToolEnvironment
+from rollouts.agent.grammar import CallGrammar
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.producer import RolloutProducer
 from rollouts.rewards import Scorer
@@ -227,6 +228,8 @@ def validate(cfg: Config) -> Config:
          "agent.feedback_beta", "needs agent.enabled and at least one agent.feedback_detectors"),
         (not cfg.agent.feedback_beta or cfg.agent.feedback_max_examples >= 1,
          "agent.feedback_max_examples", "must be >= 1 with agent.feedback_beta > 0"),
+        (cfg.agent.feedback_teacher != "grammar" or cfg.agent.call_format == "compact",
+         "agent.feedback_teacher", "grammar reads calls in agent.call_format: compact"),
     ]
     for ok, key, message in checks:
         if not ok:
@@ -473,6 +476,16 @@ def task_stream(cfg: Config, train_tasks: list[Task], pool: TaskPool | None = No
 
 # ---------------------------------------------------------------------------------------------
 # Rollouts.
+
+
+def call_grammar(cfg: Config, tokenizer) -> CallGrammar | None:
+    """The grammar teacher's automaton over the run's tools (None for the other teachers)."""
+    if not (cfg.agent.feedback_beta and cfg.agent.feedback_teacher == "grammar"):
+        return None
+    if not isinstance(tokenizer, ByteTokenizer):
+        raise ConfigError("agent.feedback_teacher: grammar reads calls byte by byte, so it needs "
+                          "the byte tokenizer (a model without init_from); use hint or script")
+    return CallGrammar(agent_tools(cfg))
 
 
 def agent_tools(cfg: Config) -> list:

@@ -47,15 +47,16 @@ from jaxagent.optim import make_optimizer
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_budget,
                             pack_feedback, pack_shared, ppo_update, split_rows)
-from jaxagent.train.build import (load_model_and_tokenizer, logits_chunk, loss_options,
-                                  make_producer, make_progress, make_sampler, make_scorer,
-                                  resolve_attention, rl_layout, run_tasks, task_pool,
-                                  task_stream, validate)
+from jaxagent.train.build import (call_grammar, load_model_and_tokenizer, logits_chunk,
+                                  loss_options, make_producer, make_progress, make_sampler,
+                                  make_scorer, resolve_attention, rl_layout, run_tasks,
+                                  task_pool, task_stream, validate)
 from jaxagent.train.evaluate import agent_held_out, held_out_pass_at_k
 from jaxagent.train.sft import sft, warmup_log
 from jaxagent.train.sync import SamplerWeights
 from jaxagent.workdir import check_resume_config, workdir_lock
-from rollouts.agent.feedback import HINTS, correction_examples, turn_examples
+from rollouts.agent.feedback import HINTS, correction_examples, grammar_examples, turn_examples
+from rollouts.agent.grammar import CallGrammar
 from rollouts.orchestrator import Orchestrator
 from rollouts.producer import RolloutBatch
 from rollouts.rewards import Scorer
@@ -213,6 +214,7 @@ class Learner:
     # group's episodes share the prompt, and each completion's mask (actions only) travels
     # with its tokens.
     share_prompt: bool
+    grammar: CallGrammar | None  # the grammar teacher's automaton (`call_grammar`)
 
     @classmethod
     def create(cls, cfg: Config, model, tokenizer, layout: Layout) -> tuple[Learner, TrainState]:
@@ -222,7 +224,7 @@ class Learner:
         tx = make_optimizer(cfg.optim, cfg.train.steps)
         share = cfg.train.share_prompt and sees_all_segments(cfg.model)
         learner = cls(cfg, graphdef, tx, layout, tokenizer, loss_options(cfg),
-                      logits_chunk(cfg, model), share)
+                      logits_chunk(cfg, model), share, call_grammar(cfg, tokenizer))
         return learner, TrainState(params, layout.place(tx.init(params)),
                                    kl_reference(cfg, params), frozen)
 
@@ -240,7 +242,7 @@ class Learner:
                                                     self.layout.data_parallel))
         feedback = (to_feedback_batch(batch, self.tokenizer, cfg.agent.feedback_max_examples,
                                       {**HINTS, **cfg.agent.feedback_hints},
-                                      scripted=cfg.agent.feedback_teacher == "script")
+                                      teacher=cfg.agent.feedback_teacher, grammar=self.grammar)
                     if self.options.feedback_beta else None)
         signal = self.carries_signal(rows, feedback)
         if feedback is not None:
@@ -460,13 +462,24 @@ def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray
 
 
 def to_feedback_batch(batch: RolloutBatch, tokenizer, rows: int, hints=HINTS, *,
-                      scripted: bool = False) -> FeedbackBatch:
-    """The first `rows` flagged turns of the batch (`Rollout.flagged`), each with its hinted
-    teacher context (rollouts.agent.feedback; `hints`: detector -> text) or, `scripted`, with
-    the script's call in place of the turn (`Rollout.corrections`), as a FeedbackBatch of
-    exactly `rows` rows."""
-    examples = [e for r in batch.rollouts for e in (
-        correction_examples(r.prompt + r.completion, r.flagged, r.corrections) if scripted
-        else turn_examples(r.prompt + r.completion, r.flagged, tokenizer, hints))][:rows]
+                      teacher: str = "hint", grammar: CallGrammar | None = None) -> FeedbackBatch:
+    """The first `rows` flagged turns of the batch (`Rollout.flagged`) as a FeedbackBatch of
+    exactly `rows` rows, by `teacher` (rollouts.agent.feedback): "hint", each with its hinted
+    teacher context (`hints`: detector -> text); "script", with the script's call in place of
+    the turn (`Rollout.corrections`); "grammar", the turns that leave `grammar`, each up to
+    its first refused token, with the tokens allowed along it."""
+    def examples_of(r):
+        tokens = r.prompt + r.completion
+        if teacher == "script":
+            return correction_examples(tokens, r.flagged, r.corrections)
+        if teacher == "grammar":
+            return grammar_examples(tokens, r.flagged, grammar, tokenizer.stop_ids,
+                                    tokenizer.vocab_size)
+        return turn_examples(tokens, r.flagged, tokenizer, hints)
+
+    if teacher not in ("hint", "script", "grammar"):
+        raise ValueError(f"unknown feedback teacher {teacher!r}; choose hint, script or grammar")
+    examples = [e for r in batch.rollouts for e in examples_of(r)][:rows]
     return pack_feedback([(e.student_tokens, e.teacher_tokens, e.student_index, e.teacher_index)
-                          for e in examples], rows=rows, scripted=scripted)
+                          for e in examples], rows=rows, teacher_rows=teacher == "hint",
+                         allowed=[e.allowed for e in examples] if teacher == "grammar" else None)

@@ -5,7 +5,10 @@ The loss itself is `jaxagent.rl.feedback` (`token_kl`, `feedback_loss`): the tra
 policy on the student sequence and (without gradient) on each teacher sequence, takes the
 logits at the returned indices (those that predict the flagged turn's tokens) and masks with
 `mask`. The scripted teacher (`correction_examples`) has no teacher sequence: the student
-sequence ends with the script's call in place of the turn, and the loss is `target_kl`.
+sequence ends with the script's call in place of the turn, and the loss is `target_kl`. The
+grammar teacher (`grammar_examples`) has none either: the student sequence is the turn as
+sampled, up to its first byte that breaks the call, with the bytes allowed at each position
+(`rollouts.agent.grammar`), and the loss is `allowed_kl`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class FeedbackExample:
     student_index: np.ndarray  # [n] positions in the student sequence whose logits predict the turn
     teacher_index: np.ndarray | None  # [n] the same predictions in the teacher sequence
     targets: np.ndarray  # [n] the turn's tokens (the scripted teacher's: its call's)
+    allowed: np.ndarray | None = None  # [n, V] bool: the grammar teacher's tokens per position
 
 
 def flagged_turns(traj: Trajectory, detectors: Sequence[str]) -> list[tuple[int, int, str]]:
@@ -94,4 +98,22 @@ def correction_examples(tokens: Sequence[int], flagged: Sequence[tuple[int, int,
         examples.append(FeedbackExample(name, tokens[:start] + list(call), None,
                                         np.arange(start - 1, start - 1 + len(call)), None,
                                         np.asarray(call)))
+    return examples
+
+
+def grammar_examples(tokens: Sequence[int], flagged: Sequence[tuple[int, int, str]], grammar,
+                     stop_ids: Sequence[int], vocab_size: int) -> list[FeedbackExample]:
+    """A grammar-teacher example per flagged turn that leaves the call grammar (`grammar`: a
+    `rollouts.agent.grammar.CallGrammar`): the context and the turn up to and including its
+    first refused token, with the allowed tokens at each of those positions. A flagged turn
+    that is a well-formed call (a wrong path, a repeat) has no byte to correct and is left out."""
+    tokens = list(tokens)
+    examples = []
+    for start, end, name in flagged:
+        allowed = grammar.off_grammar(tokens[start:end], stop_ids, vocab_size)
+        if allowed is None:
+            continue
+        stop = start + len(allowed)
+        examples.append(FeedbackExample(name, tokens[:stop], None, np.arange(start - 1, stop - 1),
+                                        None, np.asarray(tokens[start:stop]), allowed))
     return examples

@@ -502,46 +502,79 @@ def test_feedback_term_equals_float64_kl_and_the_step_reduces_it():
     assert after < 0.9 * want
 
 
+def float64_log_q(graphdef, params, examples):
+    """Per example (student tokens, _, index, _): the float64 log-softmax at its index
+    positions, from a full forward of its tokens."""
+    jitted = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+    out = []
+    for seq, _, index, _ in examples:  # right-padded to one length (causal: unseen): one compile
+        logits = np.float64(jitted(params, jnp.asarray([seq + [0] * (24 - len(seq))]))[0])[index]
+        logits -= logits.max(-1, keepdims=True)
+        out.append(logits - np.log(np.exp(logits).sum(-1, keepdims=True)))
+    return out
+
+
+def assert_feedback_term_and_step(graphdef, params, tx, opt_state, fb, beta, want, tokens, drop):
+    """`feedback_term` is `want` whole and with the LM head in chunks, and so is the step's
+    logged loss; rl_step with zero advantages (only the feedback term pulls) lowers it below
+    `drop` times itself."""
+    term = jax.jit(lambda params: feedback_term(nnx.merge(graphdef, params), fb, beta))
+    np.testing.assert_allclose(float(term(params)), want, rtol=1e-4)
+    chunked = jax.jit(lambda params: feedback_term(nnx.merge(graphdef, params), fb, beta, 9))
+    np.testing.assert_allclose(float(chunked(params)), want, rtol=1e-4)
+    p, c, lp = random_rollouts(4, seed=3)
+    new_params, _, m = rl_step(graphdef, tx, copy(params), opt_state, pack(p, c, lp, np.zeros(4)),
+                               None, fb, options=LossOptions(feedback_beta=beta), logits_chunk=9)
+    np.testing.assert_allclose(float(m["train/feedback_loss"]), want, rtol=1e-4)
+    assert float(m["train/feedback_tokens"]) == tokens
+    assert float(term(new_params)) < drop * want
+
+
 def test_scripted_feedback_term_is_the_float64_nll_of_the_scripts_call_and_the_step_lowers_it():
     """Without teacher rows (`scripted`), beta * token-mean -log p(the script's call tokens)
     after each flagged turn's context, from full forwards in float64; rl_step with zero
     advantages raises the call's likelihood."""
     graphdef, params, tx, opt_state = setup(lr=3e-2)
-    jitted = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
-
-    def forward(params, seq):
-        return jitted(params, jnp.asarray([seq + [0] * (24 - len(seq))]))[0, :len(seq)]
-
     rng = np.random.default_rng(4)
     examples = []
     for start, call in [(9, 4), (5, 7)]:
         seq = rng.integers(1, 61, start + call).tolist()  # context, then the script's call
         examples.append((seq, None, np.arange(start - 1, start - 1 + call), None))
-    fb = pack_feedback(examples, rows=3, bucket=8, scripted=True)
+    fb = pack_feedback(examples, rows=3, bucket=8, teacher_rows=False)
     assert fb.teacher_tokens is None and fb.teacher_index is None
     np.testing.assert_array_equal(fb.targets[1, :7], examples[1][0][5:])
     np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [4, 7, 0])
-    with pytest.raises(ValueError, match="the scripted teacher has no teacher context"):
-        pack_feedback(feedback_examples(), rows=3, scripted=True)
+    with pytest.raises(ValueError, match="this teacher has no teacher context"):
+        pack_feedback(feedback_examples(), rows=3, teacher_rows=False)
+    nll = [-log_q[np.arange(len(e[2])), np.asarray(e[0])[e[2] + 1]]
+           for e, log_q in zip(examples, float64_log_q(graphdef, params, examples), strict=True)]
     beta = 0.2
-    nll = []
-    for seq, _, index, _ in examples:
-        logits = np.float64(forward(params, seq))[index]
-        logits -= logits.max(-1, keepdims=True)
-        log_q = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        nll += (-log_q[np.arange(len(index)), np.asarray(seq)[index + 1]]).tolist()
-    want = beta * np.mean(nll)
-    term = jax.jit(lambda params: feedback_term(nnx.merge(graphdef, params), fb, beta))
-    np.testing.assert_allclose(float(term(params)), want, rtol=1e-4)
-    chunked = jax.jit(lambda params: feedback_term(nnx.merge(graphdef, params), fb, beta, 9))
-    np.testing.assert_allclose(float(chunked(params)), want, rtol=1e-4)
+    assert_feedback_term_and_step(graphdef, params, tx, opt_state, fb, beta,
+                                  beta * np.concatenate(nll).mean(), tokens=11, drop=0.9)
 
-    p, c, lp = random_rollouts(4, seed=3)
-    new_params, _, m = rl_step(graphdef, tx, copy(params), opt_state, pack(p, c, lp, np.zeros(4)),
-                               None, fb, options=LossOptions(feedback_beta=beta), logits_chunk=9)
-    np.testing.assert_allclose(float(m["train/feedback_loss"]), want, rtol=1e-4)
-    assert float(m["train/feedback_tokens"]) == 11
-    assert float(term(new_params)) < 0.9 * want
+
+def test_grammar_feedback_term_is_the_float64_allowed_mass_and_the_step_raises_it():
+    """With `allowed` (the grammar teacher), beta * token-mean -log q(the allowed tokens) at
+    each flagged position, from full forwards in float64; rl_step with zero advantages moves
+    mass onto the allowed tokens."""
+    graphdef, params, tx, opt_state = setup(lr=3e-2)
+    rng = np.random.default_rng(5)
+    examples, allowed = [], []
+    for start, turn in [(9, 5), (4, 8)]:
+        seq = rng.integers(1, 61, start + turn).tolist()
+        examples.append((seq, None, np.arange(start - 1, start - 1 + turn), None))
+        allowed.append(rng.random((turn, CFG.vocab_size)) < 0.3)
+    with pytest.raises(ValueError, match="2 allowed sets for 2 feedback examples with teacher"):
+        pack_feedback(examples, rows=3, allowed=allowed)
+    with pytest.raises(ValueError, match="5 student positions but 4 allowed sets"):
+        pack_feedback(examples, rows=3, teacher_rows=False, allowed=[allowed[0][:4], allowed[1]])
+    fb = pack_feedback(examples, rows=3, bucket=8, teacher_rows=False, allowed=allowed)
+    assert fb.allowed.shape == (3, 8, CFG.vocab_size) and fb.teacher_tokens is None
+    mass = [-np.log(np.where(a, np.exp(log_q), 0.0).sum(-1))
+            for a, log_q in zip(allowed, float64_log_q(graphdef, params, examples), strict=True)]
+    beta = 0.5  # a random 30% of the vocabulary a position moves slower than one token
+    assert_feedback_term_and_step(graphdef, params, tx, opt_state, fb, beta,
+                                  beta * np.concatenate(mass).mean(), tokens=13, drop=0.95)
 
 
 @pytest.mark.parametrize("sampling", [(0.6, 7, 0.9), pytest.param((0.6, None, None), marks=pytest.mark.slow),

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxagent.config import ConfigError, load_config
+from jaxagent.config import ConfigError, apply_overrides, load_config
 from jaxagent.metrics import read_metrics
 
 TINY = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=48",
@@ -455,7 +455,7 @@ def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
     np.testing.assert_array_equal(fb.teacher_tokens[1, :30 + len(repeat)], seq[:25] + repeat + seq[25:30])
     # the scripted teacher: the context before each turn, then the script's call as targets
     batch.rollouts[0].corrections, batch.rollouts[1].corrections = [[7, 8, 9]], [[5, 6]]
-    fb = to_feedback_batch(RolloutBatch.from_json(batch.to_json()), tok, rows=4, scripted=True)
+    fb = to_feedback_batch(RolloutBatch.from_json(batch.to_json()), tok, rows=4, teacher="script")
     assert fb.teacher_tokens is None
     np.testing.assert_array_equal(fb.student_tokens[0, :15], seq[:12] + [7, 8, 9])
     np.testing.assert_array_equal(fb.student_tokens[1, :27], seq[:25] + [5, 6])
@@ -463,6 +463,47 @@ def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
     np.testing.assert_array_equal(fb.targets[0, :3], [7, 8, 9])
     np.testing.assert_array_equal(fb.targets[1, :2], [5, 6])
     np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [3, 2, 0, 0])
+
+
+def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte():
+    from jaxagent.tokenizer import ByteTokenizer
+    from jaxagent.train.build import agent_tools, call_grammar, validate
+    from jaxagent.train.loop import to_feedback_batch
+    from rollouts.producer import Rollout, RolloutBatch
+
+    tok = ByteTokenizer()
+    cfg = load_config("configs/agent_default.yaml", ["agent.feedback_beta=0.1",
+                                                     "agent.feedback_detectors=[bad_tool_call]",
+                                                     "agent.feedback_teacher=grammar"])
+    grammar = call_grammar(cfg, tok)
+    assert sorted(grammar.params) == sorted(t.name for t in agent_tools(cfg))
+    prompt = tok.encode("<|assistant|>\n")
+    turns = ['@read_file {"pth": "app/core.py"}', '@read_file {"path": "app/nope.py"}',
+             '@replace_line {"path": "a", "line": x}']
+    completion, spans = [], []
+    for text in turns:
+        start = len(prompt) + len(completion)
+        completion += tok.encode(text) + [tok.eos_id]
+        spans.append((start, len(prompt) + len(completion), "bad_tool_call"))
+        completion += tok.encode("\nerror\n")
+    n = len(completion)
+    batch = RolloutBatch(0, 1, [Rollout("t", prompt, completion, [True] * n, [0.0] * n, "", 0.0,
+                                        "failed", "stop", 0, flagged=spans)], {})
+    fb = to_feedback_batch(RolloutBatch.from_json(batch.to_json()), tok, rows=4, teacher="grammar",
+                           grammar=grammar)
+    # the second call is well-formed (its path is wrong, not its bytes): no row
+    np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [15, 37, 0, 0])
+    seq = prompt + completion
+    first, third = spans[0][0], spans[2][0]
+    np.testing.assert_array_equal(fb.student_tokens[0, :first + 15], seq[:first + 15])
+    assert not np.asarray(fb.student_tokens[0, first + 15:]).any()
+    np.testing.assert_array_equal(fb.student_index[1, :37], np.arange(third - 1, third + 36))
+    assert tok.decode(fb.targets[1, :37]) == '@replace_line {"path": "a", "line": x'
+    assert np.flatnonzero(fb.allowed[0, 14]).tolist() == [ord("a")]  # '"p' then "a" (path)
+    assert not fb.allowed[1, 36, ord("x")] and fb.allowed[1, 36, ord("7")]
+    assert fb.allowed[0, 15:].all()  # past the cut: everything (and mask 0)
+    with pytest.raises(ConfigError, match="agent.feedback_teacher: grammar reads calls in"):
+        validate(apply_overrides(cfg, ["agent.call_format=hermes"]))
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxagent.rl.feedback import feedback_loss, target_kl, token_kl
+from jaxagent.rl.feedback import allowed_kl, feedback_loss, target_kl, token_kl
 
 
 def kl_reference(teacher, student):
@@ -102,3 +102,32 @@ def test_scripted_teachers_kl_is_the_float64_negative_log_likelihood_of_its_toke
     assert np.isfinite(np.asarray(grad)).all()
     np.testing.assert_allclose(feedback_loss(target_kl(targets, student, mask), mask, beta=0.3),
                                0.3 * ref[m].mean(), rtol=1e-5)
+
+
+def test_grammar_teachers_kl_is_minus_log_the_allowed_mass_in_float64():
+    """KL(q restricted to the allowed tokens and renormalised || q), computed from its
+    definition in float64, equals -log q(allowed); its gradient is q - p (the teacher p under
+    stop_gradient); 0 with no gradient off the mask, even over garbage logits."""
+    b, t, v = 3, 5, 7
+    ks, ka, km = jax.random.split(jax.random.key(13), 3)
+    student = 2.0 * jax.random.normal(ks, (b, t, v))
+    allowed = jax.random.bernoulli(ka, 0.4, (b, t, v)).at[..., 2].set(True)  # none empty
+    s = np.asarray(student, np.float64)
+    q = np.exp(s - s.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    a = np.asarray(allowed)
+    p = np.where(a, q, 0.0) / np.where(a, q, 0.0).sum(-1, keepdims=True)
+    ref = np.where(a, p * (np.log(np.where(a, p, 1.0)) - np.log(q)), 0.0).sum(-1)
+    np.testing.assert_allclose(ref, -np.log(np.where(a, q, 0.0).sum(-1)), rtol=1e-12)
+    np.testing.assert_allclose(allowed_kl(allowed, student), ref, rtol=1e-5, atol=1e-6)
+    assert ref.min() > 1e-3  # the restriction moves mass at every position
+    mask = jax.random.bernoulli(km, 0.5, (b, t)).astype(jnp.float32)
+    m = np.asarray(mask, bool)
+    np.testing.assert_allclose(allowed_kl(allowed, student, mask), np.where(m, ref, 0.0),
+                               rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: feedback_loss(allowed_kl(allowed, x, mask), mask, beta=0.4))(student)
+    np.testing.assert_allclose(grad, 0.4 * (q - p) * m[..., None] / m.sum(), atol=1e-6)
+    garbage = jnp.where(mask[..., None] != 0, student, jnp.nan)
+    nothing = allowed & (mask[..., None] != 0)  # off the mask nothing is allowed either
+    grad = jax.grad(lambda x: feedback_loss(allowed_kl(nothing, x, mask), mask, beta=1.0))(garbage)
+    assert np.isfinite(np.asarray(grad)).all() and not np.asarray(grad)[~m].any()
