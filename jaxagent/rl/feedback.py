@@ -65,8 +65,13 @@ def target_kl(targets, student_logits, mask=None):
 def allowed_kl(allowed, student_logits, mask=None):
     """KL(the student restricted to `allowed` [B, T, V] (bool) || the student) = -log q(allowed)
     per position [B, T] (the grammar teacher's); with `mask`, 0 (and no gradient) where it is 0.
-    A position must allow at least one token where the mask is on."""
+    A position must allow at least one token where the mask is on. `allowed` may cover only
+    the first V' <= V tokens (a tokenizer's inside a padded embedding): the rest are refused."""
     keep = jnp.asarray(allowed, bool)
+    pad = student_logits.shape[-1] - keep.shape[-1]
+    if pad < 0:
+        raise ValueError(f"allowed sets over {keep.shape[-1]} tokens for {student_logits.shape[-1]} logits")
+    keep = jnp.pad(keep, [(0, 0)] * (keep.ndim - 1) + [(0, pad)])
     if mask is not None:
         on = (jnp.asarray(mask) != 0)[..., None]
         student_logits = jnp.where(on, student_logits, 0.0)

@@ -467,6 +467,8 @@ def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
 
 def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte():
     from jaxagent.tokenizer import ByteTokenizer
+    from jaxagent.models import init_model
+    from jaxagent.steps import feedback_term
     from jaxagent.train.build import agent_tools, call_grammar, validate
     from jaxagent.train.loop import to_feedback_batch
     from rollouts.producer import Rollout, RolloutBatch
@@ -502,6 +504,10 @@ def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte():
     assert np.flatnonzero(fb.allowed[0, 14]).tolist() == [ord("a")]  # '"p' then "a" (path)
     assert not fb.allowed[1, 36, ord("x")] and fb.allowed[1, 36, ord("7")]
     assert fb.allowed[0, 15:].all()  # past the cut: everything (and mask 0)
+    # the model's vocabulary (264) is padded past the tokenizer's (259): those are refused
+    model = init_model(dataclasses.replace(cfg.model, num_layers=1), seed=0)
+    assert model.config.vocab_size > tok.vocab_size == fb.allowed.shape[-1]
+    assert 0 < float(feedback_term(model, fb, beta=1.0)) < 20
     with pytest.raises(ConfigError, match="agent.feedback_teacher: grammar reads calls in"):
         validate(apply_overrides(cfg, ["agent.call_format=hermes"]))
 

@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxagent.rl.feedback import allowed_kl, feedback_loss, target_kl, token_kl
 
@@ -127,6 +128,14 @@ def test_grammar_teachers_kl_is_minus_log_the_allowed_mass_in_float64():
                                rtol=1e-5, atol=1e-6)
     grad = jax.grad(lambda x: feedback_loss(allowed_kl(allowed, x, mask), mask, beta=0.4))(student)
     np.testing.assert_allclose(grad, 0.4 * (q - p) * m[..., None] / m.sum(), atol=1e-6)
+    # a padded embedding: logits past the tokenizer's vocabulary are never allowed
+    padded = jnp.concatenate([student, jnp.full((b, t, 3), 4.0)], axis=-1)
+    q_pad = np.exp(np.asarray(padded, np.float64))
+    q_pad /= q_pad.sum(-1, keepdims=True)
+    np.testing.assert_allclose(allowed_kl(allowed, padded),
+                               -np.log(np.where(a, q_pad[..., :v], 0.0).sum(-1)), rtol=1e-5)
+    with pytest.raises(ValueError, match="allowed sets over 7 tokens for 6 logits"):
+        allowed_kl(allowed, student[..., :6])
     garbage = jnp.where(mask[..., None] != 0, student, jnp.nan)
     nothing = allowed & (mask[..., None] != 0)  # off the mask nothing is allowed either
     grad = jax.grad(lambda x: feedback_loss(allowed_kl(nothing, x, mask), mask, beta=1.0))(garbage)
