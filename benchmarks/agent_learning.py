@@ -13,8 +13,8 @@ one table row per run and the medians:
 
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 --variant feedback_off \
-        feedback_on feedback_script --out runs/agent_learning   # targeted feedback off, on
-        # (the policy reading a hint), on (the scripted teacher)
+        feedback_on feedback_script feedback_grammar --out runs/agent_learning   # targeted
+        # feedback off, on (the policy reading a hint; the scripted teacher; the grammar teacher)
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2 \
         --warmup runs/agent_default/checkpoints/0   # RL only, from one finished warm-up
 
@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 # `base`: the config as it is; the feedback variants set the targeted feedback either way, with
-# the policy reading a hint or the task's scripted demonstration as the teacher
+# the policy reading a hint, the task's scripted demonstration or the call grammar as the
+# teacher (at the betas measured in docs/agent.md)
 VARIANTS = {
     "base": [],
     "feedback_off": ["agent.feedback_beta=0"],
@@ -46,6 +47,8 @@ VARIANTS = {
                     "agent.feedback_beta=0.1"],
     "feedback_script": ["agent.feedback_detectors=[bad_tool_call]", "agent.feedback_beta=0.005",
                         "agent.feedback_teacher=script"],
+    "feedback_grammar": ["agent.feedback_detectors=[bad_tool_call]", "agent.feedback_beta=0.001",
+                         "agent.feedback_teacher=grammar"],
 }
 
 

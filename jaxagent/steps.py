@@ -341,7 +341,8 @@ def feedback_term(model, feedback: FeedbackBatch, beta: float,
                   logits_chunk: int = 0) -> jax.Array:
     """beta * KL(teacher || policy) at the flagged turns' tokens: the teacher is the policy
     with the hint (its pass carries no gradient), the policy restricted to the allowed tokens
-    (`rl.allowed_kl`) or, without either, the script's call (`rl.target_kl`). The LM head runs in chunks as in `target_logprobs`."""
+    (`rl.allowed_kl`) or, without either, the script's call (`rl.target_kl`). The LM head runs
+    in chunks as in `target_logprobs`."""
 
     def hidden_at(tokens, segment_ids, index):
         hidden = model(tokens, None, segment_ids, hidden_only=True, rows="causal")  # right-padded

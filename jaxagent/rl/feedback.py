@@ -70,7 +70,8 @@ def allowed_kl(allowed, student_logits, mask=None):
     keep = jnp.asarray(allowed, bool)
     pad = student_logits.shape[-1] - keep.shape[-1]
     if pad < 0:
-        raise ValueError(f"allowed sets over {keep.shape[-1]} tokens for {student_logits.shape[-1]} logits")
+        raise ValueError(f"allowed sets over {keep.shape[-1]} tokens for "
+                         f"{student_logits.shape[-1]} logits")
     keep = jnp.pad(keep, [(0, 0)] * (keep.ndim - 1) + [(0, pad)])
     if mask is not None:
         on = (jnp.asarray(mask) != 0)[..., None]

@@ -69,7 +69,8 @@ class CallGrammar:
             if c == ord('"'):
                 return ("colon", tool, used, key) if key in unused else None
             longer = key + chr(c)
-            return ("key", tool, used, longer) if any(k.startswith(longer) for k in unused) else None
+            known = any(k.startswith(longer) for k in unused)
+            return ("key", tool, used, longer) if known else None
         if kind == "colon":
             return ("space", *state[1:]) if c == ord(":") else None
         if kind == "space":

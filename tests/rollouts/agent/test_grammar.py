@@ -45,7 +45,8 @@ def random_call(rng: random.Random) -> ToolCall:
         if p.enum:
             args[p.name] = rng.choice(p.enum)
         elif p.type == "string":
-            args[p.name] = "".join(rng.choice('ab\n"\\/é\u2603 \t{}:,@') for _ in range(rng.randint(0, 9)))
+            chars = 'ab\n"\\/é\u2603 \t{}:,@'
+            args[p.name] = "".join(rng.choice(chars) for _ in range(rng.randint(0, 9)))
         elif p.type == "integer":
             args[p.name] = rng.choice([0, 7, -3, 120, rng.randint(-10**6, 10**6)])
         else:
@@ -140,8 +141,8 @@ def test_the_builtin_schemas_are_what_the_grammar_reads():
     # a tool whose parameters are all optional may stop after its name, one with any
     # required may not; json.dumps of its arguments opens with '{"'
     for tool in TOOLS:
-        allowed = GRAMMAR.off_grammar(action(f"@{tool.name}", stop=False) + [ord("?")], TOK.stop_ids,
-                                      TOK.vocab_size)
+        tokens = action(f"@{tool.name}", stop=False) + [ord("?")]
+        allowed = GRAMMAR.off_grammar(tokens, TOK.stop_ids, TOK.vocab_size)
         last = allowed[-1]
         assert last[TOK.eos_id] == all(not p.required for p in tool.params), tool.name
         assert last[ord(" ")] == bool(tool.params), tool.name
