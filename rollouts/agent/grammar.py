@@ -30,6 +30,12 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _DIGITS = frozenset(b"0123456789")
 
 
+def _extend(prefix: str, c: int, words) -> str | None:
+    """`prefix` and byte `c`, if that still begins one of `words`; else None."""
+    longer = prefix + chr(c)
+    return longer if any(w.startswith(longer) for w in words) else None
+
+
 class CallGrammar:
     """The automaton over bytes for the compact calls of `tools`."""
 
@@ -56,8 +62,8 @@ class CallGrammar:
             name = state[1]
             if c == ord(" ") and name in self.params and self.params[name]:
                 return ("open", name)
-            longer = name + chr(c)
-            return ("name", longer) if any(t.startswith(longer) for t in self.params) else None
+            longer = _extend(name, c, self.params)
+            return ("name", longer) if longer is not None else None
         if kind == "open":
             return ("key?", state[1], frozenset()) if c == ord("{") else None
         if kind == "key?":
@@ -68,9 +74,8 @@ class CallGrammar:
             unused = [k for k in self.params[tool] if k not in used]
             if c == ord('"'):
                 return ("colon", tool, used, key) if key in unused else None
-            longer = key + chr(c)
-            known = any(k.startswith(longer) for k in unused)
-            return ("key", tool, used, longer) if known else None
+            longer = _extend(key, c, unused)
+            return ("key", tool, used, longer) if longer is not None else None
         if kind == "colon":
             return ("space", *state[1:]) if c == ord(":") else None
         if kind == "space":
@@ -85,14 +90,12 @@ class CallGrammar:
             values = self.params[tool][key].enum
             if c == ord('"'):
                 return ("after", tool, used) if text in values else None
-            longer = text + chr(c)
-            return ("enum", tool, used, key, longer) if any(
-                v.startswith(longer) for v in values) else None
+            longer = _extend(text, c, values)
+            return ("enum", tool, used, key, longer) if longer is not None else None
         if kind == "int":
             tool, used, digits = state[1:]
-            if c in _DIGITS and digits != "0":
-                return ("int", tool, used, "1" if digits == "-" and c != ord("0") else
-                        ("0" if digits == "-" else digits))
+            if c in _DIGITS and digits != "0":  # "0": a leading zero ends the digits
+                return ("int", tool, used, "0" if digits == "-" and c == ord("0") else "1")
             return None if digits == "-" else self.step(("after", tool, used), c)
         if kind == "literal":
             tool, used, rest = state[1:]
