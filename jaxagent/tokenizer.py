@@ -1,4 +1,5 @@
-"""Tokenizers: HF `tokenizers` for real checkpoints, bytes for the tiny default model.
+"""Tokenizers: HF `tokenizers` for real checkpoints, bytes for the tiny default model, and a
+byte-level BPE trained on a run's own texts (`train_bpe`) for a tiny model that reads fewer tokens.
 
 Both expose `encode`, `decode`, `bos_id`, `eos_id`, `pad_id`, `stop_ids`, `vocab_size` and
 `apply_chat_template(messages)`.
@@ -14,6 +15,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 
 class Tokenizer(Protocol):
@@ -67,6 +69,56 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+# ByteTokenizer.apply_chat_template as Jinja (trim_blocks drops a newline after a tag, so the
+# newlines that belong to the text are written as expressions)
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ '\\n' }}{{ m['content'] }}"
+                      "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                      "{{ '\\n' }}{% endif %}")
+
+
+def _byte_symbols() -> list[str]:
+    """The character byte-level BPE writes for each byte 0..255 (GPT-2's table: printable
+    bytes as themselves, the rest shifted past 255)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
+
+
+def train_bpe(texts, vocab_size: int, directory: str | Path) -> HFTokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenizer: merges stay inside words, numbers and runs of
+    punctuation) of at most `vocab_size` ids laid out as the byte tokenizer's, then merges:
+    ids 0..255 the bytes, 256 / 257 / 258 `<bos>` `<eos>` `<pad>` (`ModelConfig`'s defaults),
+    then the merges learnt from `texts`. Written to `directory` (tokenizer.json,
+    tokenizer_config.json with the byte tokenizer's chat format) and loaded from there. Any
+    text encodes; BOS is not added, as with the byte tokenizer."""
+    specials = ["<bos>", "<eos>", "<pad>"]
+    if vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(f"vocab_size {vocab_size}: a byte-level BPE needs at least "
+                         f"{ByteTokenizer.vocab_size} ids (256 bytes and 3 specials)")
+    learnt = _HFTokenizer(models.BPE())
+    learnt.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    learnt.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trained = json.loads(learnt.to_str())["model"]
+    merged = sorted((i, t) for t, i in trained["vocab"].items() if len(t) > 1 and t not in specials)
+    order = [*_byte_symbols(), *specials, *(t for _, t in merged)]
+    bpe = _HFTokenizer(models.BPE({t: i for i, t in enumerate(order)},
+                                  [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+                                   for m in trained["merges"]]))
+    bpe.add_special_tokens(specials)
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+         "add_bos_token": False, "chat_template": BYTE_CHAT_TEMPLATE}, indent=1))
+    return HFTokenizer(directory)
 
 
 def _token_content(token) -> str | None:

@@ -91,6 +91,11 @@ class ModelConfig:
     # HF architecture written on export.
     family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen3"
     vocab_size: int = 264  # 256 bytes + specials, padded to a multiple of 8
+    # A model at random init reads bytes, or a byte-level BPE of at most vocab_size ids learnt
+    # at the run's start from its own texts (`jaxagent.train.sft.fit_tokenizer`; ~3 bytes a
+    # token on the embedded agent family) and kept in workdir/tokenizer. A checkpoint
+    # (init_from) brings its own tokenizer.
+    tokenizer: Literal["bytes", "bpe"] = "bytes"
     hidden_size: int = 128
     intermediate_size: int = 384
     num_layers: int = 2

@@ -230,6 +230,12 @@ def validate(cfg: Config) -> Config:
          "agent.feedback_max_examples", "must be >= 1 with agent.feedback_beta > 0"),
         (cfg.agent.feedback_teacher != "grammar" or cfg.agent.call_format == "compact",
          "agent.feedback_teacher", "grammar reads calls in agent.call_format: compact"),
+        (cfg.model.tokenizer == "bytes" or cfg.init_from is None, "model.tokenizer",
+         "bpe is learnt for a model at random init; a checkpoint (init_from) brings its own "
+         "tokenizer"),
+        (cfg.model.tokenizer == "bytes" or cfg.model.vocab_size >= ByteTokenizer.vocab_size,
+         "model.vocab_size", f"must be >= {ByteTokenizer.vocab_size} (the bytes and 3 specials) "
+         "for model.tokenizer: bpe"),
     ]
     for ok, key, message in checks:
         if not ok:
@@ -291,7 +297,7 @@ def sampling_layout(cfg: Config) -> Layout:
 def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,
                              layout: Layout | None = None, *, sampling: bool = False):
     """The HF checkpoint (with its tokenizer) if one is given, else `cfg.model` at random init
-    with the byte tokenizer. A PEFT directory loads its base under its adapters; with
+    with its tokenizer (`model_tokenizer`). A PEFT directory loads its base under its adapters; with
     `model.lora.rank` set, any other model gets fresh adapters. With `layout` every weight is
     laid out by the rules on its mesh (the trainer's; with `sampling` the sampler's): a
     checkpoint's weights are read straight onto it, each device its own shards."""
@@ -299,7 +305,8 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,
     mesh = None if layout is None else layout.sampler_mesh if sampling else layout.mesh
     if checkpoint is None:
         on_mesh = None if mesh is None else (lambda weights: shardings(weights, mesh, layout.rules))
-        model, tokenizer = init_model(cfg.model, seed=cfg.seed, shardings=on_mesh), ByteTokenizer()
+        model, tokenizer = (init_model(cfg.model, seed=cfg.seed, shardings=on_mesh),
+                            model_tokenizer(cfg))
     else:
         model, tokenizer = _load_checkpoint(cfg, checkpoint,
                                             {} if mesh is None else {"mesh": mesh,
@@ -310,6 +317,27 @@ def load_model_and_tokenizer(cfg: Config, checkpoint: str | None = None,
     # checkpoint's weights are where they belong already (placing them moves nothing).
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, place(state, mesh, layout.rules)), tokenizer
+
+
+def tokenizer_dir(cfg: Config) -> Path:
+    """Where a run's learnt tokenizer lives (model.tokenizer: bpe)."""
+    return Path(cfg.workdir) / "tokenizer"
+
+
+def model_tokenizer(cfg: Config) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of `cfg.model` at random init: bytes, or the run's learnt BPE (written by
+    `jaxagent.train.sft.fit_tokenizer` at the run's start)."""
+    if cfg.model.tokenizer == "bytes":
+        return ByteTokenizer()
+    folder = tokenizer_dir(cfg)
+    if not (folder / "tokenizer.json").exists():
+        raise ConfigError(f"model.tokenizer: bpe, but {folder} holds no tokenizer.json: the run "
+                          "that learns it (jaxagent train or sft) has not started in this workdir")
+    tokenizer = HFTokenizer(folder)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size}, but {folder}'s tokenizer "
+                          f"has {tokenizer.vocab_size} ids")
+    return tokenizer
 
 
 def _load_checkpoint(cfg: Config, checkpoint: str, on_mesh: dict):

@@ -132,7 +132,9 @@ def load_policy(cfg: Config, checkpoint: str | None, layout: Layout, overrides=(
     onto the trainer's."""
     path = Path(checkpoint) if checkpoint else None
     if path is not None and (path / "checkpoints").is_dir():
-        run_cfg = load_config(path / "config.yaml", overrides)
+        # the run's own workdir wherever it now lies (a learnt tokenizer is read from it)
+        run_cfg = dataclasses.replace(load_config(path / "config.yaml", overrides),
+                                      workdir=str(path))
         model, tokenizer = load_model_and_tokenizer(run_cfg, layout=layout, sampling=True)
         graphdef, weights = nnx.split(model)
         params, frozen = split_trainable(weights)  # with LoRA the run saved its adapters

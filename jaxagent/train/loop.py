@@ -52,7 +52,7 @@ from jaxagent.train.build import (call_grammar, load_model_and_tokenizer, logits
                                   make_scorer, resolve_attention, rl_layout, run_tasks,
                                   task_pool, task_stream, validate)
 from jaxagent.train.evaluate import agent_held_out, held_out_pass_at_k
-from jaxagent.train.sft import sft, warmup_log
+from jaxagent.train.sft import fit_tokenizer, sft, warmup_log
 from jaxagent.train.sync import SamplerWeights
 from jaxagent.workdir import check_resume_config, workdir_lock
 from rollouts.agent.feedback import HINTS, correction_examples, grammar_examples, turn_examples
@@ -99,9 +99,10 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
     workdir, t = Path(cfg.workdir), cfg.train
     check_resume_config(cfg, workdir)
     save_config(cfg, workdir / "config.yaml")
+    train_tasks, eval_tasks = run_tasks(cfg)
+    fit_tokenizer(cfg, train_tasks, report=console.print)  # model.tokenizer: bpe
     model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
     learner, state = Learner.create(cfg, model, tokenizer, layout)
-    train_tasks, eval_tasks = run_tasks(cfg)
     # the pool that retires solved tasks (tasks.pool), fed each batch's outcomes below
     pool = task_pool(cfg, train_tasks) if task_iter is None else None
     task_iter = task_stream(cfg, train_tasks, pool) if task_iter is None else task_iter

@@ -22,7 +22,7 @@ from jaxagent.models.lora import dropout_key
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import (answer_accuracy, greedy_misses, merged_model, pack, pack_documents,
                             sft_step)
-from jaxagent.tokenizer import HFTokenizer
+from jaxagent.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 from jaxagent.train.build import (
     base_checkpoint,
     demo_edit_tool,
@@ -33,6 +33,7 @@ from jaxagent.train.build import (
     make_scorer,
     resolve_attention,
     run_tasks,
+    tokenizer_dir,
     tool_env_factory,
     validate,
 )
@@ -325,6 +326,39 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
             return list(pool.map(play, tasks, scripts))
 
 
+# training tasks whose texts the run's BPE learns from: ~100k bytes of demonstrations, past which
+# the merges a vocabulary of ~1k ids holds no longer change much
+TOKENIZER_CORPUS = 64
+
+
+def fit_tokenizer(cfg: Config, tasks: list[Task], progress=None, report=print) -> None:
+    """With `model.tokenizer: bpe` at random init, learn the run's tokenizer (`train_bpe` of
+    `model.vocab_size` ids) from the first `TOKENIZER_CORPUS` training tasks' texts (with
+    `sft.data: agent` their scripted demonstrations played in bytes, else each prompt and
+    reference) into `tokenizer_dir`, unless this workdir holds one already (a resumed run keeps
+    its ids). Process 0 learns it, and `report`s its size and bytes a token on its corpus; the
+    others wait for it."""
+    folder = tokenizer_dir(cfg)
+    if cfg.model.tokenizer != "bpe" or cfg.init_from is not None:
+        return
+    if is_leader() and not (folder / "tokenizer.json").exists():
+        corpus = tasks[:TOKENIZER_CORPUS]
+        if cfg.sft.data == "agent":
+            raw = ByteTokenizer()
+            texts = [raw.decode(t.tokens) for t, _, _ in
+                     _agent_demonstrations(cfg, raw, corpus, progress, recovery=False)]
+        else:
+            texts = [t.prompt + t.metadata.get("reference", "") for t in corpus]
+        partial = folder.with_name(folder.name + ".partial")  # a kill leaves no half tokenizer
+        bpe = train_bpe(texts, cfg.model.vocab_size, partial)
+        partial.replace(folder)
+        ratio = sum(len(x.encode()) for x in texts) / sum(len(bpe.encode(x)) for x in texts)
+        report(f"model.tokenizer: a BPE of {bpe.vocab_size} ids from {len(texts)} texts "
+               f"({ratio:.2f} bytes a token on them) -> {folder}")
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("tokenizer learnt")
+
+
 def recovers(cfg: Config, tasks: list[Task]) -> list[bool]:
     """Which tasks' demonstrations play a wrong first attempt (`sft.recovery` of them): each
     drawn from the run's seed and the task's id, so a resumed or replayed run draws the same,
@@ -346,11 +380,12 @@ def run_sft(cfg: Config) -> Path:
     layout.check_batch(cfg.sft.batch_size, "sft.batch_size")
     if cfg.sft.copy_steps:
         layout.check_batch(cfg.sft.copy_batch_size, "sft.copy_batch_size")
-    model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
-    graphdef, weights = layout.split(model)
-    params, frozen = split_trainable(weights)
     train_tasks, _ = run_tasks(cfg)  # an agent config's repository tasks, or single ones
     with make_progress() as progress, warmup_log(cfg.workdir) as log:
+        fit_tokenizer(cfg, train_tasks, progress)
+        model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
+        graphdef, weights = layout.split(model)
+        params, frozen = split_trainable(weights)
         params, metrics = sft(cfg, graphdef, params, tokenizer, train_tasks, layout, progress,
                               chunk=logits_chunk(cfg, model), frozen=frozen, log=log)
     # every process joins (one array at a time, into host memory); only process 0 writes

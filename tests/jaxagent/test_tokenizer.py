@@ -1,10 +1,11 @@
 import json
 
+import numpy as np
 import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from jaxagent.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from jaxagent.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -164,3 +165,30 @@ def test_llama3_task_and_agent_prompts_start_with_bos_once(llama3_dir):
         text = fmt().prompt(tok, "add two numbers", [])
         ids = tok.encode(text, add_bos=tok.add_bos)  # as ToolEnvironment.reset encodes it
         assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1, name
+
+
+def test_train_bpe_extends_the_byte_tokenizer(tmp_path):
+    """Learnt merges on top of the byte tokenizer's ids: bytes 0..255 and the specials keep
+    their ids (ModelConfig's defaults), any text round-trips, the chat format is the byte
+    tokenizer's, and the corpus' words encode in fewer tokens than bytes."""
+    rng = np.random.default_rng(7)
+    words = ["@run_tests", "replace_line", "app/core.py", "AssertionError", "passed", "failed"]
+    corpus = [" ".join(rng.choice(words, 40)) + f" {int(rng.integers(100))}\n" for _ in range(60)]
+    tok = train_bpe(corpus, 333, tmp_path)
+    byte = ByteTokenizer()
+    assert 259 < tok.vocab_size <= 333
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.stop_ids) == (256, 257, 258, (257,))
+    assert not tok.add_bos and HFTokenizer(tmp_path).encode("x y") == tok.encode("x y")
+    # a character the corpus never held is its UTF-8 bytes, with the byte tokenizer's ids
+    assert all(tok.encode(chr(c)) == byte.encode(chr(c)) for c in range(0x800))
+    text = "".join(chr(int(c)) for c in rng.integers(1, 0x3000, 500)) + " \n\t ☃ app/core.py"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode(text) + [tok.eos_id]) == text  # specials skipped
+    held_out = " ".join(rng.choice(words, 200))
+    assert len(tok.encode(held_out)) < len(held_out.encode()) / 4
+    messages = [{"role": "system", "content": "tools:\nx"}, {"role": "user", "content": "fix"}]
+    for generation in (True, False):
+        assert tok.apply_chat_template(messages, add_generation_prompt=generation) == \
+            byte.apply_chat_template(messages, add_generation_prompt=generation)
+    with pytest.raises(ValueError, match="vocab_size 258: .* at least 259"):
+        train_bpe(corpus, 258, tmp_path / "small")

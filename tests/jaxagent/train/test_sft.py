@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from jaxagent.config import ConfigError, load_config
-from jaxagent.tokenizer import ByteTokenizer
-from jaxagent.train.build import tool_env_factory
-from jaxagent.train.sft import (_agent_demonstrations, _sft_data, call_exactness, recovers,
-                                validation_rows)
+from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
+from jaxagent.train.build import model_tokenizer, tool_env_factory, validate
+from jaxagent.train.sft import (_agent_demonstrations, _sft_data, call_exactness, fit_tokenizer,
+                                recovers, validation_rows)
 from rollouts.agent.demos import demonstrate, scripted_calls
 from rollouts.agent.formats import make_format
 from rollouts.rewards import Scorer
+from rollouts.tasks import synthetic_tasks
 from rollouts.tasks.agent_family import agent_family_tasks, whole
 
 TOK = ByteTokenizer()
@@ -201,3 +202,49 @@ def test_the_warm_up_stops_at_the_first_validation_that_reaches_valid_stop(monke
     assert metrics["sft/steps"] == 6 and metrics["sft/valid_exact/episode"] == 0.5
     assert all(0 < row["sft/loss"] < 10 for _, row in logged)
     assert not np.array_equal(jax.tree.leaves(params)[0], before)
+
+
+def test_fit_tokenizer_learns_a_bpe_from_byte_demonstrations_once(tmp_path):
+    """model.tokenizer: bpe: the run's BPE is learnt from its demonstrations played in bytes,
+    loads as the model's tokenizer, plays the same episodes (the same text, ~3x fewer tokens),
+    and is kept, not relearnt, when the run starts again."""
+    cfg = _cfg("model.tokenizer=bpe", "model.vocab_size=640", f"workdir={tmp_path}")
+    tasks = agent_family_tasks(6, seed=3, names="fixed")
+    with pytest.raises(ConfigError, match="model.tokenizer: bpe, but .* no tokenizer.json"):
+        model_tokenizer(cfg)
+    reports = []
+    fit_tokenizer(cfg, tasks, report=reports.append)
+    assert len(reports) == 1 and "bytes a token" in reports[0]
+    tok = model_tokenizer(cfg)
+    assert isinstance(tok, HFTokenizer) and 259 < tok.vocab_size <= 640
+    learnt = (tmp_path / "tokenizer" / "tokenizer.json").stat().st_mtime_ns
+    fit_tokenizer(cfg, tasks, report=reports.append)  # a restart keeps the ids it trained with
+    assert len(reports) == 1
+    assert (tmp_path / "tokenizer" / "tokenizer.json").stat().st_mtime_ns == learnt
+    in_bytes = _agent_demonstrations(cfg, TOK, tasks[:2])
+    in_bpe = _agent_demonstrations(cfg, tok, tasks[:2])
+    for (b, calls_b, _), (t, calls_t, _) in zip(in_bytes, in_bpe, strict=True):
+        assert calls_b == calls_t and TOK.decode(b.tokens) == tok.decode(t.tokens)
+        assert len(t.tokens) < len(b.tokens) / 2.5
+        assert TOK.decode([x for x, m in zip(b.tokens, b.policy_mask) if m]) == tok.decode(
+            [x for x, m in zip(t.tokens, t.policy_mask) if m])  # the same actions
+    with pytest.raises(ConfigError, match="model.vocab_size: 300, but .* has"):
+        model_tokenizer(_cfg("model.tokenizer=bpe", "model.vocab_size=300", f"workdir={tmp_path}"))
+
+
+def test_fit_tokenizer_without_demonstrations_reads_prompts_and_references(tmp_path):
+    cfg = load_config("configs/default.yaml", ["model.tokenizer=bpe", "model.vocab_size=400",
+                                               f"workdir={tmp_path}"])
+    tasks = synthetic_tasks(40, seed=1)
+    fit_tokenizer(cfg, tasks, report=lambda _: None)
+    tok = model_tokenizer(cfg)
+    text = tasks[0].prompt + tasks[0].metadata["reference"]
+    assert tok.decode(tok.encode(text)) == text and len(tok.encode(text)) < len(text) / 2
+    fit_tokenizer(_cfg(), tasks, report=pytest.fail)  # bytes: nothing to learn
+
+
+def test_bpe_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="model.tokenizer: bpe is learnt for a model at random"):
+        validate(_cfg("model.tokenizer=bpe", "init_from=/some/checkpoint"))
+    with pytest.raises(ConfigError, match="model.vocab_size: must be >= 259"):
+        validate(_cfg("model.tokenizer=bpe", "model.vocab_size=200"))
