@@ -55,12 +55,16 @@ VARIANTS = {
 def train(config: str, workdir: Path, seed: int, overrides: list[str],
           warmup: Path | None = None) -> float:
     """Minutes of wall clock for one `jaxagent train` (those recorded, when it finished before).
-    With `warmup` (a post-warm-up checkpoint, step 0), the run resumes from a copy of it."""
+    With `warmup` (a post-warm-up checkpoint, step 0), the run resumes from a copy of it (and of
+    its run's learnt tokenizer, if any)."""
     done = workdir / "done"
     if done.exists():
         return float(done.read_text())
     if warmup is not None and not (workdir / "checkpoints" / "0").exists():
         shutil.copytree(warmup, workdir / "checkpoints" / "0")
+        learnt = warmup.parent.parent / "tokenizer"  # model.tokenizer: bpe reads its ids there
+        if learnt.is_dir():
+            shutil.copytree(learnt, workdir / "tokenizer")
     t0 = time.perf_counter()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(workdir.parent / f"{workdir.name}.log", "w") as log:

@@ -68,19 +68,28 @@ class TrainBatch:
         return self.advantages.ndim == 2
 
 
+def padded_length(n: int, bucket: int) -> int:
+    """`n` rounded up to a multiple of `bucket`, and past 4 buckets to one of 4 lengths per
+    doubling (at most ~1/4 padding): each new length is a compile of the update, and RL
+    batches' longest rows wander from step to step."""
+    steps = -(-n // bucket)
+    grain = max(1, 2 ** (steps.bit_length() - 3))
+    return -(-steps // grain) * grain * bucket
+
+
 def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
          sampler_logprobs: Sequence[Sequence[float]] | None = None,
          advantages: Sequence[float] | None = None, *, bucket: int = 32,
          completion_masks: Sequence[Sequence[int]] | None = None) -> TrainBatch:
-    """Right-pad `prompt + completion` rows into a TrainBatch (lengths rounded to `bucket`).
+    """Right-pad `prompt + completion` rows into a TrainBatch (lengths rounded by
+    `padded_length`).
 
     `completion_masks` (optional, per completion token) marks which completion tokens the
     policy generated; tool outputs appended by an environment carry 0.
     """
     n = len(prompts)
     # Inputs drop the last token of the longest row, so T = round_up(max length - 1).
-    length = max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1
-    t = -(-length // bucket) * bucket
+    t = padded_length(max(len(p) + len(c) for p, c in zip(prompts, completions)) - 1, bucket)
     tokens = np.zeros((n, t + 1), np.int32)
     mask = np.zeros((n, t + 1), np.float32)
     behaviour = np.zeros((n, t + 1), np.float32)

@@ -102,6 +102,9 @@ class SFTConfig:
     # stop the warm-up (before `steps`) at the first validation where this share of the
     # validation demonstrations is exact throughout (0: never); `sft/steps` says when it stopped
     valid_stop: float = 0.0
+    # the share valid_stop reads: of all the validation demonstrations ("episode"), or the
+    # least among the task templates' ("template": every template begun, whatever the others)
+    valid_stop_by: Literal["episode", "template"] = "episode"
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                     shown = (f" exact {exact['sft/valid_exact/episode']:.2f}" if exact else "")
                     progress.update(task_bar, advance=1, info=f"{stage} loss "
                                     f"{float(metrics['sft/loss']):.3f}{shown}".lstrip())
-                if measured and s.valid_stop and exact["sft/valid_exact/episode"] >= s.valid_stop:
+                if measured and s.valid_stop and stop_share(exact, s.valid_stop_by) >= s.valid_stop:
                     break  # the copy the calls need has formed (see SFTConfig.valid_stop)
             if not stage and valid is not None:
                 exact = {**exact, "sft/steps": step - copy_steps}
@@ -125,6 +125,14 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                                                               frozen)
     return params, {k: float(v) for k, v in
                     {**metrics, **copy_metrics, **accuracy, **exact}.items()}
+
+
+def stop_share(exact: dict[str, float], by: str) -> float:
+    """The validation's share `sft.valid_stop` reads (`sft.valid_stop_by`): of the exact
+    demonstrations, or the least of the templates' shares."""
+    if by == "episode":
+        return exact["sft/valid_exact/episode"]
+    return min(v for k, v in exact.items() if k.startswith("sft/valid_exact/episode/"))
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from jaxagent.config import ConfigError, load_config
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
 from jaxagent.train.build import model_tokenizer, tool_env_factory, validate
 from jaxagent.train.sft import (_agent_demonstrations, _sft_data, call_exactness, fit_tokenizer,
-                                recovers, validation_rows)
+                                recovers, stop_share, validation_rows)
 from rollouts.agent.demos import demonstrate, scripted_calls
 from rollouts.agent.formats import make_format
 from rollouts.rewards import Scorer
@@ -202,6 +202,15 @@ def test_the_warm_up_stops_at_the_first_validation_that_reaches_valid_stop(monke
     assert metrics["sft/steps"] == 6 and metrics["sft/valid_exact/episode"] == 0.5
     assert all(0 < row["sft/loss"] < 10 for _, row in logged)
     assert not np.array_equal(jax.tree.leaves(params)[0], before)
+
+
+def test_valid_stop_by_template_reads_the_least_template():
+    exact = {"sft/valid_exact/episode": 0.5, "sft/valid_exact/read_file": 0.95,
+             "sft/valid_exact/episode/exception": 0.9, "sft/valid_exact/episode/keyed": 0.1}
+    assert stop_share(exact, "episode") == 0.5 and stop_share(exact, "template") == 0.1
+    assert _cfg("sft.valid_stop_by=template").sft.valid_stop_by == "template"
+    with pytest.raises(ConfigError, match="sft.valid_stop_by"):
+        _cfg("sft.valid_stop_by=tool")
 
 
 def test_fit_tokenizer_learns_a_bpe_from_byte_demonstrations_once(tmp_path):
