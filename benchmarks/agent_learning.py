@@ -65,11 +65,16 @@ def train(config: str, workdir: Path, seed: int, overrides: list[str],
         learnt = warmup.parent.parent / "tokenizer"  # model.tokenizer: bpe reads its ids there
         if learnt.is_dir():
             shutil.copytree(learnt, workdir / "tokenizer")
+    from jaxagent.config import load_config
+
+    cfg = load_config(config, [f"seed={seed}", *overrides])
+    # every checkpoint kept: the one-turn evaluations read the first and the last
+    keep = f"checkpoint.keep={cfg.train.steps // max(cfg.checkpoint.every, 1) + 2}"
     t0 = time.perf_counter()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(workdir.parent / f"{workdir.name}.log", "w") as log:
         subprocess.run([sys.executable, "-m", "jaxagent.cli", "train", "--config", config,
-                        f"seed={seed}", f"workdir={workdir}", *overrides],
+                        f"seed={seed}", f"workdir={workdir}", *overrides, keep],
                        check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
     minutes = (time.perf_counter() - t0) / 60
     done.write_text(f"{minutes:.2f}")
@@ -106,11 +111,16 @@ def one_turn_pass(workdir: Path, step: int) -> float:
     return scores["eval/pass@1"]
 
 
-def summarize(workdir: Path, minutes: float) -> dict:
+def summarize(workdir: Path, minutes: float, warmup: Path | None = None) -> dict:
+    """One run's row; a run resumed from `warmup` (a checkpoint at step 0) takes its step-0
+    evaluation from the warm-up's run, as its RL starts from that very checkpoint."""
     from jaxagent.metrics import read_metrics
 
     rows = read_metrics(workdir / "metrics.jsonl")
     evals = [r for r in rows if "eval/pass@1" in r]
+    if warmup is not None and evals[0]["step"] != 0:
+        evals = [next(r for r in read_metrics(warmup.parent.parent / "metrics.jsonl")
+                      if "eval/pass@1" in r and r["step"] == 0), *evals]
     steps = [r for r in rows if "train/loss" in r]
     first, last = evals[0], evals[-1]
     k = max(1, len(steps) // 5)  # bad calls: the first and last fifth of the steps
@@ -158,7 +168,7 @@ def main() -> None:
             workdir.mkdir(parents=True, exist_ok=True)
             minutes = train(a.config, workdir, seed, [*VARIANTS[variant], *a.overrides],
                             a.warmup)
-            row = summarize(workdir, minutes)
+            row = summarize(workdir, minutes, a.warmup)
             results.append(row)
             print(f"{variant:<13} {seed:>4} " + " ".join(f"{row[c]:>17.3f}" for c in cols),
                   flush=True)

@@ -18,6 +18,7 @@ from jaxagent.steps import (
     feedback_term,
     greedy_misses,
     pack,
+    padded_length,
     pack_documents,
     pack_budget,
     pack_feedback,
@@ -811,3 +812,16 @@ def test_micro_batches_weigh_token_means_by_their_tokens():
     runs = [rl_step(graphdef, tx, copy(params), tx.init(params), batch, options=options,
                     micro_batch=m) for m in (0, 2)]
     assert_same_step(*runs, params)
+
+
+def test_padded_lengths_are_few_and_pad_at_most_a_quarter():
+    """RL rows' longest episode wanders from step to step, and each new padded length is a
+    compile of the update: past 4 buckets there are 4 lengths a doubling."""
+    lengths = [padded_length(n, 32) for n in range(1, 4097)]
+    assert lengths[:128] == [32 * -(-n // 32) for n in range(1, 129)]  # up to 4 buckets
+    assert all(n <= t < n + max(32, n / 4) for n, t in zip(range(1, 4097), lengths))
+    for lo in (256, 512, 1024, 2048):
+        assert len(set(lengths[lo:2 * lo])) == 4  # (lo, 2 lo]
+    assert padded_length(40, 40) == 40  # one bucket as long as the rows: exact
+    batch = pack([[1] * 300], [[2] * 300], bucket=32)  # inputs: 599 tokens
+    assert batch.tokens.shape == (1, padded_length(599, 32)) == (1, 640)
