@@ -512,7 +512,8 @@ def call_grammar(cfg: Config, tokenizer) -> CallGrammar | None:
         return None
     if not isinstance(tokenizer, ByteTokenizer):
         raise ConfigError("agent.feedback_teacher: grammar reads calls byte by byte, so it needs "
-                          "the byte tokenizer (a model without init_from); use hint or script")
+                          "the byte tokenizer (model.tokenizer: bytes, no init_from); use hint or "
+                          "script")
     return CallGrammar(agent_tools(cfg))
 
 

@@ -465,8 +465,8 @@ def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
     np.testing.assert_array_equal(np.asarray(fb.mask).sum(-1), [3, 2, 0, 0])
 
 
-def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte():
-    from jaxagent.tokenizer import ByteTokenizer
+def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte(tmp_path):
+    from jaxagent.tokenizer import ByteTokenizer, train_bpe
     from jaxagent.models import init_model
     from jaxagent.steps import feedback_term
     from jaxagent.train.build import agent_tools, call_grammar, validate
@@ -476,7 +476,9 @@ def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte():
     tok = ByteTokenizer()
     cfg = load_config("configs/agent_default.yaml", ["agent.feedback_beta=0.1",
                                                      "agent.feedback_detectors=[bad_tool_call]",
-                                                     "agent.feedback_teacher=grammar"])
+                                                     "agent.feedback_teacher=grammar",
+                                                     "model.tokenizer=bytes",
+                                                     "model.vocab_size=264"])
     grammar = call_grammar(cfg, tok)
     assert sorted(grammar.params) == sorted(t.name for t in agent_tools(cfg))
     prompt = tok.encode("<|assistant|>\n")
@@ -510,6 +512,9 @@ def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte():
     assert 0 < float(feedback_term(model, fb, beta=1.0)) < 20
     with pytest.raises(ConfigError, match="agent.feedback_teacher: grammar reads calls in"):
         validate(apply_overrides(cfg, ["agent.call_format=hermes"]))
+    with pytest.raises(ConfigError, match="grammar reads calls byte by byte.*model.tokenizer: "
+                                          "bytes"):
+        call_grammar(cfg, train_bpe(['@read_file {"path": "app/core.py"}'], 300, tmp_path))
 
 
 @pytest.mark.slow
