@@ -3,6 +3,7 @@ completions (`evaluate`), or tool episodes for agent configs (`evaluate_agent`).
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import closing
 from pathlib import Path
 
