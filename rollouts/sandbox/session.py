@@ -2,9 +2,10 @@
 
 Files persist between tool calls; every command runs under the solution's rlimits and
 confinement (guest/limited.py), with a wall timeout and an output cap, the work dir bound
-read-write at /work, and nothing it started outlives it: bwrap runs each in a fresh one-shot
-sandbox (the same read-only root, namespaces, private /tmp and cgroup slot as a single run);
-docker runs each as a `docker exec` in one container per session (SessionContainer: no
+read-write at /work, and nothing it started outlives it: bwrap runs each as a fork of the
+session's command server (CommandServer: one sandbox per session with the read-only root,
+namespaces, private /tmp and cgroup slot of a single run; each command's leftovers killed and
+/tmp emptied after it; pytest imported once, so a test run is a fork); docker runs each as a `docker exec` in one container per session (SessionContainer: no
 network, read-only root, memory and pids caps, no capabilities; each command's leftovers
 killed and /tmp emptied after it) or, with containers="command", as a `docker run --rm` of
 its own. The host reads and writes files of the work dir directly, but only regular files
@@ -30,6 +31,8 @@ import weakref
 from pathlib import Path, PurePosixPath
 from typing import Self
 
+from rollouts.sandbox.cgroups import Cgroup
+from rollouts.sandbox.guest import wire
 from rollouts.sandbox.guest.confine import own
 from rollouts.sandbox.guest.session_container import CLEANED
 from rollouts.sandbox.launchers import (
@@ -39,6 +42,7 @@ from rollouts.sandbox.launchers import (
     SANDBOX_PYLIB,
     SESSION_WORKDIR,
     BwrapLauncher,
+    PipeChannel,
     ProcessLauncher,
     SandboxUnavailable,
     base_python,
@@ -237,6 +241,69 @@ def _remove_container(name: str, lifeline: int) -> None:
     os.close(lifeline)
 
 
+class CommandServer:
+    """A bwrap session's one sandbox (guest/command_server.py): each command a fork of a server
+    that imported pytest once, so a test run costs its collection and tests, not a sandbox's and
+    an interpreter's start and pytest's import (0.22 -> ~0.06 s on a 2-core VM, docs/agent.md).
+    Started with the session, so its start overlaps what the host does before the first command;
+    started afresh after a command that left it unclean, killed it, or outlived its grace."""
+
+    _START_S = 30.0  # bwrap and an interpreter importing pytest, on a loaded machine
+    _GRACE_S = 5.0  # beyond a command's timeout, for the server's cleanup and reply
+
+    def __init__(self, argv: list[str], limits: dict, cgroup: Cgroup | None):
+        self.argv, self.limits, self.cgroup = argv, limits, cgroup
+        self.channel: PipeChannel | None = None
+        self.ready = False
+        self._start()
+
+    def _start(self) -> None:
+        self.channel = PipeChannel(self.argv, stderr=subprocess.DEVNULL)
+        self.channel.send({"limits": self.limits, "pylib": [SANDBOX_PYLIB]})
+        self.ready = False
+
+    def run(self, argv: list[str], *, pytest: bool, timeout_s: float,
+            output_bytes: int) -> dict | None:
+        """The server's reply (see guest/command_server.py), or None when it died or stuck.
+        A server found dead before the command reached it is replaced once."""
+        request = {"argv": argv, "pytest": pytest, "timeout_s": timeout_s,
+                   "output_bytes": output_bytes}
+        for _ in range(2):
+            try:
+                self._ready()
+                self.channel.send(request)
+                break
+            except (TimeoutError, OSError, wire.FrameError):  # nothing of the command ran
+                self.stop()
+        else:
+            return None
+        try:
+            reply = self.channel.recv(timeout_s + self._GRACE_S)
+        except (TimeoutError, OSError, wire.FrameError):
+            reply = None
+        if reply is None or not reply["clean"]:
+            self.stop()
+        return reply
+
+    def _ready(self) -> None:
+        if self.channel is not None and not self.channel.alive():  # died between commands
+            self.stop()
+        if self.channel is None:
+            self._start()
+        if not self.ready:
+            hello = self.channel.recv(self._START_S)
+            if not (isinstance(hello, dict) and hello.get("ready")):
+                raise BrokenPipeError(f"the session's command server did not start ({hello!r})")
+            self.ready = True
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.cgroup:
+            self.cgroup.kill_all()
+
+
 def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
     """`proc`'s exit code, or None after `timeout` s: woken by the exit itself (a pidfd), where
     Popen.wait(timeout) polls and oversleeps by up to 50 ms."""
@@ -317,6 +384,7 @@ class Session:
         for rel, content in files.items():
             self.write_text(rel, content)
         self.container = None
+        self.server = self._command_server() if backend == "bwrap" else None
         if backend == "docker" and containers == "session":
             try:
                 self.container = SessionContainer(
@@ -390,9 +458,26 @@ class Session:
         )
 
     # ---- commands (sandboxed) ----
-    def _argv(self, command: list[str]) -> tuple[list[str], dict | None, str | None]:
+    def _command_server(self) -> CommandServer:
+        binds = {path: f"{_TOOLS_DIR}/{name}" for name, path in self.tools.items()}
+        py = base_python()
+        env = {
+            "PATH": f"{_TOOLS_DIR}:{os.path.dirname(py)}:/usr/bin:/bin",
+            "PYTHONPATH": SANDBOX_PYLIB,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "GIT_CONFIG_NOSYSTEM": "1",
+        }
+        server = [py, *_PYTHON_FLAGS, "/harness/command_server.py"]
+        argv = self.launcher.wrap(server, binds=binds, workdir=str(self.root), env=env)
+        argv = in_cgroup(argv, self.cgroup) if self.cgroup else argv
+        return CommandServer(argv, json.loads(_limits_json(self.limits, self.uid)), self.cgroup)
+
+    def _own(self) -> None:
         if self.uid is not None and self.uid != os.geteuid():  # root: files the host wrote
             own(str(self.root), self.uid)
+
+    def _argv(self, command: list[str]) -> tuple[list[str], dict | None, str | None]:
+        """docker's and the process backend's argv of one command (bwrap: `self.server`)."""
         if self.container is not None:
             return self.container.exec_argv(command), None, None
         if self.backend == "docker":
@@ -401,19 +486,6 @@ class Session:
                                workdir=str(self.root), limits=self.limits, tools=self.tools,
                                uid=self.uid)
             return argv, None, None
-        limits = _limits_json(self.limits, self.uid)
-        if self.backend == "bwrap":
-            py = base_python()
-            binds = {path: f"{_TOOLS_DIR}/{name}" for name, path in self.tools.items()}
-            env = {
-                "PATH": f"{_TOOLS_DIR}:{os.path.dirname(py)}:/usr/bin:/bin",
-                "PYTHONPATH": SANDBOX_PYLIB,
-                "PYTHONDONTWRITEBYTECODE": "1",
-                "GIT_CONFIG_NOSYSTEM": "1",
-            }
-            inner = [py, *_PYTHON_FLAGS, "/harness/limited.py", limits, *command]
-            argv = self.launcher.wrap(inner, binds=binds, workdir=str(self.root), env=env)
-            return (in_cgroup(argv, self.cgroup) if self.cgroup else argv), None, None
         tool_dirs = [os.path.dirname(p) for p in self.tools.values()]
         pylib = sorted({os.path.dirname(p) for p in pytest_paths().values()})
         env = {
@@ -424,30 +496,34 @@ class Session:
             "LANG": "C.UTF-8",
         }
         limited = str(GUEST_DIR / "limited.py")
+        limits = _limits_json(self.limits, self.uid)
         return [base_python(), *_PYTHON_FLAGS, limited, limits, *command], env, str(self.root)
 
     def exec(self, command: str | list[str], timeout_s: float | None = None) -> ExecResult:
         """Run `command` (a shell string, or an argv) in the work dir, sandboxed."""
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        full, env, cwd = self._argv(argv)
+        return self._exec(argv, timeout_s, pytest=False)
+
+    def run_pytest(
+        self, args: list[str], timeout_s: float | None = None
+    ) -> tuple[ExecResult, dict[str, tuple[str, str]]]:
+        """`python -m pytest ARGS` in the work dir, with each test's outcome (bwrap: run in a
+        fork of the session's command server, which imported pytest already)."""
+        args = [*args, *PYTEST_FLAGS]
+        if self.server is not None:
+            result = self._exec(args, timeout_s, pytest=True)
+        else:
+            result = self._exec(["python", "-m", "pytest", *args], timeout_s, pytest=False)
+        return result, pytest_outcomes(result.output)
+
+    def _exec(self, argv: list[str], timeout_s: float | None, pytest: bool) -> ExecResult:
         timeout = min(timeout_s or self.limits.wall_s, self.limits.wall_s)
+        self._own()
         start = time.monotonic()
-        # a session container's exec reports on stderr (SessionContainer.finish)
-        with tempfile.TemporaryFile(dir=self._tmp) as out, tempfile.TemporaryFile(dir=self._tmp) as err:  # fmt: skip
-            proc = subprocess.Popen(
-                full, stdin=subprocess.DEVNULL, stdout=out, env=env, cwd=cwd,
-                stderr=err if self.container is not None else subprocess.STDOUT,
-                start_new_session=True,
-            )
-            code = _wait(proc, timeout)
-            timed_out = code is None
-            self._kill(proc)
-            if self.container is not None:
-                err.seek(0)
-                out.write(self.container.finish(err.read()))
-            size = out.seek(0, os.SEEK_END)
-            out.seek(0)
-            data = out.read(self.limits.output_bytes)
+        if self.server is not None:
+            code, timed_out, data, size = self._serve(argv, pytest, timeout)
+        else:
+            code, timed_out, data, size = self._run(argv, timeout)
         return ExecResult(
             exit_code=code,
             output=data.decode("utf-8", "replace"),
@@ -457,12 +533,35 @@ class Session:
             over_quota=self.disk_bytes() > self.limits.tmpfs_mb << 20,
         )
 
-    def run_pytest(
-        self, args: list[str], timeout_s: float | None = None
-    ) -> tuple[ExecResult, dict[str, tuple[str, str]]]:
-        """`python -m pytest ARGS` in the work dir, with each test's outcome."""
-        result = self.exec(["python", "-m", "pytest", *args, *PYTEST_FLAGS], timeout_s)
-        return result, pytest_outcomes(result.output)
+    def _serve(self, argv: list[str], pytest: bool, timeout: float) -> tuple[int | None, bool, bytes, int]:  # fmt: skip
+        start = time.monotonic()
+        reply = self.server.run(argv, pytest=pytest, timeout_s=timeout,
+                                output_bytes=self.limits.output_bytes)
+        if reply is None:  # the command took the server down (or stuck it): a fresh one next
+            why = b"sandbox: the session's command server stopped answering; restarted\n"
+            return None, time.monotonic() - start >= timeout, why, len(why)
+        data = reply["output"].encode("latin-1")
+        return reply["exit_code"], reply["timed_out"], data, reply["output_bytes"]
+
+    def _run(self, argv: list[str], timeout: float) -> tuple[int | None, bool, bytes, int]:
+        """A process of its own per command: docker's, the process backend's."""
+        full, env, cwd = self._argv(argv)
+        # a session container's exec reports on stderr (SessionContainer.finish)
+        with tempfile.TemporaryFile(dir=self._tmp) as out, tempfile.TemporaryFile(dir=self._tmp) as err:  # fmt: skip
+            proc = subprocess.Popen(
+                full, stdin=subprocess.DEVNULL, stdout=out, env=env, cwd=cwd,
+                stderr=err if self.container is not None else subprocess.STDOUT,
+                start_new_session=True,
+            )
+            code = _wait(proc, timeout)
+            self._kill(proc)
+            if self.container is not None:
+                err.seek(0)
+                out.write(self.container.finish(err.read()))
+            size = out.seek(0, os.SEEK_END)
+            out.seek(0)
+            data = out.read(self.limits.output_bytes)
+        return code, code is None, data, size
 
     def _kill(self, proc: subprocess.Popen) -> None:
         """Nothing a command starts outlives it (bwrap's pid namespace dies with it; a docker
@@ -472,8 +571,6 @@ class Session:
         except ProcessLookupError:
             pass
         proc.wait()
-        if self.cgroup:
-            self.cgroup.kill_all()
         if self._container is not None:
             _docker_rm(self._container)
             self._container = None
@@ -486,6 +583,8 @@ class Session:
     def close(self) -> None:
         if self.container is not None:
             self.container.close()
+        if self.server is not None:
+            self.server.stop()
         if self.cgroup:
             self.cgroup.kill_all()
             self.cgroup.remove()

@@ -48,10 +48,11 @@ def _processes() -> dict[int, tuple[int, list[str]]]:
 
 
 def leftover_processes() -> list[str]:
-    """Our descendants other than sandbox plumbing (sh/bwrap) and idle zygotes.
+    """Our descendants other than sandbox plumbing (sh/bwrap), idle zygotes and idle session
+    command servers.
 
-    A grader or solution is a fork of a zygote (same argv, zygote parent); anything
-    a solution exec'd has another argv. Either one alive between runs is a leak.
+    A grader, solution or command is a fork of a zygote or server (same argv, its parent);
+    anything a solution exec'd has another argv. Either one alive between runs is a leak.
     """
     procs = _processes()
     children: dict[int, list[int]] = {}
@@ -61,7 +62,7 @@ def leftover_processes() -> list[str]:
 
     def is_zygote(argv: list[str]) -> bool:
         return os.path.basename(argv[0]) != "bwrap" and any(
-            a.endswith("zygote.py") for a in argv
+            a.endswith(("zygote.py", "command_server.py")) for a in argv
         )
 
     while todo:

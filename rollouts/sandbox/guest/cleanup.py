@@ -1,12 +1,16 @@
-"""What the sandboxes' long-lived processes (the zygote, a docker session's container) use to
-leave nothing of a run behind. Stdlib only: it runs inside the sandbox."""
+"""What the sandboxes' long-lived processes (the zygote, a bwrap session's command server, a
+docker session's container) use to leave nothing of a run behind. Stdlib only: it runs inside the sandbox."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import shutil
+import signal
 import sys
+import time
+
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def reap() -> None:
@@ -18,6 +22,48 @@ def reap() -> None:
             return
         if not pid:
             return
+
+
+def become_subreaper() -> None:
+    """Orphans (daemonised grandchildren) reparent to us, so `kill_descendants` finds them."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_descendants() -> bool:
+    """SIGKILL everything below us until nothing is left; False if it would not die."""
+    me = os.getpid()
+    for _ in range(200):
+        reap()  # zombies need no kill, and reaping them first saves a sleep
+        pids = _descendants(me)
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.001)
+    return False
 
 
 _IPC_RMID = 0

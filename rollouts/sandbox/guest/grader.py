@@ -118,6 +118,7 @@ def _become_solution(
     os.close(_STATUS_FD)
     confine.set_limits(spec["limits"])
     if spec["mode"] == "pytest" and spec["grading"] == "isolated":
+        _forget_pylib(spec["pylib"])
         runner.serve_objects(sock)
     elif spec["mode"] == "pytest":
         runner.run_pytest(sock, spec["pytest_args"], spec["pylib"])
@@ -577,6 +578,15 @@ def _pytest_verdict(spec: dict, tally: _Tally, exit_code: list) -> dict:
         message = f"pytest exited with status {exit_code}"
     return {"status": "passed" if ok else "failed", "tests_passed": passed,
             "tests_total": len(graded) + len(unimported), "message": message}  # fmt: skip
+
+
+def _forget_pylib(pylib: list[str]) -> None:
+    """An isolated solution's process has no pytest (its tests run in the grader): drop the
+    modules the zygote imported from `pylib`, which is not on the solution's sys.path."""
+    roots = tuple(os.path.join(p, "") for p in pylib)
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(roots):
+            del sys.modules[name]
 
 
 def _solution_modules(spec: dict) -> set[str]:

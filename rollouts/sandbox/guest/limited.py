@@ -15,13 +15,18 @@ import sys
 from confine import confine, set_limits
 
 
+def restrict(limits: dict) -> None:
+    """Confine this process (as limits["solution_uid"], unless None) and apply `limits`."""
+    if limits.get("solution_uid") is not None:
+        confine(limits["solution_uid"])
+    set_limits(limits)
+
+
 def run(limits: dict, argv: list[str]) -> None:
     """Confine this process, apply `limits` and become `argv`."""
     if not argv:
         raise SystemExit("limited.py: no command given")
-    if limits.get("solution_uid") is not None:
-        confine(limits["solution_uid"])
-    set_limits(limits)
+    restrict(limits)
     os.execvp(argv[0], argv)
 
 

@@ -39,7 +39,6 @@ from rollouts.tasks.agent_family import (
     whole,
 )
 from rollouts.tools import ToolContext
-from rollouts.environment import Trajectory
 from rollouts.tools.builtin import replace_line
 
 TOK = ByteTokenizer()

@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 
 from rollouts.sandbox import Limits, SandboxUnavailable
-from rollouts.sandbox.session import Session, SessionError, docker_argv, pytest_outcomes
+from rollouts.sandbox.session import (
+    PYTEST_FLAGS,
+    Session,
+    SessionError,
+    docker_argv,
+    pytest_outcomes,
+)
 
 # (backend, docker's containers): a container per session (the default) or per command
 MODES = {"bwrap": ("bwrap", "session"), "docker": ("docker", "session"),
@@ -81,6 +87,34 @@ def test_pytest_runs_in_the_session_with_per_test_outcomes(session):
         "tests/test_b.py::test_x": "xfail", "tests/test_c.py": "skipped"}
 
 
+def test_a_test_run_in_the_command_server_is_a_fresh_pytest(session):
+    """bwrap runs pytest in a fork of the session's command server: the same outcomes, exit
+    status and failure text as `python -m pytest` in a process of its own; the repository's
+    modules come first, even where the harness has one of that name."""
+    session.write_text("wire.py", "VALUE = 7\n")
+    session.write_text("tests/test_w.py", "import wire\n\ndef test_w():\n    assert wire.VALUE == 7\n")
+    result, outcomes = session.run_pytest(["tests"])
+    fresh = session.exec(["python", "-m", "pytest", "tests", *PYTEST_FLAGS])
+    assert outcomes == pytest_outcomes(fresh.output) and len(outcomes) == 3
+    assert outcomes["tests/test_w.py::test_w"][0] == "passed"
+    assert result.exit_code == fresh.exit_code == 1
+    assert "assert 1 == 2" in result.output and "assert 1 == 2" in fresh.output
+    none, _ = session.run_pytest(["tests", "-k", "no_such_test"])
+    assert none.exit_code == 5  # pytest's "no tests collected"
+
+
+def test_a_dead_command_server_is_replaced(request):
+    with _session(request, "bwrap") as s:
+        assert s.exec("echo one").output == "one\n"
+        s.server.channel.proc.kill()  # bwrap; the server dies with it
+        s.server.channel.proc.wait()
+        deadline = time.monotonic() + 5
+        while s.cgroup is not None and s.cgroup.pids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.exec("echo two").output == "two\n"
+        assert s.run_pytest(["tests"])[1]["tests/test_a.py::test_f"][0] == "passed"
+
+
 def test_commands_are_isolated_limited_and_capped(session):
     net = session.exec("python -c \"import socket; socket.create_connection(('1.1.1.1', 53), 1)\"")
     assert net.exit_code != 0
@@ -98,9 +132,11 @@ def test_commands_are_isolated_limited_and_capped(session):
 
 
 def test_nothing_outlives_a_command(session, leftovers):
+    session.exec("true")
+    idle = session.cgroup.pids() if session.cgroup is not None else []  # bwrap's command server
     session.exec("(sleep 60 &) ; echo started")
     if session.cgroup is not None:
-        assert session.cgroup.pids() == []
+        assert session.cgroup.pids() == idle
     assert session.exec("sleep 30", timeout_s=0.5).timed_out
     # a command that kills what runs it (docker sessions: the wrapper that would clean up)
     session.exec("(sleep 60 &) ; kill -9 $PPID; sleep 1")
