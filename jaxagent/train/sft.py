@@ -7,6 +7,7 @@ import functools
 import json
 import operator
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
@@ -296,10 +297,10 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
 def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=None, *,
                           recovery: bool = True):
     """(trajectory, scripted calls, positions of the wrong calls): one scripted, graded episode
-    per task through the configured environment (turn budget raised to fit the ordinary
-    script), `rewards.workers` at a time; a demonstration that fails or is cut is a config
-    error. With `recovery`, `sft.recovery` of them (`recovers`) play `recovery_calls`, which
-    must fit `agent.max_turns`."""
+    per task through the configured environment (one a thread, its sandbox renewed for each
+    task; turn budget raised to fit the ordinary script), `rewards.workers` at a time; a
+    demonstration that fails or is cut is a config error. With `recovery`, `sft.recovery` of
+    them (`recovers`) play `recovery_calls`, which must fit `agent.max_turns`."""
     edit_tool = demo_edit_tool(cfg)
     scripts = [recovery_calls(task, edit_tool) if recover and recovery
                else (scripted_calls(task, edit_tool), [])
@@ -313,13 +314,13 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
         make_env = tool_env_factory(cfg, tokenizer, scorer, max_turns=max(
             cfg.agent.max_turns, *(len(c) for c, _ in scripts)))
         bar = progress.add_task("demos", total=len(tasks), info="") if progress else None
+        local, envs = threading.local(), []  # an environment a thread, its sandbox renewed
 
         def play(task: Task, script) -> tuple[Trajectory, list, list[int]]:
-            env = make_env()
-            try:
-                traj = demonstrate(env, task, script[0])
-            finally:
-                env.close()
+            if not hasattr(local, "env"):
+                local.env = make_env()
+                envs.append(local.env)
+            traj = demonstrate(local.env, task, script[0])
             if traj.info.get("truncated"):
                 raise ConfigError(f"sft.data: the agent demonstration of {task.id} was cut by "
                                   f"{traj.info['truncated_by']}; raise agent.max_context_tokens")
@@ -330,8 +331,12 @@ def _agent_demonstrations(cfg: Config, tokenizer, tasks: list[Task], progress=No
                 progress.update(bar, advance=1)
             return traj, *script
 
-        with ThreadPoolExecutor(max(1, cfg.rewards.workers)) as pool:
-            return list(pool.map(play, tasks, scripts))
+        try:
+            with ThreadPoolExecutor(max(1, cfg.rewards.workers)) as pool:
+                return list(pool.map(play, tasks, scripts))
+        finally:
+            for env in envs:
+                env.close()
 
 
 # training tasks whose texts the run's BPE learns from: ~100k bytes of demonstrations, past which
