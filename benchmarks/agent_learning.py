@@ -15,7 +15,8 @@ one table row per run and the medians:
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 --variant feedback_off \
         feedback_on feedback_script feedback_grammar --out runs/agent_learning   # targeted
         # feedback off, on (the policy reading a hint; the scripted teacher; the grammar teacher)
-    PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2 --variant bpe  # a learnt BPE
+    PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2 \
+        --config configs/agent_bpe.yaml --out runs/agent_bpe_learning  # a learnt BPE
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2 \
         --warmup runs/agent_default/checkpoints/0   # RL only, from one finished warm-up
 
@@ -50,12 +51,6 @@ VARIANTS = {
                         "agent.feedback_teacher=script"],
     "feedback_grammar": ["agent.feedback_detectors=[bad_tool_call]", "agent.feedback_beta=0.001",
                          "agent.feedback_teacher=grammar"],
-    # the tiny model on a BPE learnt from the run's texts (docs/agent.md, "A tokenizer learnt
-    # from the run's texts"): actions of ~35 tokens, 8-row micro-batches of ~500-token
-    # episodes, the warm-up stopped once every template is begun, 60 steps
-    "bpe": ["model=configs/model/tiny_bpe.yaml", "agent.max_action_tokens=48",
-            "train.micro_batch=8", "sft.valid_stop_by=template", "sft.valid_stop=0.1",
-            "train.steps=60", "eval.every=20", "checkpoint.every=20"],
 }
 
 

@@ -2,7 +2,8 @@
 
 A config is a tree of dataclasses whose defaults form the embedded tiny default run. YAML files
 in `configs/` override any subset of it; a nested section may also be given as the path of a
-YAML file (`model: model/tiny.yaml`, relative to the including file). Every value is checked
+YAML file (`model: model/tiny.yaml`, relative to the including file), and a file may start from
+another (`base: agent_default.yaml`) and change some of its keys. Every value is checked
 against the field's type, and every error names the key path and the file it came from.
 
 Each part owns the section it reads (`model`: jaxagent.models.config, `mesh`/`distributed`:
@@ -199,8 +200,21 @@ def _read_yaml(file: Path) -> dict:
     return data
 
 
-def _from_file(cls: type, file: Path, path: str = "", base: Any = None) -> Any:
-    return _build(cls, _read_yaml(file), path, str(file), file.parent, base=base)
+def _from_file(cls: type, file: Path, path: str = "", base: Any = None,
+               chain: tuple[Path, ...] = ()) -> Any:
+    """`cls` from `file`. A file may start from another (`base: agent_default.yaml`, relative to
+    it): that one's config, with this file's keys over it; a section given as a file replaces
+    the base's section, one given as keys merges into it."""
+    data = _read_yaml(file)
+    if "base" in data and "base" not in {f.name for f in dataclasses.fields(cls)}:
+        name = data.pop("base")
+        if not isinstance(name, str):
+            raise ConfigError(f"{file}: base: expected the path of a YAML config, got {name!r}")
+        parent = _resolve(name, file.parent, "base", str(file))
+        if parent.resolve() in chain or parent.resolve() == file.resolve():
+            raise ConfigError(f"{file}: base: {name!r} leads back to {file.name} (a cycle)")
+        base = _from_file(cls, parent, path, base, (*chain, file.resolve()))
+    return _build(cls, data, path, str(file), file.parent, base=base)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,12 +5,13 @@ confinement (guest/limited.py), with a wall timeout and an output cap, the work 
 read-write at /work, and nothing it started outlives it: bwrap runs each as a fork of the
 session's command server (CommandServer: one sandbox per session with the read-only root,
 namespaces, private /tmp and cgroup slot of a single run; each command's leftovers killed and
-/tmp emptied after it; pytest imported once, so a test run is a fork); docker runs each as a `docker exec` in one container per session (SessionContainer: no
-network, read-only root, memory and pids caps, no capabilities; each command's leftovers
-killed and /tmp emptied after it) or, with containers="command", as a `docker run --rm` of
-its own. The host reads and writes files of the work dir directly, but only regular files
-whose real path stays inside it (a command may leave symlinks or FIFOs behind). `close` kills
-what is left and removes the work dir.
+/tmp emptied after it; pytest imported once, so a test run is a fork); docker runs each as a
+`docker exec` in one container per session (SessionContainer: no network, read-only root,
+memory and pids caps, no capabilities; each command's leftovers killed and /tmp emptied after
+it) or, with containers="command", as a `docker run --rm` of its own. The host reads and
+writes files of the work dir directly, but only regular files whose real path stays inside it
+(a command may leave symlinks or FIFOs behind). `renew` refills the work dir for a new episode
+in the same sandbox; `close` kills what is left and removes the work dir.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def _remove_container(name: str, lifeline: int) -> None:
 class CommandServer:
     """A bwrap session's one sandbox (guest/command_server.py): each command a fork of a server
     that imported pytest once, so a test run costs its collection and tests, not a sandbox's and
-    an interpreter's start and pytest's import (0.22 -> ~0.06 s on a 2-core VM, docs/agent.md).
+    an interpreter's start and pytest's import (0.22 -> 0.08 s on a 2-core VM, docs/agent.md).
     Started with the session, so its start overlaps what the host does before the first command;
     started afresh after a command that left it unclean, killed it, or outlived its grace."""
 
@@ -577,8 +578,8 @@ class Session:
         return code, code is None, data, size
 
     def _kill(self, proc: subprocess.Popen) -> None:
-        """Nothing a command starts outlives it (bwrap's pid namespace dies with it; a docker
-        container is removed, or cleaned, which a killed `docker` client would not do)."""
+        """Nothing a command starts outlives it (a docker container is removed, or cleaned,
+        which a killed `docker` client would not do)."""
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -52,6 +52,49 @@ def test_included_section_is_relative_to_including_file(tmp_path):
     assert load_config(path).model.num_layers == 5
 
 
+def test_a_config_starts_from_its_base(tmp_path):
+    write(tmp_path, "b.yaml", "model:\n  num_layers: 3\n  num_heads: 6\nsampler:\n  top_k: 5\n"
+          "seed: 7\nworkdir: runs/b\n")
+    write(tmp_path, "sub/m.yaml", "num_layers: 5\n")
+    path = write(tmp_path, "sub/top.yaml", "base: ../b.yaml\nmodel: m.yaml\n"
+                 "sampler:\n  top_p: 0.8\nseed: 9\n")
+    cfg = load_config(path, ["sampler.top_k=11"])
+    # a section given as a file replaces the base's; one given as keys merges into it
+    assert cfg.model == load_config(None, [f"model={tmp_path / 'sub/m.yaml'}"]).model
+    assert (cfg.sampler.top_k, cfg.sampler.top_p, cfg.seed, cfg.workdir) == (11, 0.8, 9, "runs/b")
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, "a cycle"),
+    ({"a.yaml": "base: [b.yaml]\n"}, "base: expected the path"),
+    ({"a.yaml": "base: none.yaml\n"}, "config file 'none.yaml' not found"),
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "sede: 1\n"}, "b.yaml: sede: unknown key"),
+])
+def test_a_bad_base_is_named(tmp_path, files, message):
+    for name, text in files.items():
+        write(tmp_path, name, text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_the_bpe_agent_config_is_the_default_with_a_learnt_tokenizer():
+    """configs/agent_bpe.yaml changes agent_default.yaml where it says, and nowhere else."""
+    def leaves(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    bpe = dict(leaves(dataclasses.asdict(load_config("configs/agent_bpe.yaml"))))
+    default = dict(leaves(dataclasses.asdict(load_config("configs/agent_default.yaml"))))
+    model = dict(leaves(dataclasses.asdict(load_config(None, ["model=configs/model/tiny_bpe.yaml"]).model), "model."))
+    assert {k for k in bpe if bpe[k] != default[k]} == {k for k in model if model[k] != default[k]} | {
+        "agent.max_action_tokens", "sft.valid_stop_by", "sft.valid_stop", "train.steps",
+        "train.micro_batch", "checkpoint.every", "eval.every", "workdir"}
+    assert bpe["model.tokenizer"] == "bpe" and bpe["train.steps"] == 60
+
+
 def test_dotted_overrides_parse_yaml_scalars(tmp_path):
     cfg = load_config(None, ["model.num_layers=2", "workdir=/tmp/run", "model.qk_norm=false",
                              "sampler.top_k=null", "sampler.top_p=0.9", "model.rope_theta=5e5"])
