@@ -99,7 +99,7 @@ def run_one(request: dict, limits: dict) -> dict:
             break
     os.close(exited)
     clean = kill_descendants()  # the command too, on a timeout
-    while got := _relay(read_end, kept, request["output_bytes"]):  # every writer is dead now
+    while clean and (got := _relay(read_end, kept, request["output_bytes"])):  # no writer left
         total += got
     os.close(read_end)
     clean &= all(wipe(d) for d in ("/tmp", "/dev/shm") if os.path.isdir(d))
