@@ -88,10 +88,15 @@ def remove_sysv_ipc() -> None:
 
 
 def _unlock(func, path, _exc) -> None:
-    """rmtree error hook: the solution may have chmod-ed its files to 000."""
+    """rmtree error hook: the solution may have chmod-ed its files to 000. A directory that
+    could not be opened (func is os.open or os.scandir, which take more than a path) is
+    removed whole once it can be; anything else is removed again by `func`."""
     os.chmod(os.path.dirname(path), 0o700)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not os.path.islink(path):
         os.chmod(path, 0o700)
+        if func not in (os.rmdir, os.unlink, os.remove):
+            shutil.rmtree(path, **_RMTREE_HOOK)
+            return
     func(path)
 
 
