@@ -19,10 +19,15 @@ one table row per run and the medians:
         --config configs/agent_bpe.yaml --out runs/agent_bpe_learning  # a learnt BPE
     PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2 \
         --warmup runs/agent_default/checkpoints/0   # RL only, from one finished warm-up
+    PYTHONPATH=. python benchmarks/agent_learning.py --seeds 0 1 2 \
+        --config configs/agent_bpe.yaml --out runs/turns8 agent.max_turns=8 \
+        --warmup 'runs/agent_bpe_learning/base-{seed}/checkpoints/0'  # each seed's own
 
 A run that already finished in `--out` is read, not rerun (delete its folder to rerun).
 `--warmup` starts every run from the same post-warm-up checkpoint (the warm-up is most of a
-run's time, and its seed would otherwise differ between the runs compared).
+run's time, and its seed would otherwise differ between the runs compared), or with `{seed}` in
+it from each seed's own; such a run's step 0 is evaluated again under the run's own config, as
+its overrides may change what an episode is (`agent.max_turns`).
 """
 
 from __future__ import annotations
@@ -83,8 +88,9 @@ def train(config: str, workdir: Path, seed: int, overrides: list[str],
     return minutes
 
 
-def one_turn_pass(workdir: Path, step: int) -> float:
-    """Held-out pass@1 of the run's checkpoint at `step` with episodes cut to one turn."""
+def held_out_pass(workdir: Path, step: int, max_turns: int | None = None) -> float:
+    """Held-out pass@1 of the run's checkpoint at `step` under the run's config, or with
+    episodes cut to `max_turns` (1: the one-turn policy)."""
     from contextlib import closing
 
     from flax import nnx
@@ -97,7 +103,8 @@ def one_turn_pass(workdir: Path, step: int) -> float:
     from jaxagent.train.evaluate import evaluate_agent
 
     cfg = load_config(workdir / "config.yaml")
-    cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, max_turns=1))
+    if max_turns is not None:
+        cfg = dataclasses.replace(cfg, agent=dataclasses.replace(cfg.agent, max_turns=max_turns))
     model, tokenizer = load_model_and_tokenizer(cfg)
     graphdef, params = nnx.split(model)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
@@ -113,16 +120,15 @@ def one_turn_pass(workdir: Path, step: int) -> float:
     return scores["eval/pass@1"]
 
 
-def summarize(workdir: Path, minutes: float, warmup: Path | None = None) -> dict:
-    """One run's row; a run resumed from `warmup` (a checkpoint at step 0) takes its step-0
-    evaluation from the warm-up's run, as its RL starts from that very checkpoint."""
+def summarize(workdir: Path, minutes: float) -> dict:
+    """One run's row; a run resumed from a warm-up checkpoint (which logs no evaluation at
+    step 0) has that checkpoint evaluated here under the run's own config."""
     from jaxagent.metrics import read_metrics
 
     rows = read_metrics(workdir / "metrics.jsonl")
     evals = [r for r in rows if "eval/pass@1" in r]
-    if warmup is not None and evals[0]["step"] != 0:
-        evals = [next(r for r in read_metrics(warmup.parent.parent / "metrics.jsonl")
-                      if "eval/pass@1" in r and r["step"] == 0), *evals]
+    if evals[0]["step"] != 0:
+        evals = [{"step": 0, "eval/pass@1": held_out_pass(workdir, 0)}, *evals]
     steps = [r for r in rows if "train/loss" in r]
     first, last = evals[0], evals[-1]
     k = max(1, len(steps) // 5)  # bad calls: the first and last fifth of the steps
@@ -134,8 +140,8 @@ def summarize(workdir: Path, minutes: float, warmup: Path | None = None) -> dict
     return {
         "pass@1_warm": first["eval/pass@1"], "pass@1_rl": last["eval/pass@1"],
         "gain": last["eval/pass@1"] - first["eval/pass@1"],
-        "one_turn_warm": one_turn_pass(workdir, first["step"]),
-        "one_turn_rl": one_turn_pass(workdir, last["step"]),
+        "one_turn_warm": held_out_pass(workdir, first["step"], max_turns=1),
+        "one_turn_rl": held_out_pass(workdir, last["step"], max_turns=1),
         "tested_first_warm": first.get("eval/agent/solved_tested_first", float("nan")),
         "tested_first_rl": last.get("eval/agent/solved_tested_first", float("nan")),
         "bad_calls_first": bad(steps[:k]), "bad_calls_last": bad(steps[-k:]),
@@ -148,15 +154,17 @@ def main() -> None:
     p.add_argument("--config", default="configs/agent_default.yaml")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variant", choices=VARIANTS, nargs="+", default=["base"])
-    p.add_argument("--warmup", type=Path, help="a run's post-warm-up checkpoint "
-                   "(WORKDIR/checkpoints/0): every run starts RL from a copy of it")
+    p.add_argument("--warmup", help="a run's post-warm-up checkpoint (WORKDIR/checkpoints/0): "
+                   "every run starts RL from a copy of it; {seed} in it: each seed's own")
     p.add_argument("--out", type=Path, default=Path("runs/agent_learning"))
     p.add_argument("--jsonl", type=Path, help="append one JSON row per run here")
     p.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    if a.warmup is not None and not (a.warmup / "_CHECKPOINT_METADATA").exists():
-        p.error(f"--warmup {a.warmup}: not a checkpoint (no _CHECKPOINT_METADATA)")
+    warmups = {seed: Path(str(a.warmup).format(seed=seed)) for seed in a.seeds} if a.warmup else {}
+    for warmup in warmups.values():
+        if not (warmup / "_CHECKPOINT_METADATA").exists():
+            p.error(f"--warmup {warmup}: not a checkpoint (no _CHECKPOINT_METADATA)")
     print(f"# {platform.node()} {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, "
           f"{a.config} {' '.join(a.overrides)}")
     cols = ("pass@1_warm", "pass@1_rl", "gain", "one_turn_warm", "one_turn_rl",
@@ -169,8 +177,8 @@ def main() -> None:
             workdir = a.out / f"{variant}-{seed}"
             workdir.mkdir(parents=True, exist_ok=True)
             minutes = train(a.config, workdir, seed, [*VARIANTS[variant], *a.overrides],
-                            a.warmup)
-            row = summarize(workdir, minutes, a.warmup)
+                            warmups.get(seed))
+            row = summarize(workdir, minutes)
             results.append(row)
             print(f"{variant:<13} {seed:>4} " + " ".join(f"{row[c]:>17.3f}" for c in cols),
                   flush=True)
