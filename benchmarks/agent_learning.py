@@ -88,9 +88,10 @@ def train(config: str, workdir: Path, seed: int, overrides: list[str],
     return minutes
 
 
-def held_out_pass(workdir: Path, step: int, max_turns: int | None = None) -> float:
-    """Held-out pass@1 of the run's checkpoint at `step` under the run's config, or with
-    episodes cut to `max_turns` (1: the one-turn policy)."""
+def held_out(workdir: Path, step: int, max_turns: int | None = None) -> dict[str, float]:
+    """The held-out evaluation (`eval/pass@1`, `eval/agent/...`) of the run's checkpoint at
+    `step` under the run's config, or with episodes cut to `max_turns` (1: the one-turn
+    policy)."""
     from contextlib import closing
 
     from flax import nnx
@@ -117,7 +118,7 @@ def held_out_pass(workdir: Path, step: int, max_turns: int | None = None) -> flo
         scores, _ = evaluate_agent(cfg, sampler, tokenizer, scorer,
                                    load_agent_splits(cfg)[1], samples=cfg.eval.samples,
                                    ks=(1,), temperature=cfg.eval.temperature, seed=cfg.seed)
-    return scores["eval/pass@1"]
+    return scores
 
 
 def summarize(workdir: Path, minutes: float) -> dict:
@@ -128,7 +129,7 @@ def summarize(workdir: Path, minutes: float) -> dict:
     rows = read_metrics(workdir / "metrics.jsonl")
     evals = [r for r in rows if "eval/pass@1" in r]
     if evals[0]["step"] != 0:
-        evals = [{"step": 0, "eval/pass@1": held_out_pass(workdir, 0)}, *evals]
+        evals = [{"step": 0, **held_out(workdir, 0)}, *evals]
     steps = [r for r in rows if "train/loss" in r]
     first, last = evals[0], evals[-1]
     k = max(1, len(steps) // 5)  # bad calls: the first and last fifth of the steps
@@ -140,8 +141,8 @@ def summarize(workdir: Path, minutes: float) -> dict:
     return {
         "pass@1_warm": first["eval/pass@1"], "pass@1_rl": last["eval/pass@1"],
         "gain": last["eval/pass@1"] - first["eval/pass@1"],
-        "one_turn_warm": held_out_pass(workdir, first["step"], max_turns=1),
-        "one_turn_rl": held_out_pass(workdir, last["step"], max_turns=1),
+        "one_turn_warm": held_out(workdir, first["step"], max_turns=1)["eval/pass@1"],
+        "one_turn_rl": held_out(workdir, last["step"], max_turns=1)["eval/pass@1"],
         "tested_first_warm": first.get("eval/agent/solved_tested_first", float("nan")),
         "tested_first_rl": last.get("eval/agent/solved_tested_first", float("nan")),
         "bad_calls_first": bad(steps[:k]), "bad_calls_last": bad(steps[-k:]),
