@@ -146,9 +146,6 @@ def validate(cfg: Config) -> Config:
          "sft.valid_tasks and sft.valid_every must be >= 0"),
         (0 <= cfg.sft.valid_stop <= 1 and (not cfg.sft.valid_stop or cfg.sft.valid_tasks),
          "sft.valid_stop", "must be in [0, 1] and needs sft.valid_tasks (what it stops on)"),
-        (not cfg.sft.balance_templates or (cfg.sft.valid_tasks and cfg.sft.valid_every),
-         "sft.balance_templates", "needs sft.valid_tasks and sft.valid_every (the validation "
-         "whose templates it balances)"),
         (not cfg.sft.valid_tasks or (cfg.sft.data == "agent" and cfg.agent.tasks.startswith(
             "embedded:")), "sft.valid_tasks",
          "needs sft.data: agent over the embedded family (agent.tasks: embedded:N), which "

@@ -105,11 +105,6 @@ class SFTConfig:
     # the share valid_stop reads: of all the validation demonstrations ("episode"), or the
     # least among the task templates' ("template": every template begun, whatever the others)
     valid_stop_by: Literal["episode", "template"] = "episode"
-    # after each validation, draw each template's demonstrations in proportion to the share of
-    # its validation demonstrations not yet exact (at least a tenth: jaxagent.train.sft.
-    # template_draw), so a template whose copy lags gets the steps the formed ones no longer
-    # need; uniform before the first validation
-    balance_templates: bool = False
 
 
 @dataclass(frozen=True)

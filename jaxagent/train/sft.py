@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import json
@@ -79,8 +78,6 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
     # one optimizer (and learning-rate schedule) over the copy rows, then the demonstrations
     tx = make_optimizer(dataclasses.replace(cfg.optim, learning_rate=s.learning_rate),
                         copy_steps + s.steps)
-    families = [t.metadata.get("family", "") for t in tasks]
-    weights = None  # the demonstrations' draw probabilities once sft.balance_templates acts
     opt_state = layout.place(tx.init(params))
     rng = np.random.default_rng(cfg.seed)
     task_bar = (progress.add_task("sft", total=copy_steps + s.steps, info="")
@@ -100,8 +97,7 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
             for _ in range(steps):
                 # Every process draws the same global batch and keeps its own rows of it.
                 mine = operator.itemgetter(layout.local_rows(rows))
-                drawn = stage_draw(rng) if stage or weights is None else stage_draw(rng, weights)
-                batch = layout.batch(jax.tree.map(mine, drawn), key)
+                batch = layout.batch(jax.tree.map(mine, stage_draw(rng)), key)
                 params, opt_state, metrics = sft_step(
                     graphdef, tx, params, opt_state, batch, cfg.train.micro_batch, chunk, frozen,
                     dropout_key(cfg.model.lora, cfg.seed, 0, step))
@@ -121,8 +117,6 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                                     f"{float(metrics['sft/loss']):.3f}{shown}".lstrip())
                 if measured and s.valid_stop and stop_share(exact, s.valid_stop_by) >= s.valid_stop:
                     break  # the copy the calls need has formed (see SFTConfig.valid_stop)
-                if measured and s.balance_templates:
-                    weights = template_draw(exact, families)
             if not stage and valid is not None:
                 exact = {**exact, "sft/steps": step - copy_steps}
             if stage and steps:
@@ -140,18 +134,6 @@ def stop_share(exact: dict[str, float], by: str) -> float:
     if by == "episode":
         return exact["sft/valid_exact/episode"]
     return min(v for k, v in exact.items() if k.startswith("sft/valid_exact/episode/"))
-
-
-def template_draw(exact: dict[str, float], families: list[str],
-                  floor: float = 0.1) -> np.ndarray:
-    """Draw probabilities over the demonstrations (one a task; `families[i]` its template)
-    that give each template a share of the draws in proportion to the share of its validation
-    demonstrations not yet exact, at least `floor` of it so a formed copy is still rehearsed
-    (`sft.balance_templates`); a template the validation lacks counts as not begun."""
-    lag = {f: max(1.0 - exact.get(f"sft/valid_exact/episode/{f}", 0.0), floor) for f in families}
-    count = collections.Counter(families)
-    p = np.array([lag[f] / count[f] for f in families])
-    return p / p.sum()
 
 
 @contextmanager
@@ -260,12 +242,8 @@ def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):
                 weights = [w if m else s.observation_weight for w, m in zip(weights, acted)]
             return traj, weights[1:]
 
-        def draw(rng, p=None):
-            """A packed batch of `sft.batch_size` demonstrations, drawn uniformly or by the
-            probabilities `p` (one a demonstration: `template_draw`)."""
-            picks = (rng.integers(0, len(demos), s.batch_size) if p is None
-                     else rng.choice(len(demos), s.batch_size, p=p))
-            rows = [demo(i, rng) for i in picks]
+        def draw(rng):
+            rows = [demo(i, rng) for i in rng.integers(0, len(demos), s.batch_size)]
             # the first token (BOS) is never a target: the rest is weighed by `demo`
             return pack([t.tokens[:1] for t, _ in rows], [t.tokens[1:] for t, _ in rows],
                         bucket=length, completion_masks=[w for _, w in rows])

@@ -13,7 +13,7 @@ from jaxagent.config import ConfigError, load_config
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
 from jaxagent.train.build import model_tokenizer, tool_env_factory, validate
 from jaxagent.train.sft import (_agent_demonstrations, _sft_data, call_exactness, fit_tokenizer,
-                                recovers, stop_share, template_draw, validation_rows)
+                                recovers, stop_share, validation_rows)
 from rollouts.agent.demos import demonstrate, scripted_calls
 from rollouts.agent.formats import make_format
 from rollouts.rewards import Scorer
@@ -211,50 +211,6 @@ def test_valid_stop_by_template_reads_the_least_template():
     assert _cfg("sft.valid_stop_by=template").sft.valid_stop_by == "template"
     with pytest.raises(ConfigError, match="sft.valid_stop_by"):
         _cfg("sft.valid_stop_by=tool")
-
-
-def test_template_draw_gives_each_template_a_share_by_its_lag():
-    families = ["keyed", "keyed", "keyed", "edge", "exception"]
-    exact = {"sft/valid_exact/episode": 0.5, "sft/valid_exact/episode/keyed": 0.4,
-             "sft/valid_exact/episode/edge": 1.0}  # no validation row of `exception`
-    p = template_draw(exact, families)
-    # lags 0.6, 0.1 (the floor, not 0), 1.0, split evenly among each template's tasks
-    np.testing.assert_allclose(p, np.array([0.2, 0.2, 0.2, 0.1, 1.0]) / 1.7)
-    np.testing.assert_allclose(template_draw(exact, families, floor=0.0)[3], 0.0)
-
-
-def test_balance_templates_draws_by_the_last_validation(monkeypatch):
-    """`sft.balance_templates`: uniform draws until the first validation, then draws by its
-    templates' lag (here one template exact, the other not: its demonstrations get ~10/11)."""
-    from jaxagent.models import init_model
-    from jaxagent.models.adapters import split_trainable
-    from jaxagent.train import sft as sft_module
-    from sharding.layout import Layout
-
-    tasks = agent_family_tasks(6, seed=3, names="fixed", templates=["constant", "edge_case"])
-    families = [t.metadata["family"] for t in tasks]
-    monkeypatch.setattr(sft_module, "_agent_validation", lambda *a: lambda params: {
-        "sft/valid_exact/episode": 0.5, "sft/valid_exact/episode/constant": 1.0,
-        "sft/valid_exact/episode/edge_case": 0.0})
-    real, seen = sft_module._sft_data, []
-
-    def recording(*args):
-        draw, held_out, copies = real(*args)
-        return (lambda rng, p=None: seen.append(p) or draw(rng, p)), held_out, copies
-
-    monkeypatch.setattr(sft_module, "_sft_data", recording)
-    cfg = _cfg("sft.steps=4", "sft.batch_size=4", "sft.valid_tasks=2", "sft.valid_every=2",
-               "sft.balance_templates=true", "sft.valid_stop=0", "sft.redraw_facts=false",
-               "model.num_layers=1")
-    layout = Layout(cfg.mesh, cfg.sampler.mesh)
-    graphdef, weights = layout.split(init_model(cfg.model, seed=0))
-    sft_module.sft(cfg, graphdef, split_trainable(weights)[0], TOK, tasks, layout)
-    assert seen[:2] == [None, None] and len(seen) == 4
-    edge = sum(p for p, f in zip(seen[2], families) if f == "edge_case")
-    np.testing.assert_allclose(edge, 1.0 / 1.1)
-    assert seen[3] is seen[2] or np.array_equal(seen[3], seen[2])
-    with pytest.raises(ConfigError, match="sft.balance_templates"):
-        validate(_cfg("sft.balance_templates=true", "sft.valid_every=0"))
 
 
 def test_fit_tokenizer_learns_a_bpe_from_byte_demonstrations_once(tmp_path):
