@@ -26,8 +26,8 @@ one table row per run and the medians:
 A run that already finished in `--out` is read, not rerun (delete its folder to rerun).
 `--warmup` starts every run from the same post-warm-up checkpoint (the warm-up is most of a
 run's time, and its seed would otherwise differ between the runs compared), or with `{seed}` in
-it from each seed's own; such a run's step 0 is evaluated again under the run's own config, as
-its overrides may change what an episode is (`agent.max_turns`).
+it from each seed's own. Either way the resumed run's step 0 is evaluated again under the run's
+own config, as its overrides may change what an episode is (`agent.max_turns`).
 """
 
 from __future__ import annotations
