@@ -34,6 +34,9 @@ class Tokenizer(Protocol):
     @property
     def stop_ids(self) -> tuple[int, ...]: ...
 
+    # the bytes each id writes, None for a special token (the call grammar reads actions so)
+    def token_bytes(self) -> list[bytes | None]: ...
+
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str: ...
 
 
@@ -65,6 +68,10 @@ class ByteTokenizer:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return (self.eos_id,)
+
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes each id writes (None: a special token)."""
+        return [bytes([i]) for i in range(256)] + [None] * (self.vocab_size - 256)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
@@ -192,6 +199,20 @@ class HFTokenizer:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self._stop_ids
+
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes each id writes (None: an added or special token), for a byte-level BPE
+        (GPT-2's, Llama 3's, Qwen's, `train_bpe`'s); a tokenizer whose pieces are not byte
+        strings (SentencePiece's "▁" pieces) raises ValueError."""
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            raise ValueError(f"{self.path / 'tokenizer.json'}: not a byte-level BPE (decoder "
+                             f"{type(self._tok.decoder).__name__}), so its ids have no byte "
+                             "strings")
+        byte_of = {ch: b for b, ch in enumerate(_byte_symbols())}
+        added = {int(i) for i in self._tok.get_added_tokens_decoder()}
+        pieces = [self._tok.id_to_token(i) for i in range(self.vocab_size)]
+        return [None if i in added or piece is None else bytes(byte_of[ch] for ch in piece)
+                for i, piece in enumerate(pieces)]
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             **kwargs) -> str:

@@ -510,11 +510,12 @@ def call_grammar(cfg: Config, tokenizer) -> CallGrammar | None:
     """The grammar teacher's automaton over the run's tools (None for the other teachers)."""
     if not (cfg.agent.feedback_beta and cfg.agent.feedback_teacher == "grammar"):
         return None
-    if not isinstance(tokenizer, ByteTokenizer):
-        raise ConfigError("agent.feedback_teacher: grammar reads calls byte by byte, so it needs "
-                          "the byte tokenizer (model.tokenizer: bytes, no init_from); use hint or "
-                          "script")
-    return CallGrammar(agent_tools(cfg))
+    try:
+        token_bytes = tokenizer.token_bytes()
+    except ValueError as e:
+        raise ConfigError(f"agent.feedback_teacher: grammar reads calls byte by byte and {e}; "
+                          "use hint or script") from None
+    return CallGrammar(agent_tools(cfg), token_bytes)
 
 
 def agent_tools(cfg: Config) -> list:

@@ -1,5 +1,5 @@
-"""The compact call format as a byte automaton: which next bytes keep an action a well-formed
-call of one of the episode's tools.
+"""The compact call format as a byte automaton: which next tokens keep an action a well-formed
+call of one of the episode's tools (a token is allowed where every byte it writes is).
 
 A well-formed action is what the demonstrations write, `CompactFormat.render_call` then the
 stop token: `@name` (a tool whose parameters are all optional), or `@name {"key": value, ...}`
@@ -10,8 +10,9 @@ integer or a boolean). Every action the automaton accepts parses to a call that
 
 The grammar teacher of targeted feedback (`agent.feedback_teacher: grammar`) uses it at a
 flagged turn: at each of the turn's bytes up to the first one the automaton refuses, the
-teacher is the policy itself restricted to the bytes allowed there (`jaxagent.rl.feedback.
-allowed_kl`), so the correction lowers only the mass on bytes that break the call.
+teacher is the policy itself restricted to the tokens allowed there (`jaxagent.rl.feedback.
+allowed_kl`), so the correction lowers only the mass on tokens that break the call. Under a
+byte-level BPE a token such as `_line` after `@read` is refused whole.
 
 States are small tuples (hashable), so each state's allowed set is computed once.
 """
@@ -42,10 +43,14 @@ class CallGrammar:
     START = ("start",)
     DONE = ("done",)
 
-    def __init__(self, tools: Sequence[Tool]):
+    def __init__(self, tools: Sequence[Tool], token_bytes: Sequence[bytes | None] | None = None):
+        """`token_bytes[i]`: the bytes token i writes, None for a special token (a
+        tokenizer's `token_bytes()`); by default the byte tokenizer's ids 0..255."""
         self.params = {t.name: {p.name: p for p in t.params} for t in tools}
         self.required = {t.name: frozenset(p.name for p in t.params if p.required) for t in tools}
-        self.allowed_bytes = cache(self._allowed_bytes)
+        self.token_bytes = (list(token_bytes) if token_bytes is not None
+                            else [bytes([b]) for b in range(256)])
+        self.allowed_tokens = cache(self._allowed_tokens)
 
     def accepts(self, state) -> bool:
         """Whether the call may end here (the stop token is allowed)."""
@@ -140,19 +145,27 @@ class CallGrammar:
             return ("str", tool, used, "\\")
         return None if c < 0x20 else state
 
-    def _allowed_bytes(self, state) -> frozenset[int]:
-        return frozenset(c for c in range(256) if self.step(state, c) is not None)
+    def walk(self, state, data: bytes):
+        """The state after the bytes `data`, or None where one of them breaks the call."""
+        for c in data:
+            state = self.step(state, c)
+            if state is None:
+                return None
+        return state
+
+    def _allowed_tokens(self, state) -> list[int]:
+        return [i for i, data in enumerate(self.token_bytes)
+                if data and self.walk(state, data) is not None]
 
     def off_grammar(self, action: Sequence[int], stop_ids: Sequence[int], vocab_size: int):
-        """For an action of byte tokens (ids 0..255 are bytes, as `ByteTokenizer`'s): the
-        allowed tokens [n, vocab_size] (bool) at its first n tokens, where token n-1 is the
-        first the automaton refuses (a byte that breaks the call, a stop before the call is
-        complete, a special token); None when it refuses none (a well-formed call, or a
-        well-formed start cut short)."""
+        """For an action of token ids: the allowed tokens [n, vocab_size] (bool) at its first
+        n tokens, where token n-1 is the first the automaton refuses (one with a byte that
+        breaks the call, a stop before the call is complete, a special token); None when it
+        refuses none (a well-formed call, or a well-formed start cut short)."""
         state, rows = self.START, []
         for token in action:
             row = np.zeros(vocab_size, bool)
-            row[list(self.allowed_bytes(state))] = True
+            row[[i for i in self.allowed_tokens(state) if i < vocab_size]] = True
             if self.accepts(state):
                 row[list(stop_ids)] = True
             rows.append(row)
@@ -160,5 +173,5 @@ class CallGrammar:
                 return np.stack(rows)
             if token in stop_ids:
                 return None  # the call is complete
-            state = self.step(state, token)
+            state = self.walk(state, self.token_bytes[token])
         return None

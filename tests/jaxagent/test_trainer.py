@@ -466,7 +466,7 @@ def test_feedback_batch_holds_the_flagged_turns_with_their_hints():
 
 
 def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte(tmp_path):
-    from jaxagent.tokenizer import ByteTokenizer, train_bpe
+    from jaxagent.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
     from jaxagent.models import init_model
     from jaxagent.steps import feedback_term
     from jaxagent.train.build import agent_tools, call_grammar, validate
@@ -512,9 +512,17 @@ def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte(tm
     assert 0 < float(feedback_term(model, fb, beta=1.0)) < 20
     with pytest.raises(ConfigError, match="agent.feedback_teacher: grammar reads calls in"):
         validate(apply_overrides(cfg, ["agent.call_format=hermes"]))
-    with pytest.raises(ConfigError, match="grammar reads calls byte by byte.*model.tokenizer: "
-                                          "bytes"):
-        call_grammar(cfg, train_bpe(['@read_file {"path": "app/core.py"}'], 300, tmp_path))
+    # a byte-level BPE's tokens are byte strings; SentencePiece's "▁" pieces are not
+    bpe = train_bpe(['@read_file {"path": "app/core.py"}'], 300, tmp_path / "bpe")
+    assert call_grammar(cfg, bpe).token_bytes == bpe.token_bytes()
+    from tokenizers import Tokenizer, decoders, models
+    spm = Tokenizer(models.WordLevel({"<unk>": 0, "\u2581a": 1}, unk_token="<unk>"))
+    spm.decoder = decoders.Metaspace()
+    (tmp_path / "spm").mkdir()
+    spm.save(str(tmp_path / "spm" / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="grammar reads calls byte by byte.*spm/tokenizer.json: "
+                                          "not a byte-level BPE"):
+        call_grammar(cfg, HFTokenizer(tmp_path / "spm"))
 
 
 @pytest.mark.slow

@@ -149,3 +149,59 @@ def test_the_builtin_schemas_are_what_the_grammar_reads():
         assert last[ord(" ")] == bool(tool.params), tool.name
         rendered = json.dumps({p.name: 1 for p in tool.params})
         assert rendered.startswith('{"') or not tool.params
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A byte-level BPE learnt from rendered calls, so call names and keys are whole tokens
+    (`@`, `read`, `_file`, ...)."""
+    from jaxagent.tokenizer import train_bpe
+
+    rng = random.Random(2)
+    texts = [FMT.render_call(random_call(rng)) for _ in range(400)]
+    return train_bpe(texts, 400, tmp_path_factory.mktemp("bpe"))
+
+
+def test_a_bpe_token_is_allowed_exactly_where_its_bytes_are(bpe):
+    """Under a learnt BPE, calls and their one-byte mutations: the BPE grammar refuses a call
+    exactly when the byte grammar does, at the token holding the first refused byte, and at
+    every position before it allows exactly the tokens whose bytes the byte grammar takes."""
+    grammar = CallGrammar(ALL, bpe.token_bytes())
+    pieces = bpe.token_bytes()
+    assert sum(p is not None and len(p) > 1 for p in pieces) > 50  # merges, not bytes alone
+    rng = random.Random(3)
+    refused_calls = 0
+    for n in range(400):
+        text = FMT.render_call(random_call(rng))
+        if n % 2:
+            i, c = rng.randrange(len(text)), rng.choice('@ {}":,0123456789abe_')
+            text = text[:i] + c + text[i + 1:]
+        ids = bpe.encode(text) + [bpe.eos_id]
+        allowed = grammar.off_grammar(ids, bpe.stop_ids, bpe.vocab_size)
+        byte_at = refused_at(text)
+        if byte_at is None:
+            assert allowed is None, text
+            continue
+        refused_calls += 1
+        ends = np.cumsum([len(pieces[i] or b"-") for i in ids])  # the stop: one place, as in bytes
+        assert len(allowed) - 1 == int(np.searchsorted(ends, byte_at, side="right")), text
+        for k in rng.sample(range(len(allowed)), min(3, len(allowed))):
+            before = b"".join(pieces[i] for i in ids[:k]).decode("utf-8", "replace")
+            for t in rng.sample(range(bpe.vocab_size), 40):
+                piece = pieces[t]
+                if piece is None or t in bpe.stop_ids:
+                    continue
+                takes = GRAMMAR.off_grammar(TOK.encode(before) + list(piece), TOK.stop_ids,
+                                            TOK.vocab_size) is None
+                assert allowed[k, t] == takes, (text, k, piece)
+    assert refused_calls > 100
+
+
+def test_read_line_is_refused_at_its_line_token(bpe):
+    grammar = CallGrammar(ALL, bpe.token_bytes())
+    ids = bpe.encode('@read_line {"path": "a"}') + [bpe.eos_id]
+    pieces = bpe.token_bytes()
+    allowed = grammar.off_grammar(ids, bpe.stop_ids, bpe.vocab_size)
+    cut = b"".join(pieces[i] for i in ids[:len(allowed) - 1])
+    assert cut.startswith(b"@read") and len(cut) <= len(b"@read_")
+    assert allowed[-1, bpe.encode("_file")[0]] or allowed[-1, bpe.encode("file")[0]]
