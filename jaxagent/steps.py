@@ -298,12 +298,16 @@ class FeedbackBatch:
 def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int] | None, Sequence[int],
                                            Sequence[int] | None]], *, rows: int,
                   bucket: int = 64, teacher_rows: bool = True,
-                  allowed: Sequence[np.ndarray] | None = None) -> FeedbackBatch:
+                  allowed: Sequence[np.ndarray] | None = None, length: int = 0,
+                  vocab_size: int = 1) -> FeedbackBatch:
     """(student tokens, teacher tokens, student index, teacher index) per flagged turn ->
-    a FeedbackBatch of exactly `rows` rows (empty rows: no loss), lengths rounded to `bucket`.
+    a FeedbackBatch of exactly `rows` rows (empty rows: no loss), lengths rounded to `bucket`
+    and at least `length`: the trainer passes its rows' width, so the update (which takes
+    both) compiles once per width rather than once per width and flagged context.
     Without `teacher_rows` (the scripted teacher: a point mass on the student row's own next
     tokens; the grammar teacher) the examples' teacher tokens and index are None; the grammar
-    teacher's `allowed` [n, V] per example are the tokens its student positions may take."""
+    teacher's `allowed` [n, V] per example are the tokens its student positions may take
+    (V = `vocab_size` when there are none)."""
     if len(examples) > rows:
         raise ValueError(f"{len(examples)} feedback examples for {rows} rows")
     if allowed is not None and (teacher_rows or len(allowed) != len(examples)):
@@ -323,9 +327,9 @@ def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int] | None, 
     sides = [("student", 0, 2)] + ([("teacher", 1, 3)] if teacher_rows else [])
     out = {}
     for name, seq, index in sides:
-        length = up(max((len(e[seq]) for e in examples), default=1))
-        out |= {f"{name}_tokens": np.zeros((rows, length), np.int32),
-                f"{name}_segment_ids": np.zeros((rows, length), np.int32),
+        width = max(up(max((len(e[seq]) for e in examples), default=1)), length)
+        out |= {f"{name}_tokens": np.zeros((rows, width), np.int32),
+                f"{name}_segment_ids": np.zeros((rows, width), np.int32),
                 f"{name}_index": np.zeros((rows, n), np.int32)}
         for i, e in enumerate(examples):
             out[f"{name}_tokens"][i, :len(e[seq])] = e[seq]
@@ -335,7 +339,7 @@ def pack_feedback(examples: Sequence[tuple[Sequence[int], Sequence[int] | None, 
         vocab = {a.shape[1] for a in allowed}
         if len(vocab) > 1:
             raise ValueError(f"allowed sets over vocabularies of {sorted(vocab)} tokens")
-        out["allowed"] = np.ones((rows, n, vocab.pop() if vocab else 1), bool)
+        out["allowed"] = np.ones((rows, n, vocab.pop() if vocab else vocab_size), bool)
         for i, a in enumerate(allowed):
             out["allowed"][i, :len(a)] = a
     targets, mask = np.zeros((rows, n), np.int32), np.zeros((rows, n), np.float32)

@@ -241,9 +241,12 @@ class Learner:
                               pack_tokens=t.pack_tokens, parts=cfg.rl.mini_batches,
                               row_multiple=math.lcm(t.micro_batch or 1, PACKED_ROW_BUCKET,
                                                     self.layout.data_parallel))
+        # a flagged turn's context is at most its episode, which fits a row unless the rows
+        # hold a group's shared prompt and all its episodes (then sized by the flagged turns)
         feedback = (to_feedback_batch(batch, self.tokenizer, cfg.agent.feedback_max_examples,
                                       {**HINTS, **cfg.agent.feedback_hints},
-                                      teacher=cfg.agent.feedback_teacher, grammar=self.grammar)
+                                      teacher=cfg.agent.feedback_teacher, grammar=self.grammar,
+                                      length=0 if self.share_prompt else rows.tokens.shape[1] + 1)
                     if self.options.feedback_beta else None)
         signal = self.carries_signal(rows, feedback)
         if feedback is not None:
@@ -463,12 +466,14 @@ def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray
 
 
 def to_feedback_batch(batch: RolloutBatch, tokenizer, rows: int, hints=HINTS, *,
-                      teacher: str = "hint", grammar: CallGrammar | None = None) -> FeedbackBatch:
+                      teacher: str = "hint", grammar: CallGrammar | None = None,
+                      length: int = 0) -> FeedbackBatch:
     """The first `rows` flagged turns of the batch (`Rollout.flagged`) as a FeedbackBatch of
     exactly `rows` rows, by `teacher` (rollouts.agent.feedback): "hint", each with its hinted
     teacher context (`hints`: detector -> text); "script", with the script's call in place of
     the turn (`Rollout.corrections`); "grammar", the turns that leave `grammar`, each up to
-    its first refused token, with the tokens allowed along it."""
+    its first refused token, with the tokens allowed along it. Rows are at least `length`
+    tokens (`pack_feedback`)."""
     def examples_of(r):
         tokens = r.prompt + r.completion
         if teacher == "script":
@@ -483,4 +488,5 @@ def to_feedback_batch(batch: RolloutBatch, tokenizer, rows: int, hints=HINTS, *,
     examples = [e for r in batch.rollouts for e in examples_of(r)][:rows]
     return pack_feedback([(e.student_tokens, e.teacher_tokens, e.student_index, e.teacher_index)
                           for e in examples], rows=rows, teacher_rows=teacher == "hint",
-                         allowed=[e.allowed for e in examples] if teacher == "grammar" else None)
+                         allowed=[e.allowed for e in examples] if teacher == "grammar" else None,
+                         length=length, vocab_size=tokenizer.vocab_size)

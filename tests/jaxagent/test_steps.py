@@ -461,6 +461,13 @@ def test_pack_feedback_layout_and_limits():
     np.testing.assert_array_equal(batch.student_segment_ids[0], [1] * 14 + [0] * 2)
     with pytest.raises(ValueError, match="3 feedback examples for 2 rows"):
         pack_feedback(examples + examples[:1], rows=2)
+    # at least `length` wide (the trainer's row width), whatever the flagged contexts: one
+    # compile of the update per width; a longer teacher context still fits
+    for some in (examples, examples[1:], []):
+        fixed = pack_feedback(some, rows=3, bucket=8, length=21)
+        assert fixed.student_tokens.shape == (3, 21) and fixed.teacher_tokens.shape[1] in (21, 24)
+    np.testing.assert_array_equal(pack_feedback(examples, rows=3, bucket=8, length=21)
+                                  .student_tokens[:, :16], batch.student_tokens)
 
 
 def test_feedback_term_equals_float64_kl_and_the_step_reduces_it():
@@ -571,6 +578,9 @@ def test_grammar_feedback_term_is_the_float64_allowed_mass_and_the_step_raises_i
         pack_feedback(examples, rows=3, teacher_rows=False, allowed=[allowed[0][:4], allowed[1]])
     fb = pack_feedback(examples, rows=3, bucket=8, teacher_rows=False, allowed=allowed)
     assert fb.allowed.shape == (3, 8, CFG.vocab_size) and fb.teacher_tokens is None
+    none = pack_feedback([], rows=3, bucket=8, teacher_rows=False, allowed=[],
+                         vocab_size=CFG.vocab_size)  # a batch without a broken call: same shape
+    assert none.allowed.shape == (3, 8, CFG.vocab_size) and not none.mask.any()
     mass = [-np.log(np.where(a, np.exp(log_q), 0.0).sum(-1))
             for a, log_q in zip(allowed, float64_log_q(graphdef, params, examples), strict=True)]
     beta = 0.5  # a random 30% of the vocabulary a position moves slower than one token
