@@ -50,8 +50,8 @@ class AgentConfig:
     feedback_beta: float = 0.0  # weight of KL(teacher || policy) at flagged turns
     # The teacher at a flagged turn: the policy reading the detector's hint, the task's
     # scripted demonstration (`script`: its next call, as a target; tasks with a reference),
-    # or the policy restricted to the bytes that keep the call well-formed (`grammar`: up to
-    # the turn's first byte that broke it; the compact format and the byte tokenizer)
+    # or the policy restricted to the tokens that keep the call well-formed (`grammar`: up to
+    # the turn's first token that broke it; the compact format, bytes or a byte-level BPE)
     feedback_teacher: Literal["hint", "script", "grammar"] = "hint"
     # A detector's hint in place of its English default (rollouts.agent.feedback.HINTS): the
     # teacher is the policy reading it, so it must be text the policy can read (a byte model
