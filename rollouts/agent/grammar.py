@@ -160,8 +160,9 @@ class CallGrammar:
     def off_grammar(self, action: Sequence[int], stop_ids: Sequence[int], vocab_size: int):
         """For an action of token ids: the allowed tokens [n, vocab_size] (bool) at its first
         n tokens, where token n-1 is the first the automaton refuses (one with a byte that
-        breaks the call, a stop before the call is complete, a special token); None when it
-        refuses none (a well-formed call, or a well-formed start cut short)."""
+        breaks the call, a stop before the call is complete, a special token, an id of the
+        model's padded vocabulary past `vocab_size`); None when it refuses none (a
+        well-formed call, or a well-formed start cut short)."""
         state, rows = self.START, []
         for token in action:
             row = np.zeros(vocab_size, bool)
@@ -169,7 +170,7 @@ class CallGrammar:
             if self.accepts(state):
                 row[list(stop_ids)] = True
             rows.append(row)
-            if not row[token]:
+            if token >= vocab_size or not row[token]:  # an id past the tokenizer's: refused
                 return np.stack(rows)
             if token in stop_ids:
                 return None  # the call is complete

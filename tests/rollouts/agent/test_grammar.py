@@ -134,6 +134,10 @@ def test_allowed_sets_along_a_call():
     done = GRAMMAR.off_grammar(action("@finish {"), TOK.stop_ids, TOK.vocab_size)
     # "@finish" may stop; once its object opens it may not
     assert done.shape[0] == 10 and done[7, TOK.eos_id] and not done[9, TOK.eos_id]
+    # a model's vocabulary padded past the tokenizer's samples ids it has no bytes for
+    padded = GRAMMAR.off_grammar(action("@fin", stop=False) + [TOK.vocab_size + 4], TOK.stop_ids,
+                                 TOK.vocab_size)
+    assert padded.shape == (5, TOK.vocab_size) and padded[4, ord("i")]
     stop_ok = GRAMMAR.off_grammar(action('@finish {"summary": "x"}}'), TOK.stop_ids, TOK.vocab_size)
     assert stop_ok.shape[0] == 25 and np.flatnonzero(stop_ok[24]).tolist() == [TOK.eos_id]
 
