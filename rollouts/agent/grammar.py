@@ -153,9 +153,9 @@ class CallGrammar:
                 return None
         return state
 
-    def _allowed_tokens(self, state) -> list[int]:
-        return [i for i, data in enumerate(self.token_bytes)
-                if data and self.walk(state, data) is not None]
+    def _allowed_tokens(self, state) -> np.ndarray:
+        return np.asarray([i for i, data in enumerate(self.token_bytes)
+                           if data and self.walk(state, data) is not None], np.int64)
 
     def off_grammar(self, action: Sequence[int], stop_ids: Sequence[int], vocab_size: int):
         """For an action of token ids: the allowed tokens [n, vocab_size] (bool) at its first
@@ -166,7 +166,8 @@ class CallGrammar:
         state, rows = self.START, []
         for token in action:
             row = np.zeros(vocab_size, bool)
-            row[[i for i in self.allowed_tokens(state) if i < vocab_size]] = True
+            allowed = self.allowed_tokens(state)
+            row[allowed[allowed < vocab_size]] = True
             if self.accepts(state):
                 row[list(stop_ids)] = True
             rows.append(row)
