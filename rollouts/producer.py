@@ -109,6 +109,12 @@ class RolloutBatch:
         rewards, valid = self.rewards(), self.valid()
         return np.asarray([v.sum() >= 2 and np.ptp(r[v]) > 1e-6 for r, v in zip(rewards, valid)])
 
+    def group_signals(self) -> list[tuple[str, bool]]:
+        """(task id, whether the group's rewards differ: `groups_with_signal`) per group."""
+        g = self.group_size
+        return [(self.rollouts[i * g].task_id, bool(signal))
+                for i, signal in enumerate(self.groups_with_signal())]
+
     def group_outcomes(self) -> list[tuple[str, bool]]:
         """(task id, whether every rollout of the group passed) per group. An environment
         failure does not count against it (not the policy's doing); a budget-cut episode

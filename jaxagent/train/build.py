@@ -44,7 +44,8 @@ from rollouts.tasks import Task, load_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.agent_family import agent_task_splits, validation_tasks
 from rollouts.tasks.agent_family import parse_spec as parse_agent_spec
 from rollouts.tasks.deletion import load_deletion_tasks
-from rollouts.tasks.pool import TaskPool
+from rollouts.tasks.mix import FamilyMix
+from rollouts.tasks.pool import BatchReports, TaskPool
 from rollouts.tasks.source import ProcessShare
 from rollouts.tasks.task import TaskFormatError
 from rollouts.tools import TOOLS, MemoryStore, NgramEmbedding
@@ -158,6 +159,15 @@ def validate(cfg: Config) -> Config:
         (not cfg.tasks.pool.size or not r.refill_draws, "tasks.pool.size",
          "cannot be combined with rl.refill_draws (refills drop the solved groups a pool "
          "retires by): use one or the other"),
+        (cfg.tasks.mix.window >= 0, "tasks.mix.window", "must be >= 0 (0: no mix)"),
+        # (and at most 1/F of F families, checked once the tasks are read)
+        (0 <= cfg.tasks.mix.floor < 1, "tasks.mix.floor", "must be in [0, 1)"),
+        (not cfg.tasks.mix.window or not cfg.tasks.pool.size, "tasks.mix.window",
+         "cannot be combined with tasks.pool.size (each chooses the tasks its own way): use one "
+         "or the other"),
+        (not cfg.tasks.mix.window or not r.refill_draws, "tasks.mix.window",
+         "cannot be combined with rl.refill_draws (refills drop the groups without a signal "
+         "the mix draws by): use one or the other"),
         (t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1"),
         (r.group_size >= 2, "rl.group_size", "must be >= 2 (advantages compare a group)"),
         (t.pack_tokens >= 0, "train.pack_tokens", "must be >= 0 (0: one row per rollout)"),
@@ -477,19 +487,24 @@ def run_tasks(cfg: Config) -> tuple[list[Task], list[Task]]:
     return load_agent_splits(cfg) if cfg.agent.enabled else load_task_splits(cfg)
 
 
-def task_pool(cfg: Config, train_tasks: list[Task]) -> TaskPool | None:
-    """The pool of training tasks `tasks.pool` configures (None when its size is 0): over
-    every task for single completions (one global stream, the same in every process), over
-    this process's shard for agent episodes."""
-    p = cfg.tasks.pool
-    if not p.size:
+def task_pool(cfg: Config, train_tasks: list[Task]) -> BatchReports | None:
+    """The task stream that follows the batches' outcomes, if any: the pool that retires
+    solved tasks (`tasks.pool`) or the mix that draws families by their signal (`tasks.mix`);
+    over every task for single completions (one global stream, the same in every process),
+    over this process's shard for agent episodes."""
+    p, m = cfg.tasks.pool, cfg.tasks.mix
+    if not (p.size or m.window):
         return None
     mine = (train_tasks[jax.process_index()::jax.process_count()] if cfg.agent.enabled
             else train_tasks)
-    return TaskPool(mine, p.size, p.retire_after, seed=cfg.seed)
+    try:
+        return (TaskPool(mine, p.size, p.retire_after, seed=cfg.seed) if p.size
+                else FamilyMix(mine, m.window, m.floor, seed=cfg.seed))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
-def task_stream(cfg: Config, train_tasks: list[Task], pool: TaskPool | None = None):
+def task_stream(cfg: Config, train_tasks: list[Task], pool: BatchReports | None = None):
     """This process's training tasks, with get_state/set_state (from `pool` if given).
     Single completions: its share of one global stream, so every global batch (and, with
     per-row sampling keys, every rollout) is the same on any number of processes. Agent

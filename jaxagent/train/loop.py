@@ -62,7 +62,7 @@ from rollouts.producer import RolloutBatch
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks import Task
-from rollouts.tasks.pool import TaskPool
+from rollouts.tasks.pool import BatchReports, TaskPool
 from sharding.distributed import is_leader
 from sharding.layout import Layout
 
@@ -103,7 +103,8 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
     fit_tokenizer(cfg, train_tasks, report=console.print)  # model.tokenizer: bpe
     model, tokenizer = load_model_and_tokenizer(cfg, layout=layout)
     learner, state = Learner.create(cfg, model, tokenizer, layout)
-    # the pool that retires solved tasks (tasks.pool), fed each batch's outcomes below
+    # the pool that retires solved tasks (tasks.pool) or the family mix (tasks.mix), fed each
+    # batch's outcomes below
     pool = task_pool(cfg, train_tasks) if task_iter is None else None
     task_iter = task_stream(cfg, train_tasks, pool) if task_iter is None else task_iter
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep)
@@ -317,16 +318,18 @@ def restored(state: TrainState, arrays: dict, extra: dict,
             [RolloutBatch.from_json(b) for b in extra.get("queued", [])])
 
 
-def pool_outcomes(batch: RolloutBatch, pool: TaskPool, shared: bool) -> list[tuple[str, bool]]:
-    """(task id, solved by every rollout of its group) per group of `batch`; with `shared`
-    (one global task stream, one pool in every process) the groups of every process, in
-    process order, so every process's pool hears the same."""
-    local = batch.group_outcomes()
+def pool_outcomes(batch: RolloutBatch, pool: BatchReports,
+                  shared: bool) -> list[tuple[str, bool]]:
+    """Per group of `batch`, (task id, solved by every rollout of its group) for a task pool,
+    (task id, its rewards differ) for a family mix; with `shared` (one global task stream, one
+    pool in every process) the groups of every process, in process order, so every process's
+    pool hears the same."""
+    local = batch.group_outcomes() if isinstance(pool, TaskPool) else batch.group_signals()
     if not shared or jax.process_count() == 1:
         return local
-    rows = np.asarray([[pool.index_of(task), solved] for task, solved in local], np.int32)
+    rows = np.asarray([[pool.index_of(task), value] for task, value in local], np.int32)
     every = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, 2)
-    return [(pool.tasks[i].id, bool(solved)) for i, solved in every]
+    return [(pool.tasks[i].id, bool(value)) for i, value in every]
 
 
 def profiled(folder: Path, on: bool):

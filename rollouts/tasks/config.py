@@ -1,5 +1,6 @@
 """The `tasks` section: which task set a single-completion run trains and evaluates on, and
-the pool that retires solved training tasks (any run)."""
+the pool that retires solved training tasks or the mix that draws families by their signal
+(any run)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ class TaskPoolConfig:
 
 
 @dataclass(frozen=True)
+class TaskMixConfig:
+    # draw families (task.metadata["family"]) by the share of their last `window` groups whose
+    # rewards differed (rollouts.tasks.mix); 0: tasks in a seeded order, families as they come
+    window: int = 0
+    floor: float = 0.05  # each family's least share of the draws
+
+
+@dataclass(frozen=True)
 class TasksConfig:
     source: Literal["synthetic", "humaneval", "jsonl"] = "synthetic"
     path: str | None = None  # jsonl file
@@ -21,3 +30,4 @@ class TasksConfig:
     num_eval: int = 200  # held-out tasks (synthetic: a disjoint seed)
     families: tuple[str, ...] = ()  # synthetic families; empty = all
     pool: TaskPoolConfig = field(default_factory=TaskPoolConfig)
+    mix: TaskMixConfig = field(default_factory=TaskMixConfig)

@@ -25,27 +25,92 @@ import numpy as np
 from rollouts.tasks.task import Task
 
 
-class TaskPool:
+class BatchReports:
+    """What a task stream whose draws follow the outcomes of earlier batches shares (above):
+    the trainer's `record(step, outcomes)`, `apply(version)` before a batch's draw, and the
+    checkpointable state. A subclass starts with `_start(tasks, state)` (a state with
+    "applied") and defines `__next__`, `_apply(report)` (a batch's outcomes as (task index,
+    value), in the batch's order) and `_metrics()`."""
+
+    name = "task pool"  # in its errors
+
+    def _start(self, tasks: Sequence[Task], state: dict) -> None:
+        self.tasks = list(tasks)
+        if not self.tasks:
+            raise ValueError(f"a {self.name} needs at least one task")
+        self._index = {t.id: i for i, t in enumerate(self.tasks)}
+        if len(self._index) != len(self.tasks):
+            seen = [t.id for t in self.tasks]
+            twice = sorted({i for i in seen if seen.count(i) > 1})[:3]
+            raise ValueError(f"a {self.name} follows tasks by id, and ids repeat: {twice}")
+        self._state = state
+        self._reports: dict[int, list[tuple[int, bool]]] = {}
+        self._lock = threading.Lock()
+
+    def __iter__(self):
+        return self
+
+    def record(self, step: int, outcomes: Sequence[tuple[str, bool]]) -> None:
+        """Batch `step`'s groups as (task id, value), in the batch's order."""
+        report = []
+        for task_id, value in outcomes:
+            if task_id not in self._index:
+                raise KeyError(f"task {task_id!r} is not in the {self.name}'s task list")
+            report.append((self._index[task_id], bool(value)))
+        with self._lock:
+            if step >= self._state["applied"]:
+                self._reports[step] = report
+
+    def apply(self, version: int) -> dict:
+        """Apply the reports of batches before `version` (each recorded: the weights of
+        `version` were trained on them), in batch order; returns the stream's metrics."""
+        with self._lock:
+            s = self._state
+            for step in range(s["applied"], version):
+                if step not in self._reports:
+                    raise RuntimeError(f"{self.name}: batch {step}'s outcomes were not recorded "
+                                       f"before version {version} drew")
+                self._apply(self._reports.pop(step))
+                s["applied"] = step + 1
+            return self._metrics()
+
+    def metrics(self) -> dict:
+        with self._lock:
+            return self._metrics()
+
+    def index_of(self, task_id: str) -> int:
+        return self._index[task_id]
+
+    def get_state(self) -> dict:
+        with self._lock:
+            return copy.deepcopy(self._state)
+
+    def set_state(self, state: dict) -> None:
+        missing = set(self._state) - set(state)
+        if missing:
+            raise ValueError(f"{self.name} state: missing {sorted(missing)} (a checkpoint of a "
+                             f"run without it?)")
+        self._check_state(state)
+        with self._lock:
+            self._state = copy.deepcopy(state)
+            self._reports = {}
+
+    def _check_state(self, state: dict) -> None:
+        """Raise ValueError where `state` (every key present) cannot be this stream's."""
+
+
+class TaskPool(BatchReports):
     """An endless, checkpointable task iterator (get_state/set_state) that retires solved
-    tasks."""
+    tasks; its reports are (task id, every rollout of the group passed)."""
 
     def __init__(self, tasks: Sequence[Task], size: int, retire_after: int, seed: int = 0):
         if size < 1:
             raise ValueError(f"tasks.pool.size: must be >= 1 to pool tasks, got {size}")
         if retire_after < 1:
             raise ValueError(f"tasks.pool.retire_after: must be >= 1, got {retire_after}")
-        self.tasks = list(tasks)
-        if not self.tasks:
-            raise ValueError("a task pool needs at least one task")
-        self._index = {t.id: i for i, t in enumerate(self.tasks)}
-        if len(self._index) != len(self.tasks):
-            seen = [t.id for t in self.tasks]
-            twice = sorted({i for i in seen if seen.count(i) > 1})[:3]
-            raise ValueError(f"a task pool retires tasks by id, and ids repeat: {twice}")
-        self.retire_after, self.seed = retire_after, seed
-        order = np.random.default_rng(seed).permutation(len(self.tasks)).tolist()
-        n = min(size, len(self.tasks))
-        self._state = {
+        order = np.random.default_rng(seed).permutation(len(tasks)).tolist()
+        n = min(size, len(tasks))
+        self._start(tasks, {
             "slots": order[:n],  # the pooled tasks (indices into `tasks`)
             "fresh": order[n:],  # never pooled yet, next first
             "retired": [],  # oldest first
@@ -53,12 +118,8 @@ class TaskPool:
             "draws": 0,
             "applied": 0,  # the reports of batches before this one are applied
             "retirements": 0,
-        }
-        self._reports: dict[int, dict[int, bool]] = {}
-        self._lock = threading.Lock()
-
-    def __iter__(self) -> TaskPool:
-        return self
+        })
+        self.retire_after, self.seed = retire_after, seed
 
     def __next__(self) -> Task:
         with self._lock:
@@ -68,32 +129,13 @@ class TaskPool:
             s["draws"] += 1
             return self.tasks[s["slots"][slot]]
 
-    def record(self, step: int, outcomes: Sequence[tuple[str, bool]]) -> None:
-        """Batch `step`'s groups as (task id, every rollout passed); a task with several
-        groups in the batch counts as solved if each was."""
-        report: dict[int, bool] = {}
-        for task_id, solved in outcomes:
-            if task_id not in self._index:
-                raise KeyError(f"task {task_id!r} is not in the pool's task list")
-            i = self._index[task_id]
-            report[i] = report.get(i, True) and bool(solved)
-        with self._lock:
-            if step >= self._state["applied"]:
-                self._reports[step] = report
-
-    def apply(self, version: int) -> dict:
-        """Apply the reports of batches before `version` (each recorded: the weights of
-        `version` were trained on them); returns the pool's metrics."""
-        with self._lock:
-            s = self._state
-            for step in range(s["applied"], version):
-                if step not in self._reports:
-                    raise RuntimeError(f"task pool: batch {step}'s outcomes were not recorded "
-                                       f"before version {version} drew")
-                for task, solved in sorted(self._reports.pop(step).items()):
-                    self._update(task, solved)
-                s["applied"] = step + 1
-            return self._metrics()
+    def _apply(self, report: list[tuple[int, bool]]) -> None:
+        # a task with several groups in the batch counts as solved if each was
+        solved: dict[int, bool] = {}
+        for task, value in report:
+            solved[task] = solved.get(task, True) and value
+        for task, value in sorted(solved.items()):
+            self._update(task, value)
 
     def _update(self, task: int, solved: bool) -> None:
         s = self._state
@@ -110,29 +152,11 @@ class TaskPool:
         s["slots"][s["slots"].index(task)] = queue.pop(0)
 
     def _metrics(self) -> dict:
+        """tasks/pool_size, tasks/retired (retirements so far), tasks/unseen (never pooled)."""
         s = self._state
         return {"tasks/pool_size": len(s["slots"]), "tasks/retired": s["retirements"],
                 "tasks/unseen": len(s["fresh"])}
 
-    def metrics(self) -> dict:
-        """tasks/pool_size, tasks/retired (retirements so far), tasks/unseen (never pooled)."""
-        with self._lock:
-            return self._metrics()
-
-    def index_of(self, task_id: str) -> int:
-        return self._index[task_id]
-
-    def get_state(self) -> dict:
-        with self._lock:
-            return copy.deepcopy(self._state)
-
-    def set_state(self, state: dict) -> None:
-        missing = set(self._state) - set(state)
-        if missing:
-            raise ValueError(f"task pool state: missing {sorted(missing)} (a checkpoint of a "
-                             "run without tasks.pool?)")
+    def _check_state(self, state: dict) -> None:
         if any(i >= len(self.tasks) for i in state["slots"] + state["fresh"] + state["retired"]):
             raise ValueError("task pool state: names tasks beyond the task list (another task set?)")
-        with self._lock:
-            self._state = copy.deepcopy(state)
-            self._reports = {}

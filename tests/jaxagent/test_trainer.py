@@ -96,6 +96,12 @@ def test_kill_and_resume_trains_each_step_once(tmp_path, lora):
     (["tasks.pool.size=4", "tasks.pool.retire_after=0"], "tasks.pool.retire_after: must be >= 1"),
     (["tasks.pool.size=4", "rl.algorithm=dapo", "rl.refill_draws=2"],
      "tasks.pool.size: cannot be combined with rl.refill_draws"),
+    (["tasks.mix.window=-1"], "tasks.mix.window: must be >= 0"),
+    (["tasks.mix.window=4", "tasks.pool.size=4"],
+     "tasks.mix.window: cannot be combined with tasks.pool.size"),
+    (["tasks.mix.window=4", "rl.algorithm=dapo", "rl.refill_draws=2"],
+     "tasks.mix.window: cannot be combined with rl.refill_draws"),
+    (["tasks.mix.window=4", "tasks.mix.floor=-0.1"], "tasks.mix.floor: must be in [0, 1)"),
     # conftest: 8 devices
     (["mesh.data=3"], "mesh: mesh.data=3, mesh.fsdp=1, mesh.expert=1, mesh.tensor=1 makes 3 devices"),
     (["sft.batch_size=12"], "sft.batch_size: the global batch (12 rows) does not split over the 8"),
@@ -523,6 +529,38 @@ def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte(tm
     with pytest.raises(ConfigError, match="grammar reads calls byte by byte.*spm/tokenizer.json: "
                                           "not a byte-level BPE"):
         call_grammar(cfg, HFTokenizer(tmp_path / "spm"))
+
+
+@pytest.mark.slow
+def test_family_mix_logs_its_shares_and_resumes_from_its_checkpoint(tmp_path):
+    """The synthetic families drawn by their signal (tasks.mix): the shares are logged each
+    step and sum to 1, and a run resumed after checkpoint 2 logs what the uninterrupted run
+    did: the mix's state (its families' recent groups) is in the checkpoint."""
+    import shutil
+
+    from jaxagent.train.loop import train
+
+    small = [o for o in TINY if not o.startswith(("tasks.num_eval", "train.steps"))]
+    overrides = [*small, "tasks.num_eval=1", "train.steps=4", "tasks.mix.window=2",
+                 "rollout.max_staleness=1"]
+    run = tmp_path / "run"
+    train(load_config(None, [*overrides, f"workdir={run}"]))
+
+    def logged():
+        return {r["step"]: (r["train/loss"], r["rollout/reward_mean"],
+                            {k: v for k, v in r.items() if k.startswith("tasks/")})
+                for r in read_metrics(run / "metrics.jsonl") if "train/loss" in r}
+
+    straight = logged()
+    assert sorted(straight) == [1, 2, 3, 4]
+    for _, _, mix in straight.values():
+        shares = [v for k, v in mix.items() if k.startswith("tasks/share/")]
+        assert len(shares) > 1 and sum(shares) == pytest.approx(1.0)
+    assert any(k.startswith("tasks/signal/") for k in straight[4][2])
+    for lost in ("3", "4"):
+        shutil.rmtree(run / "checkpoints" / lost)
+    train(load_config(None, [*overrides, f"workdir={run}"]))
+    assert logged() == straight
 
 
 @pytest.mark.slow

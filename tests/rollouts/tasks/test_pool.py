@@ -61,7 +61,7 @@ def test_a_report_missing_before_its_version_draws_is_an_error():
     pool.apply(1)
     with pytest.raises(RuntimeError, match="batch 1's outcomes were not recorded before version 3"):
         pool.apply(3)
-    with pytest.raises(KeyError, match="'nope' is not in the pool"):
+    with pytest.raises(KeyError, match="'nope' is not in the task pool's task list"):
         pool.record(2, [("nope", True)])
     with pytest.raises(ValueError, match="ids repeat: \\['t0'\\]"):
         TaskPool(tasks(2) + tasks(1), size=2, retire_after=1)
