@@ -311,8 +311,11 @@ def warm_up(cfg: Config, learner: Learner, state: TrainState, train_tasks, progr
 def restored(state: TrainState, arrays: dict, extra: dict,
              task_iter) -> tuple[TrainState, list[RolloutBatch]]:
     """(`state` as a checkpoint saved it, the scored batches queued then); the task iterator
-    is put back where it was."""
-    task_iter.set_state(extra["data"])
+    is put back where it was. At step 0 (the warm-up's checkpoint) the stream has drawn
+    nothing, so it starts afresh: RL may start from another run's warm-up whose task stream
+    was another kind (`tasks.pool`, `tasks.mix`)."""
+    if extra["step"]:
+        task_iter.set_state(extra["data"])
     return (dataclasses.replace(state, params=arrays["params"], opt_state=arrays["opt_state"],
                                 ref_params=arrays.get("ref_params")),
             [RolloutBatch.from_json(b) for b in extra.get("queued", [])])

@@ -534,8 +534,9 @@ def test_grammar_feedback_batch_cuts_each_broken_call_at_its_first_wrong_byte(tm
 @pytest.mark.slow
 def test_family_mix_logs_its_shares_and_resumes_from_its_checkpoint(tmp_path):
     """The synthetic families drawn by their signal (tasks.mix): the shares are logged each
-    step and sum to 1, and a run resumed after checkpoint 2 logs what the uninterrupted run
-    did: the mix's state (its families' recent groups) is in the checkpoint."""
+    step and sum to 1, a run resumed after checkpoint 2 logs what the uninterrupted run did
+    (the mix's state, its families' recent groups, is in the checkpoint), and one starts from
+    the warm-up checkpoint of a run without the mix."""
     import shutil
 
     from jaxagent.train.loop import train
@@ -561,6 +562,14 @@ def test_family_mix_logs_its_shares_and_resumes_from_its_checkpoint(tmp_path):
         shutil.rmtree(run / "checkpoints" / lost)
     train(load_config(None, [*overrides, f"workdir={run}"]))
     assert logged() == straight
+    # RL from the warm-up checkpoint (step 0) of a run without the mix, as
+    # benchmarks/agent_learning.py --warmup starts one: its stream had drawn nothing
+    plain = tmp_path / "plain"
+    train(load_config(None, [*small, "tasks.num_eval=1", "train.steps=1", f"workdir={plain}"]))
+    shutil.rmtree(run)
+    shutil.copytree(plain / "checkpoints" / "0", run / "checkpoints" / "0")
+    train(load_config(None, [*overrides, f"workdir={run}"]))
+    assert sorted(logged()) == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
