@@ -8,8 +8,10 @@ with probability
 
     share_f = floor + (1 - F * floor) * signal_f / sum_g signal_g
 
-where `signal_f` is the fraction of the family's last `window` groups whose rewards differed
-(1 before it has any: every family starts equal) and `floor` keeps every family drawn, so one
+where `signal_f` is the fraction of the family's last `window` groups whose rewards differed,
+the slots it has not filled yet counted as signal (every family starts equal, and two silent
+groups do not sink one: a first probe of this mix that counted only the groups seen put a
+family at its floor after two, where it stayed) and `floor` keeps every family drawn, so one
 that saturated is still watched and comes back if the policy forgets it. Within a family the
 tasks go in a seeded order, a fresh one each pass. It is the "learnability" curriculum of
 sampling where the success rate p makes p(1 - p) large (Foster & Foerster, 2025), measured
@@ -58,7 +60,8 @@ class FamilyMix(BatchReports):
 
     def shares(self) -> np.ndarray:
         """[F] the draw probability of each family (`families` order)."""
-        signal = np.asarray([np.mean(h) if h else 1.0 for h in self._state["signal"]])
+        signal = np.asarray([(sum(h) + self.window - len(h)) / self.window
+                             for h in self._state["signal"]])
         n = len(signal)
         base = signal / signal.sum() if signal.sum() > 0 else np.full(n, 1 / n)
         return self.floor + (1 - n * self.floor) * base
@@ -83,7 +86,8 @@ class FamilyMix(BatchReports):
 
     def _metrics(self) -> dict:
         """tasks/share/<family> (its draw probability now) and tasks/signal/<family> (the
-        fraction of its last `window` groups with a signal; absent before it has one)."""
+        fraction of its last groups, at most `window`, with a signal; absent before it has
+        one)."""
         out = {f"tasks/share/{f}": float(p) for f, p in zip(self.families, self.shares())}
         out.update({f"tasks/signal/{f}": float(np.mean(h))
                     for f, h in zip(self.families, self._state["signal"]) if h})

@@ -44,13 +44,15 @@ def test_shares_follow_each_familys_last_groups_with_a_signal():
     for step, report in enumerate(reports):
         mix.record(step, report)
     metrics = mix.apply(3)
-    # the last `window` groups of each family, in batch order: alpha drops its first report
-    signal = {"alpha": np.mean([False, True, True, True]), "beta": 0.0, "gamma": 0.5}
+    # the last `window` groups of each family, in batch order (alpha drops its first
+    # report), the slots not yet filled counted as signal
+    signal = {"alpha": 3 / 4, "beta": (0 + 1) / 4, "gamma": (1 + 2) / 4}
     base = np.asarray(list(signal.values()), np.float64) / sum(signal.values())
     want = floor + (1 - 3 * floor) * base
     np.testing.assert_allclose(mix.shares(), want, rtol=1e-12)
-    assert metrics["tasks/share/beta"] == pytest.approx(floor)
+    assert metrics["tasks/share/beta"] == pytest.approx(want[1])
     assert metrics["tasks/signal/alpha"] == 0.75 and metrics["tasks/signal/beta"] == 0.0
+    assert metrics["tasks/signal/gamma"] == 0.5  # the groups seen
     counts = {f: 0 for f in FAMILIES}
     for _ in range(2000):
         counts[family(next(mix))] += 1
@@ -63,7 +65,7 @@ def test_no_family_with_a_signal_draws_evenly_and_a_zero_floor_starves_the_silen
     mix.record(0, [("alpha0", False), ("beta0", False), ("gamma0", False)])
     mix.apply(1)
     np.testing.assert_allclose(mix.shares(), [1 / 3] * 3)
-    mix.record(1, [("gamma1", True)])
+    mix.record(1, [("alpha1", False), ("beta1", False), ("gamma1", True)])
     mix.apply(2)
     np.testing.assert_allclose(mix.shares(), [0.0, 0.0, 1.0])
     assert {family(next(mix)) for _ in range(50)} == {"gamma"}
