@@ -92,7 +92,7 @@ def test_the_bpe_agent_config_is_the_default_with_a_learnt_tokenizer():
     assert {k for k in bpe if bpe[k] != default[k]} == {k for k in model if model[k] != default[k]} | {
         "agent.max_action_tokens", "agent.max_turns", "sft.valid_stop_by", "sft.valid_stop",
         "train.steps", "train.temperature", "train.micro_batch", "checkpoint.every", "eval.every",
-        "workdir"}
+        "tasks.mix.window", "tasks.mix.floor", "workdir"}
     assert bpe["model.tokenizer"] == "bpe" and bpe["train.steps"] == 60
     # episodes sampled hotter than the held-out evaluation reads them
     assert (bpe["train.temperature"], bpe["eval.temperature"]) == (0.8, 0.5)
