@@ -20,6 +20,7 @@ dumpable; without root, killing us fails the command and the host restarts the s
 from __future__ import annotations
 
 import os
+import runpy
 import select
 import sys
 import time
@@ -44,15 +45,14 @@ def _child(request: dict, limits: dict, out: int) -> None:
         if not request["pytest"]:
             limited.run(limits, request["argv"])  # execs
         limited.restrict(limits)
-        import pytest
-
         # what `python -m pytest` sees: the cwd first on sys.path, not the harness's modules
         harness = os.path.dirname(os.path.abspath(__file__))
         sys.path[:] = [os.getcwd(), *(p for p in sys.path if p != harness)]
         for name in _HARNESS_MODULES:
             sys.modules.pop(name, None)
         sys.argv = ["pytest", *request["argv"]]
-        code = pytest.console_main()
+        # pytest's own `__main__`, as `python -m pytest` runs it (console_main warns from 9.1)
+        runpy.run_module("pytest", run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:  # noqa: BLE001 - the command did not start, or pytest broke

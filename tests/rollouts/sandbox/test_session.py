@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -101,6 +102,22 @@ def test_a_test_run_in_the_command_server_is_a_fresh_pytest(session):
     assert "assert 1 == 2" in result.output and "assert 1 == 2" in fresh.output
     none, _ = session.run_pytest(["tests", "-k", "no_such_test"])
     assert none.exit_code == 5  # pytest's "no tests collected"
+
+
+def test_the_command_server_prints_what_a_fresh_pytest_prints(session):
+    """Word for word, but the durations: the agent reads this text (pytest 9.1+ warned of
+    `console_main` into a collection error's report, the harness's path with it)."""
+    session.write_text("broken.py", "if True:\nX = 1\n")
+    session.write_text("tests/test_x.py", "import broken\n")
+
+    def text(output: str) -> str:
+        return re.sub(r"in [0-9.]+s", "in Ts", output)
+
+    result, _ = session.run_pytest(["tests"])
+    fresh = session.exec(["python", "-m", "pytest", "tests", *PYTEST_FLAGS])
+    assert result.exit_code == fresh.exit_code == 2
+    assert "IndentationError" in result.output and "harness" not in result.output
+    assert text(result.output) == text(fresh.output)
 
 
 def test_a_renewed_session_holds_the_new_files_alone(session):
