@@ -3,11 +3,13 @@
 Started in the session's sandbox (the work dir bound at /work, the cwd); it never runs
 untrusted code itself. Protocol on fds 0/1 (frames, see `wire`): the host sends a hello
 {"limits": a types.Limits dict with "solution_uid", "pylib": [...]}; the server imports pytest
-from `pylib` once (~0.12 s of every `python -m pytest` on a 2-core VM) and answers {"ready"}.
+from `pylib` once (~0.12 s of every `python -m pytest` on a 2-core VM), with the plugins
+each run loads, freezes what it holds out of its forks' garbage collections (guest/preload.py)
+and answers {"ready"}.
 Then per command {"argv", "pytest", "timeout_s", "output_bytes"}: a forked child confines
 itself and applies the limits as guest/limited.py does, then becomes `argv`, or, with
 "pytest", runs `python -m pytest ARGV` in itself, as that command would (the cwd first on
-sys.path, pytest's console entry point, its exit status). The server relays the child's output
+sys.path, pytest's `__main__`, its exit status). The server relays the child's output
 (stdout and stderr interleaved, the first output_bytes of it kept, the rest counted) until it
 exits or its time is up, then kills whatever it left (we are a subreaper), empties /tmp and
 /dev/shm and removes SysV IPC objects, as a fresh sandbox per command would have them, and
@@ -26,12 +28,13 @@ import sys
 import time
 
 import limited
+import preload
 import wire
 from cleanup import become_subreaper, kill_descendants, remove_sysv_ipc, wipe
 from confine import set_dumpable
 
 # the harness's modules: a repository's own `wire.py` imports as itself, not as ours
-_HARNESS_MODULES = ("cleanup", "confine", "limited", "wire")
+_HARNESS_MODULES = ("cleanup", "confine", "limited", "preload", "wire")
 
 
 def _child(request: dict, limits: dict, out: int) -> None:
@@ -119,10 +122,8 @@ def main() -> None:
     become_subreaper()
     hello = wire.recv(host_in)
     sys.path.extend(hello["pylib"])
-    try:
-        import pytest  # noqa: F401 - imported once here, forked into every command
-    except ImportError:  # then a test run says so, as `python -m pytest` would
-        pass
+    preload.import_pytest([])  # once here, forked into every command
+    preload.freeze()
 
     wire.send(host_out, {"ready": True, "pid": os.getpid()})
     while (request := wire.recv(host_in)) is not None:
