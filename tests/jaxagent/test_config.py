@@ -90,9 +90,9 @@ def test_the_bpe_agent_config_is_the_default_with_a_learnt_tokenizer():
     default = dict(leaves(dataclasses.asdict(load_config("configs/agent_default.yaml"))))
     model = dict(leaves(dataclasses.asdict(load_config(None, ["model=configs/model/tiny_bpe.yaml"]).model), "model."))
     assert {k for k in bpe if bpe[k] != default[k]} == {k for k in model if model[k] != default[k]} | {
-        "agent.max_action_tokens", "agent.max_turns", "sft.valid_stop_by", "sft.valid_stop",
-        "train.steps", "train.temperature", "train.micro_batch", "checkpoint.every", "eval.every",
-        "tasks.mix.window", "tasks.mix.floor", "workdir"}
+        "agent.max_action_tokens", "agent.max_turns", "agent.episodes", "sft.valid_stop_by",
+        "sft.valid_stop", "train.steps", "train.temperature", "train.micro_batch",
+        "checkpoint.every", "eval.every", "tasks.mix.window", "tasks.mix.floor", "workdir"}
     assert bpe["model.tokenizer"] == "bpe" and bpe["train.steps"] == 60
     # episodes sampled hotter than the held-out evaluation reads them
     assert (bpe["train.temperature"], bpe["eval.temperature"]) == (0.8, 0.5)
