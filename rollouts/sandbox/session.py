@@ -62,6 +62,10 @@ CONTAINER_MODES = ("session", "command")
 _PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S.*)$")
 # -rA: one outcome line per test; skips too, by node id, once not folded by reason
 PYTEST_FLAGS = ("-q", "-rA", "--no-fold-skipped", "-p", "no:cacheprovider")
+# pytest trims a short-summary reason to the terminal's width (80 columns without a terminal):
+# a wide, fixed one keeps each reason whole (`AssertionError: `CAP` should be 37`, not
+# `... should b...`), the same text on every host
+_COLUMNS = "200"
 
 
 def pytest_outcomes(output: str) -> dict[str, tuple[str, str]]:
@@ -112,7 +116,7 @@ def container_options(*, workdir: str, limits: Limits, tools: dict[str, str], ui
               **{path: f"{_TOOLS_DIR}/{tool}:ro" for tool, path in tools.items()}}
     env = {"PATH": f"{_TOOLS_DIR}:/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": SANDBOX_PYLIB,
            "PYTHONDONTWRITEBYTECODE": "1", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/tmp",
-           "LANG": "C.UTF-8"}
+           "LANG": "C.UTF-8", "COLUMNS": _COLUMNS}
     return [
         "--network", "none", "--read-only", "--tmpfs", f"/tmp:size={limits.tmpfs_mb}m,mode=1777",
         "--memory", mem, "--memory-swap", mem, "--pids-limit", str(limits.max_procs + 8),
@@ -480,6 +484,7 @@ class Session:
             "PYTHONPATH": SANDBOX_PYLIB,
             "PYTHONDONTWRITEBYTECODE": "1",
             "GIT_CONFIG_NOSYSTEM": "1",
+            "COLUMNS": _COLUMNS,
         }
         server = [py, *_PYTHON_FLAGS, "/harness/command_server.py"]
         argv = self.launcher.wrap(server, binds=binds, workdir=str(self.root), env=env)
@@ -508,6 +513,7 @@ class Session:
             "PYTHONDONTWRITEBYTECODE": "1",
             "HOME": str(self._tmp),
             "LANG": "C.UTF-8",
+            "COLUMNS": _COLUMNS,
         }
         limited = str(GUEST_DIR / "limited.py")
         limits = _limits_json(self.limits, self.uid)

@@ -120,25 +120,31 @@ def run_tests(ctx: ToolContext, test: str = "") -> str:
     n_pass = sum(kind in ("passed", "xpass") for kind, _ in outcomes.values())
     n_fail = len(failed)
     head = f"tests: {n_pass} passed, {n_fail} failed (exit code {result.exit_code})"
-    if not n_pass and not n_fail:  # collection error, syntax error: show pytest's words
-        return f"{head}\n{result.output[-2000:]}"
+    if not n_pass and not n_fail:  # a usage error, nothing collected: show pytest's words
+        return f"{head}\n{undecorated(result.output)[-2000:]}"
     lines = [head] + [f"FAILED {t} - {why}" for t, why in failed]
     if n_fail:  # the failure details (tracebacks) precede the short summary
         lines.append(failure_details(result.output)[-2000:])
     return "\n".join(lines)
 
 
-_BANNER = re.compile(r"^[=_]{3,} (.*?) [=_]{3,}$")
+_BANNER = re.compile(r"^[=_!]{3,} (.*?) [=_!]{3,}$")
+_SECTION = re.compile(r"^=+ (?:ERRORS|FAILURES) =+$", re.MULTILINE)
 
 
 def failure_details(output: str) -> str:
-    """pytest's tracebacks without its decoration: the section after `FAILURES`, each test's
-    `____ name ____` banner shortened to `--- name`, blank, separator and `^^^` marker lines
-    dropped (a context-bound policy reads the same facts in a third of the tokens)."""
+    """pytest's tracebacks without its decoration: the sections from the first `ERRORS` or
+    `FAILURES` on, `undecorated` (a context-bound policy reads the same facts in a third of
+    the tokens)."""
     body = output.split("short test summary info")[0]
-    body = body.split(" FAILURES ", 1)[-1].split("\n", 1)[-1] if " FAILURES " in body else body
+    return undecorated(_SECTION.split(body, maxsplit=1)[-1])
+
+
+def undecorated(output: str) -> str:
+    """pytest's text with each `____ name ____` banner shortened to `--- name` and the blank,
+    separator and `^^^` marker lines dropped: their widths follow the terminal's."""
     lines = []
-    for line in body.splitlines():
+    for line in output.splitlines():
         banner = _BANNER.match(line.strip())
         if banner:
             lines.append(f"--- {banner.group(1)}")

@@ -120,6 +120,18 @@ def test_the_command_server_prints_what_a_fresh_pytest_prints(session):
     assert text(result.output) == text(fresh.output)
 
 
+def test_a_failure_s_reason_is_whole_on_any_host(session):
+    """pytest trims a short-summary reason to the terminal's width; every backend runs it at
+    one fixed, wide one, so a line of ~180 characters stays whole (and the text is the
+    host's terminal's on none)."""
+    why = "`MARGIN` should be 41 " + "x" * 80
+    session.write_text("tests/test_long.py",
+                       f"def test_a_rather_long_test_name_here():\n    assert 0, {why!r}\n")
+    _, outcomes = session.run_pytest(["tests/test_long.py"])
+    assert outcomes == {"tests/test_long.py::test_a_rather_long_test_name_here": (
+        "failed", f"AssertionError: {why}")}
+
+
 def test_a_renewed_session_holds_the_new_files_alone(session):
     session.exec("echo x > left.txt && mkdir -p d/e && touch d/e/f && chmod 000 d")
     session.renew({"only.py": "A = 1\n"})

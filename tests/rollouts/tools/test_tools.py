@@ -150,6 +150,14 @@ def test_failure_details_keep_the_facts_and_drop_the_decoration():
     assert failure_details(output) == (
         "--- test_cap\n    def test_cap():\n>       assert cap(1000) == 58\n"
         "E       assert 50 == 58\ntests/test_a.py:5: AssertionError")
+    # a collection error: its section, without the progress line padded to the terminal
+    errors = ("E" + " " * 70 + "[100%]\n" + "=" * 30 + " ERRORS " + "=" * 30 + "\n"
+              + "_" * 20 + " ERROR collecting tests/test_b.py " + "_" * 20 + "\n"
+              "tests/test_b.py:1: in <module>\n    import broken\nE   ModuleNotFoundError\n"
+              + "=" * 20 + " short test summary info " + "=" * 20 + "\nERROR tests/test_b.py\n")
+    assert failure_details(errors) == ("--- ERROR collecting tests/test_b.py\n"
+                                       "tests/test_b.py:1: in <module>\n    import broken\n"
+                                       "E   ModuleNotFoundError")
 
 
 def test_lint(ctx):
