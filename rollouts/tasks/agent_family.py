@@ -211,7 +211,6 @@ def _hidden_file(rng: random.Random, names: str, keyed: bool = False) -> dict:
     return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/{mod}.py": api,
                       f"{pkg}/_{low}.py": low_src.format(wrong), f"tests/test_{mod}.py": test},
             "reference": {f"{pkg}/_{low}.py": low_src.format(sep)}, "prompt": prompt,
-            "facts": {"sep": sep, "wrong": wrong, "items": items},
             # the module to edit is found through the imports of the one the prompt names
             "reads": [f"{pkg}/{mod}.py", f"{pkg}/_{low}.py"],
             # the prompt names no separator: a guess
@@ -280,8 +279,8 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
     {old text: new text}: `substitute` with it turns the task's prompt, files and reference, and
     any episode played on the task, into those of the other draw (tests replay both). So a
     warm-up can show one demonstration with facts it has not seen, which a model can only get
-    right by copying them from the context. Empty for the template without such facts
-    (`helper`) and for a task whose facts' texts coincide."""
+    right by copying them from the context. Empty for the templates without such facts
+    (`helper`, `hidden_file`) and for a task whose facts' texts coincide."""
     facts, family = json.loads(task.metadata.get("facts", "{}")), task.metadata["family"]
     few = family.endswith(("_few", "_keyed"))  # a keyed constant is few-valued
     family = family.removesuffix("_few").removesuffix("_keyed")
@@ -299,16 +298,6 @@ def redraw(task: Task, rng: random.Random) -> dict[str, str]:
         old = [err, f"RATE = {k}", f"== {2 * k}"]
         new = [rng.choice([e for e in _ERRORS if e not in others]), f"RATE = {k2}",
                f"== {2 * k2}"]
-    elif family == "hidden_file":
-        # each separator as the files and the message write it (`'/'`), each joined string as
-        # the test writes it (`'4/7/2'`) and as pytest's diff shows it (`- 4/7/2`, `+ 4-7-2`)
-        sep, wrong, items = facts["sep"], facts["wrong"], facts["items"]
-        new_sep, new_wrong = rng.sample(_SEPS, 2)
-        old, new = [], []
-        for was, now in ((sep, new_sep), (wrong, new_wrong)):
-            joined, rejoined = was.join(map(str, items)), now.join(map(str, items))
-            old += [repr(was), repr(joined), f"- {joined}", f"+ {joined}"]
-            new += [repr(now), repr(rejoined), f"- {rejoined}", f"+ {rejoined}"]
     elif family == "edge_case":
         default = rng.choice(_FEW["edge_case"]) if few else rng.randint(-99, -1)
         old, new = [str(facts["default"])], [str(default)]
