@@ -24,9 +24,7 @@ copy of arbitrary digits.
 
 Keyed variants (`constant_keyed`, `hidden_file_keyed`; drawn only by name): the failing
 assertion's message names the fact as the edit writes it, beside the name the edited line
-starts with (``"`CAP` should be 37"``, ``"`SEP` should be '/'"``), never the edited line itself;
-the name in backticks, as a message quotes code, is the token the edit starts with (a BPE
-spells ` CAP`, after a space, as another token than `CAP` after the edit's quote). The
+starts with (`"CAP should be 37"`, `"SEP should be '/'"`), never the edited line itself. The
 few-valued constant (held-out 0.05, its first digit guessed from a prior) and the separator
 between the expected string's digits (right in 14 of 112 held-out episodes, chance) did not move
 in warm-up or in RL
@@ -113,7 +111,7 @@ def _constant(rng: random.Random, names: str, few: bool = False, keyed: bool = F
     source = (f'"""{mod.capitalize()} of the {pkg} package."""\n\n{const} = {{}}\n\n\n'
               f"def {fn}(x):\n    \"\"\"x {how}.\"\"\"\n    return {body}\n")
     # keyed: the failing check's message names the constant beside its value
-    said = f', "`{const}` should be {value}"' if keyed else ""
+    said = f', "{const} should be {value}"' if keyed else ""
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
             + "".join(f"    assert {fn}({a}) == {b}{said if i == 0 else ''}\n"
                       for i, (a, b) in enumerate(checks)))
@@ -205,7 +203,7 @@ def _hidden_file(rng: random.Random, names: str, keyed: bool = False) -> dict:
                f"def {joiner}(parts):\n    return SEP.join(parts)\n")
     test = (f"from {pkg}.{mod} import {fn}\n\n\ndef test_{fn}():\n"
             f"    assert {fn}({items!r}) == {sep.join(map(str, items))!r}"
-            + (f', "`SEP` should be {sep!r}"' if keyed else "") + "\n")
+            + (f', "SEP should be {sep!r}"' if keyed else "") + "\n")
     prompt = (f"`{fn}(items)` in {pkg}/{mod}.py puts the wrong separator between the items. "
               "Make the tests pass.")
     return {"files": {f"{pkg}/__init__.py": "", f"{pkg}/{mod}.py": api,

@@ -121,7 +121,7 @@ def test_few_valued_templates_draw_their_value_from_eight_and_the_wrong_one_from
 
 def test_keyed_templates_name_the_fact_as_the_edit_writes_it_and_only_there():
     """`constant_keyed` / `hidden_file_keyed`: the failing assertion's message says
-    "`NAME` should be VALUE", where the reference's changed line is `NAME = VALUE`; the plain
+    `NAME should be VALUE`, where the reference's changed line is `NAME = VALUE`; the plain
     templates' tests (same draws otherwise) say nothing of the kind."""
     for plain, keyed in (("constant_few", "constant_keyed"), ("hidden_file", "hidden_file_keyed")):
         pairs = zip(agent_family_tasks(30, seed=4, templates=[plain]),
@@ -133,7 +133,7 @@ def test_keyed_templates_name_the_fact_as_the_edit_writes_it_and_only_there():
                         if line not in b.files[path].splitlines())
             name, value = changed.split(" = ")
             test_path = next(p for p in b.files if p.startswith("tests/"))
-            said = f'"`{name}` should be {value}"'
+            said = f'"{name} should be {value}"'
             assert said in b.files[test_path] and said not in a.files[test_path], b.id
             # the message is the only difference, and no file holds the changed line
             assert b.files[test_path].replace(", " + said, "") == a.files[test_path]
