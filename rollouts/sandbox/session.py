@@ -63,8 +63,8 @@ _PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S.*)$
 # -rA: one outcome line per test; skips too, by node id, once not folded by reason
 PYTEST_FLAGS = ("-q", "-rA", "--no-fold-skipped", "-p", "no:cacheprovider")
 # pytest trims a short-summary reason to the terminal's width (80 columns without a terminal):
-# a wide, fixed one keeps each reason whole (`AssertionError: `CAP` should be 37`, not
-# `... should b...`), the same text on every host
+# a wide, fixed one keeps each reason whole (`AssertionError: MARGIN should be 41`, not
+# `... MARGIN shou...` after a long test name), the same text on every host
 _COLUMNS = "200"
 
 

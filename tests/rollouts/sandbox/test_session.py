@@ -122,8 +122,8 @@ def test_the_command_server_prints_what_a_fresh_pytest_prints(session):
 
 def test_a_failure_s_reason_is_whole_on_any_host(session):
     """pytest trims a short-summary reason to the terminal's width; every backend runs it at
-    one fixed, wide one, so a line of ~180 characters stays whole (and the text is the
-    host's terminal's on none)."""
+    one fixed, wide one, so a line of ~180 characters stays whole, whatever the host's
+    terminal."""
     why = "`MARGIN` should be 41 " + "x" * 80
     session.write_text("tests/test_long.py",
                        f"def test_a_rather_long_test_name_here():\n    assert 0, {why!r}\n")
