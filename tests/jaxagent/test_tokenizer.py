@@ -192,3 +192,29 @@ def test_train_bpe_extends_the_byte_tokenizer(tmp_path):
             byte.apply_chat_template(messages, add_generation_prompt=generation)
     with pytest.raises(ValueError, match="vocab_size 258: .* at least 259"):
         train_bpe(corpus, 258, tmp_path / "small")
+
+
+def test_train_bpe_writes_a_name_as_one_token_wherever_it_stands(tmp_path):
+    """A copy reads the name where the prompt, a file or pytest shows it and writes it after
+    the edit's JSON quote: the learnt BPE must give it the same ids in each (GPT-2's
+    pre-tokenizer gave `ĠLIMIT` after a space and `LIMIT` after the quote)."""
+    rng = np.random.default_rng(3)
+    names = ["LIMIT", "BONUS", "MARGIN", "OFFSET"]
+    corpus = []
+    for _ in range(80):
+        name, value = rng.choice(names), int(rng.integers(10, 99))
+        corpus.append(f"Fix {name} so the tests pass.\n    3  {name} = 7\nAssertionError: "
+                      f"{name} should be {value}\n@replace_line {{\"line\": 3, \"text\": "
+                      f"\"{name} = {value}\"}}\n    return x + {name}\n")
+    tok = train_bpe(corpus, 400, tmp_path)
+    for name in names:
+        word = tok.encode(f"{name} ")
+        assert len(word) == 1, (name, word)  # a learnt merge, not bytes
+        for context in (f"Fix {name} so", f"    3  {name} = 7", f"\"text\": \"{name} = 42\"",
+                        f"AssertionError: {name} should be 42"):
+            ids = tok.encode(context)
+            assert word[0] in ids, (context, [tok.decode([i]) for i in ids])
+    value = tok.encode("42")
+    for text in ("be 42\n", "= 42\"", "== 42,"):
+        ids = tok.encode(text)
+        assert any(ids[i:i + len(value)] == value for i in range(len(ids))), text
