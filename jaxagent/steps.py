@@ -403,6 +403,16 @@ def greedy_misses(graphdef, params, batch: TrainBatch, logits_chunk: int = 0,
     return miss
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "logits_chunk"))
+def sampled_logprobs(graphdef, params, batch: TrainBatch, sampling: tuple, logits_chunk: int = 0,
+                     frozen=None) -> jax.Array:
+    """[B, T]: each target's log-probability, teacher-forced, under the distribution the sampler
+    draws from with `sampling` = (temperature, top_k, top_p)."""
+    logp, _, _ = target_logprobs(merged_model(graphdef, params, frozen), batch, logits_chunk,
+                                 sampling)
+    return logp
+
+
 def answer_accuracy(graphdef, params, batch: TrainBatch, logits_chunk: int = 0,
                     frozen=None) -> jax.Array:
     """Fraction of rows whose every loss-masked target is the greedy prediction."""

@@ -102,9 +102,12 @@ class SFTConfig:
     # stop the warm-up (before `steps`) at the first validation where this share of the
     # validation demonstrations is exact throughout (0: never); `sft/steps` says when it stopped
     valid_stop: float = 0.0
-    # the share valid_stop reads: of all the validation demonstrations ("episode"), or the
-    # least among the task templates' ("template": every template begun, whatever the others)
-    valid_stop_by: Literal["episode", "template"] = "episode"
+    # the share valid_stop reads: of all the validation demonstrations ("episode"), the
+    # least among the task templates' ("template": every template begun, whatever the others),
+    # or the mean chance that an episode sampled as the evaluation samples replays a
+    # demonstration's calls ("sampled", sft/valid_sampled/episode: a smooth figure near the
+    # held-out pass rate the warm-up leaves, where the exact shares count a few demonstrations)
+    valid_stop_by: Literal["episode", "template", "sampled"] = "episode"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from jaxagent.models.adapters import save_policy, split_trainable
 from jaxagent.models.lora import dropout_key
 from jaxagent.optim import make_optimizer
 from jaxagent.steps import (answer_accuracy, greedy_misses, merged_model, pack, pack_documents,
+                            sampled_logprobs,
                             sft_step)
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 from jaxagent.train.build import (
@@ -112,7 +113,8 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
                 if log:
                     log(step, row)
                 if progress:
-                    shown = (f" exact {exact['sft/valid_exact/episode']:.2f}" if exact else "")
+                    shown = (f" exact {exact['sft/valid_exact/episode']:.2f} sampled "
+                             f"{exact['sft/valid_sampled/episode']:.2f}" if exact else "")
                     progress.update(task_bar, advance=1, info=f"{stage} loss "
                                     f"{float(metrics['sft/loss']):.3f}{shown}".lstrip())
                 if measured and s.valid_stop and stop_share(exact, s.valid_stop_by) >= s.valid_stop:
@@ -130,9 +132,12 @@ def sft(cfg: Config, graphdef, params, tokenizer, tasks: list[Task], layout: Lay
 
 def stop_share(exact: dict[str, float], by: str) -> float:
     """The validation's share `sft.valid_stop` reads (`sft.valid_stop_by`): of the exact
-    demonstrations, or the least of the templates' shares."""
+    demonstrations, the least of the templates' shares, or the sampled episodes' chance of
+    replaying a demonstration."""
     if by == "episode":
         return exact["sft/valid_exact/episode"]
+    if by == "sampled":
+        return exact["sft/valid_sampled/episode"]
     return min(v for k, v in exact.items() if k.startswith("sft/valid_exact/episode/"))
 
 
@@ -145,7 +150,8 @@ def warmup_log(workdir: str | Path):
         yield writer.write
     if is_leader():
         plot_curves(folder / "metrics.jsonl", folder / "curves.png",
-                    keys=("sft/loss", "sft/valid_exact/episode", "sft/valid_exact/replace_line",
+                    keys=("sft/loss", "sft/valid_exact/episode", "sft/valid_sampled/episode",
+                          "sft/valid_exact/replace_line",
                           "sft/valid_exact/edit"))
 
 
@@ -153,10 +159,13 @@ def _agent_validation(cfg: Config, graphdef, tokenizer, layout: Layout, progress
                       frozen):
     """valid(params) -> {"sft/valid_exact/<tool>": the share of the validation demonstrations'
     calls of that tool, "sft/valid_exact/episode": of whole demonstrations, whose every token
-    is the greedy prediction given the demonstration before it}. A copy the warm-up has not
-    learnt (a path from an import line, a value from the test output) fails its call here;
-    greedy decoding would replay an exact demonstration and pass. Rows go
-    `sft.batch_size` at a time (one compiled shape; the last group padded)."""
+    is the greedy prediction given the demonstration before it; "sft/valid_sampled/episode":
+    the mean chance that an episode sampled as the evaluation samples (eval.temperature,
+    sampler.top_k / top_p) plays the demonstration's calls, each token drawn as written}. A
+    copy the warm-up has not learnt (a path from an import line, a value from the test
+    output) fails its call here; greedy decoding would replay an exact demonstration and pass.
+    Both with "/<template>" per task template. Rows go `sft.batch_size` at a time (one
+    compiled shape; the last group padded)."""
     tasks = load_validation_tasks(cfg)
     played = _agent_demonstrations(cfg, tokenizer, tasks, progress, recovery=False)
     batch, calls = validation_rows(played)
@@ -165,16 +174,22 @@ def _agent_validation(cfg: Config, graphdef, tokenizer, layout: Layout, progress
     n, rows = len(played), cfg.sft.batch_size
     order = np.arange(-(-n // rows) * rows) % n  # repeats fill the last group
 
+    sampling = (cfg.eval.temperature, cfg.sampler.top_k, cfg.sampler.top_p)
+
     def valid(params) -> dict[str, float]:
-        misses = []
+        misses, logps = [], []
         with layout.activations():
             for lo in range(0, len(order), rows):
                 group = order[lo:lo + rows][layout.local_rows(rows)]
                 part = layout.batch(jax.tree.map(lambda x: x[group], batch), "sft.batch_size")
                 misses.append(np.asarray(layout.host_copy(
                     greedy_misses(graphdef, params, part, chunk, frozen))))
-        return {f"sft/valid_exact/{k}": v for k, v in
-                call_exactness(np.concatenate(misses)[:n], calls, families).items()}
+                logps.append(np.asarray(layout.host_copy(
+                    sampled_logprobs(graphdef, params, part, sampling, chunk, frozen))))
+        exact = call_exactness(np.concatenate(misses)[:n], calls, families)
+        sampled = script_chance(np.concatenate(logps)[:n], calls, families)
+        return {**{f"sft/valid_exact/{k}": v for k, v in exact.items()},
+                **{f"sft/valid_sampled/{k}": v for k, v in sampled.items()}}
 
     return valid
 
@@ -206,6 +221,20 @@ def call_exactness(miss: np.ndarray, calls: list[list[tuple[int, int, str]]],
         if groups is not None:
             exact.setdefault(f"episode/{groups[i]}", []).append(whole)
     return {k: float(np.mean(v)) for k, v in sorted(exact.items())}
+
+
+def script_chance(logp: np.ndarray, calls: list[list[tuple[int, int, str]]],
+                  groups: list[str]) -> dict[str, float]:
+    """{"episode": the mean over rows of exp(the [B, T] `logp` summed over every call's span):
+    the chance that sampling plays the row's calls token for token, "episode/<group>" the same
+    over the rows of each of `groups`}. Sampled episodes that follow the script see its tool
+    outputs, so this is the share of sampled episodes that replay it."""
+    chance = np.exp([sum(row[a:b].sum() for a, b, _ in spans) for row, spans in
+                     zip(logp.astype(np.float64), calls, strict=True)])
+    out = {"episode": float(chance.mean())}
+    for group in sorted(set(groups)):
+        out[f"episode/{group}"] = float(chance[[g == group for g in groups]].mean())
+    return out
 
 
 def _sft_data(cfg: Config, tokenizer, tasks: list[Task], progress=None):

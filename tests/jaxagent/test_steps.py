@@ -17,6 +17,7 @@ from jaxagent.steps import (
     answer_accuracy,
     feedback_term,
     greedy_misses,
+    sampled_logprobs,
     pack,
     padded_length,
     pack_documents,
@@ -299,6 +300,33 @@ def test_answer_accuracy_in_chunks_counts_rows_whose_masked_targets_are_all_gree
         assert float(answer_accuracy(graphdef, params, batch, chunk)) == pytest.approx(4 / 6)
         np.testing.assert_array_equal(greedy_misses(graphdef, params, batch, chunk),
                                       targets != greedy)
+
+
+def test_sampled_logprobs_score_the_targets_under_the_sampler_s_distribution():
+    """Teacher-forced log-probabilities of the targets under temperature and top-k, against a
+    float64 NumPy softmax of the model's logits (a target top-k cuts: ~float32's minimum)."""
+    graphdef, params, _, _ = setup()
+    rng = np.random.default_rng(23)
+    b, t = 5, 13
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, t)), jnp.int32)
+    targets = rng.integers(0, CFG.vocab_size, (b, t))
+    batch = TrainBatch(tokens=tokens, targets=jnp.asarray(targets, jnp.int32),
+                       loss_mask=jnp.ones((b, t)), segment_ids=jnp.ones((b, t), jnp.int32),
+                       sampler_logprobs=jnp.zeros((b, t)), advantages=jnp.zeros(b))
+    logits = np.asarray(nnx.merge(graphdef, params)(tokens), np.float64)
+    for temperature, top_k in ((0.5, None), (1.3, 7)):
+        scaled = logits / temperature
+        if top_k is not None:
+            kth = np.sort(scaled, -1)[..., -top_k][..., None]
+            scaled = np.where(scaled < kth, -np.inf, scaled)
+        ref = scaled - np.logaddexp.reduce(scaled, -1, keepdims=True)
+        ref = np.take_along_axis(ref, targets[..., None], -1)[..., 0]
+        for chunk in (0, 18):
+            got = np.asarray(sampled_logprobs(graphdef, params, batch, (temperature, top_k, None),
+                                              chunk))
+            kept = np.isfinite(ref)
+            np.testing.assert_allclose(got[kept], ref[kept], rtol=1e-4, atol=1e-4)
+            assert (got[~kept] < -1e30).all() and (~kept).any() == (top_k is not None)
 
 
 def test_logits_chunks_bound_the_step_memory():

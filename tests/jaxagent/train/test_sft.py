@@ -13,7 +13,8 @@ from jaxagent.config import ConfigError, load_config
 from jaxagent.tokenizer import ByteTokenizer, HFTokenizer
 from jaxagent.train.build import model_tokenizer, tool_env_factory, validate
 from jaxagent.train.sft import (_agent_demonstrations, _sft_data, call_exactness, fit_tokenizer,
-                                recovers, stop_share, validation_rows)
+                                recovers, script_chance, stop_share,
+                                validation_rows)
 from rollouts.agent.demos import demonstrate, scripted_calls
 from rollouts.agent.formats import make_format
 from rollouts.rewards import Scorer
@@ -171,6 +172,26 @@ def test_call_exactness_counts_calls_and_rows_without_a_miss():
     assert call_exactness(miss, calls)["run_tests"] == 0.5
 
 
+def test_script_chance_is_the_mean_chance_of_sampling_every_call_as_written():
+    """Per row, exp of the log-probabilities summed over its calls' spans (none between
+    calls), averaged over rows and over each group's rows; a float64 reference."""
+    rng = np.random.default_rng(11)
+    calls = [[(0, 3, "run_tests"), (5, 9, "replace_line")],
+             [(0, 2, "run_tests"), (4, 6, "read_file"), (7, 12, "replace_line")],
+             [(1, 4, "run_tests")]]
+    logp = np.log(rng.uniform(0.3, 1.0, (3, 12))).astype(np.float32)
+    chance = [np.exp(logp[0, 0:3].astype(np.float64).sum() + logp[0, 5:9].sum()),
+              np.exp(logp[1, 0:2].sum() + logp[1, 4:6].sum() + logp[1, 7:12].sum()),
+              np.exp(logp[2, 1:4].sum())]
+    got = script_chance(logp, calls, ["keyed", "plain", "keyed"])
+    assert got.keys() == {"episode", "episode/keyed", "episode/plain"}
+    assert got["episode"] == pytest.approx(np.mean(chance), rel=1e-5)
+    assert got["episode/keyed"] == pytest.approx((chance[0] + chance[2]) / 2, rel=1e-5)
+    assert got["episode/plain"] == pytest.approx(chance[1], rel=1e-5)
+    logp[0, 4] = logp[1, 3] = -50.0  # between calls: no change
+    assert script_chance(logp, calls, ["keyed", "plain", "keyed"]) == pytest.approx(got)
+
+
 @pytest.mark.slow  # ~1 min: plays demonstrations, compiles a 1.5k-token SFT step
 def test_the_warm_up_stops_at_the_first_validation_that_reaches_valid_stop(monkeypatch):
     """`sft.valid_stop`: the steps stop after the validation that reaches the share (here
@@ -208,6 +229,9 @@ def test_valid_stop_by_template_reads_the_least_template():
     exact = {"sft/valid_exact/episode": 0.5, "sft/valid_exact/read_file": 0.95,
              "sft/valid_exact/episode/exception": 0.9, "sft/valid_exact/episode/keyed": 0.1}
     assert stop_share(exact, "episode") == 0.5 and stop_share(exact, "template") == 0.1
+    assert stop_share({**exact, "sft/valid_sampled/episode": 0.3,
+                       "sft/valid_sampled/episode/keyed": 0.05}, "sampled") == 0.3
+    assert _cfg("sft.valid_stop_by=sampled").sft.valid_stop_by == "sampled"
     assert _cfg("sft.valid_stop_by=template").sft.valid_stop_by == "template"
     with pytest.raises(ConfigError, match="sft.valid_stop_by"):
         _cfg("sft.valid_stop_by=tool")
