@@ -70,6 +70,9 @@ class Rollout:
     # the scripted teacher's call (tokens) for each flagged turn (agent.feedback_teacher script)
     corrections: list = dataclasses.field(default_factory=list)
     lookups: dict = dataclasses.field(default_factory=dict)  # look-up kind -> tool calls (agent.monitor)
+    # a scripted demonstration in place of a sampled episode (agent.guidance): its log-probs
+    # are placeholders, the trainer takes the policy's own
+    guided: bool = False
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

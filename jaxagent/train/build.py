@@ -590,6 +590,7 @@ def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task
         top_k=cfg.sampler.top_k, top_p=cfg.sampler.top_p, seed=cfg.seed,
         feedback_detectors=cfg.agent.feedback_detectors if cfg.agent.feedback_beta else (),
         feedback_teacher=cfg.agent.feedback_teacher, scripted_prefix=cfg.agent.scripted_prefix,
-        edit_tool=(demo_edit_tool(cfg) if cfg.agent.scripted_prefix
+        guidance=cfg.agent.guidance,
+        edit_tool=(demo_edit_tool(cfg) if cfg.agent.scripted_prefix or cfg.agent.guidance
                    or (cfg.agent.feedback_beta and cfg.agent.feedback_teacher == "script")
                    else "edit"))

@@ -46,7 +46,8 @@ from jaxagent.models.lora import dropout_key
 from jaxagent.optim import make_optimizer
 from jaxagent.rl.config import RLConfig
 from jaxagent.steps import (FeedbackBatch, LossOptions, TrainBatch, pack, pack_budget,
-                            pack_feedback, pack_shared, ppo_update, split_rows)
+                            pack_feedback, pack_shared, policy_logprobs, ppo_update,
+                            split_rows)
 from jaxagent.train.build import (call_grammar, load_model_and_tokenizer, logits_chunk,
                                   loss_options, make_producer, make_progress, make_sampler,
                                   make_scorer, resolve_attention, rl_layout, run_tasks,
@@ -152,7 +153,7 @@ def run_rl(cfg: Config, layout: Layout, console: Console, task_iter) -> dict:
                 # Update: advantages, then clipped policy-gradient steps; publish the weights
                 # (the sampler switches to them before its next batch).
                 with profiled(workdir / "profile", step + 1 in t.profile_steps):
-                    rows, feedback, keep, signal = learner.prepare(batch)
+                    rows, feedback, keep, signal = learner.prepare(batch, state)
                     state, update_metrics, train_s = learner.update(state, rows, feedback, step,
                                                                     signal=signal)
                 done = step + 1
@@ -230,18 +231,28 @@ class Learner:
         return learner, TrainState(params, layout.place(tx.init(params)),
                                    kl_reference(cfg, params), frozen)
 
-    def prepare(self, batch: RolloutBatch) -> tuple[TrainBatch, FeedbackBatch | None,
-                                                    np.ndarray, bool]:
+    def prepare(self, batch: RolloutBatch, state: TrainState | None = None) -> tuple[
+            TrainBatch, FeedbackBatch | None, np.ndarray, bool]:
         """(the packed rows with their advantages, the feedback KL's flagged turns if it is
         on, the per-rollout keep mask, whether the update's loss has a gradient at all:
-        `carries_signal`)."""
+        `carries_signal`). A guided rollout's (a scripted demonstration, `agent.guidance`)
+        behaviour log-probs are those of `state`, the weights the update starts from: its
+        tokens are weighed as if that policy had sampled them."""
         cfg = self.cfg
         advantages, keep = compute_advantages(cfg.rl, batch, cfg.train.max_new_tokens)
         t = cfg.train
-        rows = to_train_batch(batch, advantages, keep, share_prompt=self.share_prompt,
-                              pack_tokens=t.pack_tokens, parts=cfg.rl.mini_batches,
-                              row_multiple=math.lcm(t.micro_batch or 1, PACKED_ROW_BUCKET,
-                                                    self.layout.data_parallel))
+
+        def packed(b: RolloutBatch) -> TrainBatch:
+            return to_train_batch(b, advantages, keep, share_prompt=self.share_prompt,
+                                  pack_tokens=t.pack_tokens, parts=cfg.rl.mini_batches,
+                                  row_multiple=math.lcm(t.micro_batch or 1, PACKED_ROW_BUCKET,
+                                                        self.layout.data_parallel))
+
+        rows = packed(batch)
+        if any(r.guided for r in batch.rollouts):
+            if state is None:
+                raise ValueError("a batch with guided rollouts needs the state it updates")
+            rows = self.on_policy(rows, packed(guided_marks(batch)).sampler_logprobs, state)
         # a flagged turn's context is at most its episode, which fits a row unless the rows
         # hold a group's shared prompt and all its episodes (then sized by the flagged turns)
         feedback = (to_feedback_batch(batch, self.tokenizer, cfg.agent.feedback_max_examples,
@@ -253,6 +264,17 @@ class Learner:
         if feedback is not None:
             feedback = self.layout.batch(feedback, "the feedback batch")
         return rows, feedback, keep, signal
+
+    def on_policy(self, rows: TrainBatch, marks, state: TrainState) -> TrainBatch:
+        """`rows` with the behaviour log-probs where `marks` is 1 taken from `state`'s policy
+        (under the sampling distribution, as the loss takes its own)."""
+        with self.layout.activations():
+            logp = policy_logprobs(self.graphdef, state.params, self.layout.batch(rows),
+                                   state.frozen, micro_batch=self.cfg.train.micro_batch,
+                                   logits_chunk=self.chunk, sampling=self.options.sampling)
+        behaviour = np.where(np.asarray(marks) > 0, np.asarray(logp),
+                             np.asarray(rows.sampler_logprobs))
+        return dataclasses.replace(rows, sampler_logprobs=jnp.asarray(behaviour))
 
     def carries_signal(self, rows: TrainBatch, feedback: FeedbackBatch | None) -> bool:
         """Whether the loss on these (host) rows has a gradient: a kept token with a non-zero
@@ -469,6 +491,15 @@ def to_train_batch(batch: RolloutBatch, advantages: np.ndarray, keep: np.ndarray
         return pack_budget(*args, budget=pack_tokens, parts=parts, row_multiple=row_multiple,
                            completion_masks=masks)
     return pack(*args, completion_masks=masks)
+
+
+def guided_marks(batch: RolloutBatch) -> RolloutBatch:
+    """`batch` with each rollout's log-probs replaced by 1 where it is guided (a scripted
+    demonstration), else 0: packed as the batch is, its `sampler_logprobs` mark the guided
+    tokens."""
+    return dataclasses.replace(batch, rollouts=[
+        dataclasses.replace(r, logprobs=[float(r.guided)] * len(r.completion))
+        for r in batch.rollouts])
 
 
 def to_feedback_batch(batch: RolloutBatch, tokenizer, rows: int, hints=HINTS, *,

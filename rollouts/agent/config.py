@@ -65,6 +65,12 @@ class AgentConfig:
     # the script's first edit), so the sampled turns begin near the edit. The scripted calls
     # sit in the prompt (no loss) and count against max_turns; evaluation never uses them.
     scripted_prefix: float = 0.0
+    # Off-policy guidance (LUFFY's, Yan et al. 2025): the fraction of training groups in which
+    # no episode passed whose worst episode is replaced by the task's scripted demonstration,
+    # played in the environment: a pass for the group's leave-one-out advantage to reinforce
+    # where sampling found none. The trainer weighs its tokens as if sampled by the policy
+    # being updated (ratio and importance weight 1). Evaluation never uses it.
+    guidance: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "tool_timeout_s", "episode_timeout_s",
@@ -76,6 +82,9 @@ class AgentConfig:
         if not 0.0 <= self.scripted_prefix <= 1.0:
             raise ValueError(f"AgentConfig.scripted_prefix is a fraction of groups in [0, 1], "
                              f"got {self.scripted_prefix!r}")
+        if not 0.0 <= self.guidance <= 1.0:
+            raise ValueError(f"AgentConfig.guidance is a fraction of groups in [0, 1], "
+                             f"got {self.guidance!r}")
         if self.task_names not in ("made_up", "fixed"):
             raise ValueError(f"AgentConfig.task_names must be 'made_up' or 'fixed', got {self.task_names!r}")
         if self.truncation not in ("mask", "penalty"):

@@ -10,24 +10,27 @@ penalised, as the environment's options say; with `feedback_detectors`, each rol
 the turns they flagged (`Rollout.flagged`) for the trainer's targeted-feedback KL, and with
 `feedback_teacher` "script" the scripted demonstration's call for each (`Rollout.corrections`). With
 `scripted_prefix` (a reverse curriculum), that fraction of the groups start after the first k
-calls of the task's scripted demonstration (`start_prefixes`). Sampling
+calls of the task's scripted demonstration (`start_prefixes`). With `guidance`, that fraction
+of the groups in which no episode passed get the task's scripted demonstration in place of
+their worst episode (`guide`). Sampling
 and tools interleave, so a batch is played to the end in the calling (producer) thread; the
 returned future is already resolved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from rollouts.agent.demos import EDIT_TOOLS, scripted_calls, scripted_corrections
+from rollouts.agent.demos import EDIT_TOOLS, demonstrate, scripted_calls, scripted_corrections
 from rollouts.agent.feedback import flagged_turns
 from rollouts.agent.formats import ToolCall
 from rollouts.agent.metrics import agent_metrics
 from rollouts.agent.rollout import run_episodes
-from rollouts.environment import Environment
+from rollouts.environment import INFRA_ERROR, Environment, Trajectory
 from rollouts.producer import Rollout, RolloutBatch, batch_seed, rollout_stats
 from rollouts.sampler import Sampler, continuation
 from rollouts.tasks import Task
@@ -39,7 +42,7 @@ class AgentRolloutProducer:
                  max_action_tokens: int, temperature: float, seed: int,
                  top_k: int | None = None, top_p: float | None = None,
                  feedback_detectors: Sequence[str] = (), feedback_teacher: str = "hint",
-                 scripted_prefix: float = 0.0, edit_tool: str = "edit"):
+                 scripted_prefix: float = 0.0, guidance: float = 0.0, edit_tool: str = "edit"):
         if not envs:
             raise ValueError("AgentRolloutProducer needs at least one environment")
         self.sampler, self.tokenizer, self.tasks, self.envs = sampler, tokenizer, tasks, envs
@@ -48,7 +51,8 @@ class AgentRolloutProducer:
         self.top_k, self.top_p, self.seed = top_k, top_p, seed
         self.feedback_detectors = tuple(feedback_detectors)
         self.feedback_teacher = feedback_teacher
-        self.scripted_prefix, self.edit_tool = scripted_prefix, edit_tool
+        self.scripted_prefix, self.guidance, self.edit_tool = scripted_prefix, guidance, edit_tool
+        self.demos: dict[str, Trajectory] = {}  # task id -> its scripted demonstration
 
     def start_prefixes(self, index: int, tasks: Sequence[Task]) -> list[list[ToolCall]]:
         """Per task (group) of batch `index`: the scripted calls its episodes play before the
@@ -73,6 +77,48 @@ class AgentRolloutProducer:
             prefixes.append(calls[:rng.randint(1, before_edit)])
         return prefixes
 
+    def guide(self, index: int, tasks: Sequence[Task], rollouts: list[Rollout],
+              version: int) -> int:
+        """Off-policy guidance: in a `guidance` fraction of the groups (drawn from seed and
+        `index` alone, so a resumed run replays them) whose scored episodes all failed, the
+        worst episode (the last of the lowest reward) becomes the task's scripted
+        demonstration played in the environment (`demonstrate`), if that passes; in place in
+        `rollouts`. Returns the number of groups guided. An environment failure in a group
+        leaves it alone (its episodes' outcome is unknown)."""
+        rng, g = random.Random(f"guidance:{self.seed}:{index}"), self.group_size
+        chosen = []
+        for i, task in enumerate(tasks):
+            group = rollouts[i * g:(i + 1) * g]
+            drawn = rng.random() < self.guidance  # drawn for every group: the same draws on resume
+            if drawn and all(r.status not in ("passed", INFRA_ERROR) for r in group):
+                chosen.append(i)
+        missing = list(dict.fromkeys(tasks[i].id for i in chosen if tasks[i].id not in self.demos))
+        if missing:  # a task's demonstration is the same each time: played once, one per env
+            by_id = {t.id: t for t in tasks}
+
+            def play(env: Environment, ids: list[str]) -> list[Trajectory]:
+                try:
+                    scripts = [scripted_calls(by_id[t], self.edit_tool) for t in ids]
+                except ValueError as e:  # e.g. a deletion task: no reference to script
+                    raise ValueError(f"agent.guidance needs scripted tasks: {e}") from None
+                return [demonstrate(env, by_id[t], calls) for t, calls in zip(ids, scripts)]
+
+            shares = [missing[k::len(self.envs)] for k in range(len(self.envs))]
+            with ThreadPoolExecutor(len(self.envs)) as pool:
+                for ids, trajs in zip(shares, pool.map(play, self.envs, shares)):
+                    self.demos.update(zip(ids, trajs))
+        guided = 0
+        for i in chosen:
+            demo = self.demos[tasks[i].id]
+            if demo.info.get("status") != "passed":
+                continue
+            group = rollouts[i * g:(i + 1) * g]
+            worst = i * g + max(range(g), key=lambda k: (-group[k].reward, k))
+            rollouts[worst] = dataclasses.replace(
+                Rollout.from_trajectory(demo, "stop"), version=version, guided=True)
+            guided += 1
+        return guided
+
     def start(self, index: int, version: int) -> Future:
         """Play batch `index` with the sampler's current weights (policy `version`); returns a
         resolved future of the `RolloutBatch`."""
@@ -96,8 +142,13 @@ class AgentRolloutProducer:
                                                          self.tokenizer, self.edit_tool, prefix)
         # Tools and grading run inside the episodes: all of it counts as generation time, of
         # which time/tools_s was spent in the environments.
+        # the policy's own episodes: measured before any is replaced by a demonstration
         stats = {**rollout_stats(rollouts, time.perf_counter() - t0, 0.0),
                  **agent_metrics(trajs, episodes), "time/tools_s": timing["tools_s"]}
+        if self.guidance:
+            t1 = time.perf_counter()
+            stats["agent/guided_groups"] = self.guide(index, tasks, rollouts, version) / len(tasks)
+            stats["time/guidance_s"] = time.perf_counter() - t1
         batch: Future = Future()
         batch.set_result(RolloutBatch(version, self.group_size, rollouts, stats))
         return batch

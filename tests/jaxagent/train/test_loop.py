@@ -1,11 +1,14 @@
 """The learner skips the update of a batch whose loss has no gradient: on a zero gradient Adam
-would still move every weight by its momentum."""
+would still move every weight by its momentum; it weighs a guided rollout as the policy's own."""
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
 from jaxagent.config import load_config
+from jaxagent.steps import policy_logprobs
 from jaxagent.train.build import load_model_and_tokenizer, rl_layout, validate
 from jaxagent.train.loop import Learner
 from rollouts.producer import Rollout, RolloutBatch
@@ -128,3 +131,35 @@ def test_rows_with_a_gradient_come_first(share):
     else:
         np.testing.assert_array_equal(np.asarray(rows.tokens[0, :9]),
                                       first.prompt + first.completion)
+
+
+@pytest.mark.parametrize("packing", [["train.share_prompt=false", "train.pack_tokens=32"],
+                                     ["train.share_prompt=true"]])
+def test_a_guided_rollout_is_weighed_as_the_policy_s_own_sample(packing):
+    """A scripted demonstration in a group (`agent.guidance`) carries placeholder log-probs;
+    the learner gives its tokens the current policy's, so the update's importance weight and
+    ratio on them are 1, and leaves every sampled token's as the sampler wrote it."""
+    learner_, state = learner(*packing, "rl.negative_scale=0")
+    episodes = episodes_batch([0, 0, 0, 0, 0, 0, 0, 0], np.random.default_rng(13))
+    episodes.rollouts[3] = dataclasses.replace(episodes.rollouts[3], reward=1.0, guided=True,
+                                               logprobs=[0.0] * len(episodes.rollouts[3].completion))
+    rows, _, _, signal = learner_.prepare(episodes, state)
+    assert signal
+    with pytest.raises(ValueError, match="guided rollouts needs the state"):
+        learner_.prepare(episodes)
+    plain = learner_.prepare(dataclasses.replace(episodes, rollouts=[
+        dataclasses.replace(r, guided=False) for r in episodes.rollouts]))[0]
+    mask = np.asarray(rows.loss_mask) > 0
+    marks = mask & (np.asarray(rows.advantages).reshape(len(mask), -1) > 0)
+    assert marks.sum() == sum(episodes.rollouts[3].policy_mask)  # the demonstration's tokens
+    want = np.asarray(policy_logprobs(learner_.graphdef, state.params, rows, state.frozen,
+                                      sampling=learner_.options.sampling))
+    got, before = np.asarray(rows.sampler_logprobs), np.asarray(plain.sampler_logprobs)
+    np.testing.assert_allclose(got[marks], want[marks], rtol=1e-6)
+    assert (got[marks] < 0).all() and (before[marks] == 0).all()
+    np.testing.assert_array_equal(got[mask & ~marks], before[mask & ~marks])
+    # the update raises the demonstration's tokens, as an on-policy pass's
+    new_state, _, _ = learner_.update(state, rows, None, 0, signal=signal)
+    after = np.asarray(policy_logprobs(learner_.graphdef, new_state.params, rows, state.frozen,
+                                       sampling=learner_.options.sampling))
+    assert after[marks].sum() > want[marks].sum() + 0.1

@@ -177,6 +177,8 @@ def test_reset_refuses_function_tasks_and_options_are_checked():
         AgentConfig(truncation="drop")
     with pytest.raises(ValueError, match=r"scripted_prefix is a fraction of groups in \[0, 1\]"):
         AgentConfig(scripted_prefix=1.5)
+    with pytest.raises(ValueError, match=r"guidance is a fraction of groups in \[0, 1\]"):
+        AgentConfig(guidance=-0.5)
     with pytest.raises(ValueError, match="AgentConfig.bad_call_penalty must be >= 0"):
         AgentConfig(bad_call_penalty=-0.1)
     with pytest.raises(ValueError, match="feedback_hints maps detectors"):

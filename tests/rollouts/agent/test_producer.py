@@ -1,5 +1,6 @@
 """The agent rollout producer: a versioned batch of task-major groups of token-exact episodes,
-and the trainer's rows train exactly the policy's tokens; scripted demonstrations pass."""
+and the trainer's rows train exactly the policy's tokens; scripted demonstrations pass, and
+stand in for a failed group's worst episode under guidance."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from rollouts.agent.demos import (
 from rollouts.agent.feedback import action_spans
 from rollouts.agent.formats import make_format
 from rollouts.agent.producer import AgentRolloutProducer
+from rollouts.environment import INFRA_ERROR
+from rollouts.producer import Rollout
 from rollouts.rewards import Scorer
 from rollouts.sampler import Sampler
 from rollouts.tasks.agent_family import agent_family_tasks
@@ -199,3 +202,40 @@ def test_prefixed_groups_sample_after_the_scripted_calls_and_train_only_the_samp
         lp = len(r.prompt)
         assert not np.asarray(train.loss_mask[i, :lp - 1]).any()
         assert np.asarray(train.loss_mask[i, lp - 1]) > 0
+
+
+def test_guidance_puts_the_scripted_demonstration_in_place_of_a_failed_group_s_worst():
+    tasks = agent_family_tasks(40, seed=1, templates=["constant_keyed"], names="fixed")[:4]
+
+    def failed(task, reward, status="failed"):
+        return Rollout(task.id, [1, 2], [3, 4], [True, True], [-1.0, -2.0], "", reward, status,
+                       "stop", 5)
+
+    def played(producer, index):
+        rollouts = [failed(tasks[0], 0.3), failed(tasks[0], 0.0),  # none passed: guided
+                    failed(tasks[1], 0.0), failed(tasks[1], 1.0, "passed"),  # one passed
+                    failed(tasks[2], 0.0), failed(tasks[2], 0.0, INFRA_ERROR),  # unknown
+                    failed(tasks[3], 0.0), failed(tasks[3], 0.0)]  # the later of equals
+        return producer.guide(index, tasks, rollouts, version=5), rollouts
+
+    options = AgentConfig(max_turns=8, max_context_tokens=20000, max_output_chars=600)
+    with Scorer(workers=1) as scorer:
+        envs = [ToolEnvironment(TOK, options, scorer=scorer, tools=FAMILY_TOOLS)
+                for _ in range(2)]
+        every = _curriculum_producer(None, envs, tasks, 0.0, group_size=2, guidance=1.0)
+        guided, rollouts = played(every, 0)
+        demos = [demonstrate(envs[0], t, scripted_calls(t, "replace_line")) for t in tasks]
+        half = _curriculum_producer(None, envs, tasks, 0.0, group_size=2, guidance=0.5,
+                                    seed=3)
+        draws = [[r.guided for r in played(half, index)[1]] for index in range(8)]
+        for env in envs:
+            env.close()
+    assert guided == 2 and [r.guided for r in rollouts] == [False, True] + [False] * 5 + [True]
+    for i, demo in ((1, demos[0]), (7, demos[3])):
+        r = rollouts[i]
+        assert r.prompt + r.completion == demo.tokens and r.reward == 1.0 == demo.reward
+        assert r.policy_mask == demo.policy_mask[demo.prompt_len:] and r.version == 5
+    assert rollouts[0] == failed(tasks[0], 0.3) and rollouts[5].status == INFRA_ERROR
+    assert set(every.demos) == {tasks[0].id, tasks[3].id}  # played once, then reused
+    assert draws == [[r.guided for r in played(half, index)[1]] for index in range(8)]
+    assert {tuple(d) for d in draws} > {(False,) * 8}  # some batches guided, others not
