@@ -46,9 +46,11 @@ from pathlib import Path
 
 # `base`: the config as it is; the feedback variants set the targeted feedback either way, with
 # the policy reading a hint, the task's scripted demonstration or the call grammar as the
-# teacher (at the betas measured in docs/agent.md)
+# teacher (at the betas measured in docs/agent.md); `guided`: every failed group's worst episode
+# replaced by the task's scripted demonstration (off-policy guidance)
 VARIANTS = {
     "base": [],
+    "guided": ["agent.guidance=1.0"],
     "feedback_off": ["agent.feedback_beta=0"],
     "feedback_on": ["agent.feedback_detectors=[bad_tool_call,test_edit,repeat]",
                     "agent.feedback_beta=0.1"],
