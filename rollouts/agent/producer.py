@@ -77,20 +77,22 @@ class AgentRolloutProducer:
             prefixes.append(calls[:rng.randint(1, before_edit)])
         return prefixes
 
-    def guide(self, index: int, tasks: Sequence[Task], rollouts: list[Rollout],
-              version: int) -> int:
+    def guide(self, index: int, tasks: Sequence[Task], rollouts: list[Rollout], version: int,
+              prefixes: Sequence[Sequence[ToolCall]] = ()) -> int:
         """Off-policy guidance: in a `guidance` fraction of the groups (drawn from seed and
         `index` alone, so a resumed run replays them) whose scored episodes all failed, the
         worst episode (the last of the lowest reward) becomes the task's scripted
         demonstration played in the environment (`demonstrate`), if that passes; in place in
-        `rollouts`. Returns the number of groups guided. An environment failure in a group
-        leaves it alone (its episodes' outcome is unknown)."""
+        `rollouts`. Returns the number of groups guided. A group with an environment failure
+        (its episodes' outcome unknown) or a scripted prefix (`prefixes[i]`: another start
+        state than the demonstration's) is left alone."""
         rng, g = random.Random(f"guidance:{self.seed}:{index}"), self.group_size
         chosen = []
         for i, task in enumerate(tasks):
             group = rollouts[i * g:(i + 1) * g]
             drawn = rng.random() < self.guidance  # drawn for every group: the same draws on resume
-            if drawn and all(r.status not in ("passed", INFRA_ERROR) for r in group):
+            if drawn and not (prefixes and prefixes[i]) and all(
+                    r.status not in ("passed", INFRA_ERROR) for r in group):
                 chosen.append(i)
         missing = list(dict.fromkeys(tasks[i].id for i in chosen if tasks[i].id not in self.demos))
         if missing:  # a task's demonstration is the same each time: played once, one per env
@@ -147,7 +149,8 @@ class AgentRolloutProducer:
                  **agent_metrics(trajs, episodes), "time/tools_s": timing["tools_s"]}
         if self.guidance:
             t1 = time.perf_counter()
-            stats["agent/guided_groups"] = self.guide(index, tasks, rollouts, version) / len(tasks)
+            guided = self.guide(index, tasks, rollouts, version, prefixes)
+            stats["agent/guided_groups"] = guided / len(tasks)
             stats["time/guidance_s"] = time.perf_counter() - t1
         batch: Future = Future()
         batch.set_result(RolloutBatch(version, self.group_size, rollouts, stats))

@@ -28,7 +28,7 @@ from rollouts.agent.demos import (
     turn_weights,
 )
 from rollouts.agent.feedback import action_spans
-from rollouts.agent.formats import make_format
+from rollouts.agent.formats import ToolCall, make_format
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.environment import INFRA_ERROR
 from rollouts.producer import Rollout
@@ -237,5 +237,8 @@ def test_guidance_puts_the_scripted_demonstration_in_place_of_a_failed_group_s_w
         assert r.policy_mask == demo.policy_mask[demo.prompt_len:] and r.version == 5
     assert rollouts[0] == failed(tasks[0], 0.3) and rollouts[5].status == INFRA_ERROR
     assert set(every.demos) == {tasks[0].id, tasks[3].id}  # played once, then reused
+    prefixed = [failed(tasks[0], 0.0)] * 2  # another start state than the demonstration's
+    assert every.guide(0, tasks[:1], prefixed, 5, [[ToolCall("run_tests", {})]]) == 0
+    assert not any(r.guided for r in prefixed)
     assert draws == [[r.guided for r in played(half, index)[1]] for index in range(8)]
     assert {tuple(d) for d in draws} > {(False,) * 8}  # some batches guided, others not
