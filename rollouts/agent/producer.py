@@ -88,7 +88,7 @@ class AgentRolloutProducer:
         state than the demonstration's) is left alone."""
         rng, g = random.Random(f"guidance:{self.seed}:{index}"), self.group_size
         chosen = []
-        for i, task in enumerate(tasks):
+        for i in range(len(tasks)):
             group = rollouts[i * g:(i + 1) * g]
             drawn = rng.random() < self.guidance  # drawn for every group: the same draws on resume
             if drawn and not (prefixes and prefixes[i]) and all(
