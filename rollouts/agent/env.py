@@ -26,6 +26,7 @@ from rollouts.environment import Environment, StepResult
 from rollouts.rewards import Scorer
 from rollouts.sandbox import Limits
 from rollouts.sandbox.launchers import DOCKER_IMAGE
+from rollouts.sandbox.run_cache import RunCache
 from rollouts.sandbox.lint import ruff_binary
 from rollouts.sandbox.session import Session
 from rollouts.tasks.task import Task
@@ -66,6 +67,7 @@ class ToolEnvironment(Environment):
         tools: Sequence[Tool] = TOOLS,
         backend: str = "bwrap",
         limits: Limits | None = None,
+        run_cache: RunCache | None = None,
     ):
         self.tokenizer = tokenizer
         self.options = options or AgentConfig()
@@ -77,6 +79,7 @@ class ToolEnvironment(Environment):
         self.backend = backend
         self.limits = limits or Limits(wall_s=self.options.tool_timeout_s,
                                        cpu_s=self.options.tool_timeout_s)
+        self.run_cache = run_cache  # `run_tests` runs shared with other environments
         self.session: Session | None = None  # the episode's; None between episodes
         self._sandbox: Session | None = None  # kept from one episode to the next (renewed)
         self.task: Task | None = None
@@ -96,7 +99,7 @@ class ToolEnvironment(Environment):
                                     image=image)
         self.session = self._sandbox
         self.ctx = ToolContext(self.session, task, memory=self.memory, embedding=self.embedding,
-                               timeout_s=self.options.tool_timeout_s)
+                               timeout_s=self.options.tool_timeout_s, run_cache=self.run_cache)
         text = self.format.prompt(self.tokenizer, task.prompt, self.toolbox.schemas())
         prompt = self.tokenizer.encode(text, add_bos=self.tokenizer.add_bos)
         self.context_len, self.turns, self.started = len(prompt), 0, time.monotonic()
@@ -164,7 +167,8 @@ class ToolEnvironment(Environment):
         return {"turns": self.turns, "tool_calls": dict(Counter(self.call_order)),
                 "call_order": list(self.call_order),
                 "bad_tool_calls": self.bad_tool_calls, "test_edit_attempts": self.test_edit_attempts,
-                "lookups": dict(self.lookups), "turn_flags": list(self.turn_flags)}
+                "lookups": dict(self.lookups), "turn_flags": list(self.turn_flags),
+                "cached_test_runs": self.ctx.cached_test_runs}
 
     def _grade(self, truncated: bool, why: str) -> tuple[float, dict[str, Any]]:
         task = self.task

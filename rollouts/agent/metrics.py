@@ -27,7 +27,7 @@ def agent_metrics(trajs: Sequence[Trajectory],
     episodes), and reward_mean and pass_rate split into `_from_start` and `_from_prefix`. With
     `tasks` (each episode's): pass_rate/FAMILY for each `metadata["family"]` among them (the
     embedded family's templates), which tells a template the policy learns from one whose share
-    of the draw rose."""
+    of the draw rose. test_runs_cached: the share of `run_tests` calls read from a run cache."""
     if not trajs:
         return {}
     n = len(trajs)
@@ -52,6 +52,9 @@ def agent_metrics(trajs: Sequence[Trajectory],
                                       / len(solved) if solved else 0.0),
         "agent/lookup_flags": float(sum(lookups.values())),
     }
+    if calls["run_tests"]:  # the share read from a `RunCache` (agent.test_cache)
+        out["agent/test_runs_cached"] = (sum(t.info.get("cached_test_runs", 0) for t in trajs)
+                                         / calls["run_tests"])
     prefixed = [t for t in trajs if t.info.get("prefix_calls")]
     if prefixed:
         out["agent/prefix_fraction"] = len(prefixed) / n

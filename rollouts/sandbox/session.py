@@ -53,6 +53,7 @@ from rollouts.sandbox.launchers import (
     sandbox_cgroup,
     solution_uid,
 )
+from rollouts.sandbox.run_cache import RunCache, workdir_digest
 from rollouts.sandbox.types import Limits
 
 _PYTHON_FLAGS = ("-S", "-B", "-E", "-s")
@@ -334,6 +335,7 @@ class ExecResult:
     timed_out: bool
     seconds: float
     over_quota: bool  # the work dir outgrew limits.tmpfs_mb
+    cached: bool = False  # read from a `RunCache`: an earlier run on the same files
 
 
 class Session:
@@ -525,11 +527,27 @@ class Session:
         return self._exec(argv, timeout_s, pytest=False)
 
     def run_pytest(
-        self, args: list[str], timeout_s: float | None = None
+        self, args: list[str], timeout_s: float | None = None, cache: RunCache | None = None
     ) -> tuple[ExecResult, dict[str, tuple[str, str]]]:
         """`python -m pytest ARGS` in the work dir, with each test's outcome (bwrap: run in a
-        fork of the session's command server, which imported pytest already)."""
+        fork of the session's command server, which imported pytest already). With `cache`, an
+        earlier clean run on the same files and settings is read instead (see `RunCache`)."""
         args = [*args, *PYTEST_FLAGS]
+        if cache is None:
+            return self._pytest(args, timeout_s)
+        before = workdir_digest(self.root)
+        key = RunCache.key(before, self.backend, self.image, self.limits, self.tools, args,
+                           timeout_s)
+
+        def run():  # kept if it ended by itself and left the work dir as it found it
+            result, outcomes = self._pytest(args, timeout_s)
+            return result, outcomes, (result.exit_code is not None and not result.timed_out
+                                      and not result.over_quota
+                                      and workdir_digest(self.root) == before)
+
+        return cache.run(key, run)
+
+    def _pytest(self, args: list[str], timeout_s: float | None):
         if self.server is not None:
             result = self._exec(args, timeout_s, pytest=True)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from rollouts.sandbox.run_cache import RunCache
 from rollouts.sandbox.session import ExecResult, Session, SessionError
 from rollouts.tasks.task import Task, pytest_args
 from rollouts.tools.core import Param, Tool, ToolError
@@ -25,6 +26,8 @@ class ToolContext:
     embedding: Embedding = dataclasses.field(default_factory=NgramEmbedding)
     timeout_s: float = 10.0  # per tool call
     max_results: int = 20  # search hits, history entries
+    run_cache: RunCache | None = None  # test runs shared with other sessions (`RunCache`)
+    cached_test_runs: int = 0  # this episode's `run_tests` calls read from `run_cache`
 
     @property
     def repo_key(self) -> str:
@@ -113,7 +116,8 @@ def run_tests(ctx: ToolContext, test: str = "") -> str:
     if test.startswith("-"):
         raise ToolError("run_tests: 'test' is a test path or id, not an option")
     args = [test] if test else list(pytest_args(ctx.task.test_command))
-    result, outcomes = ctx.session.run_pytest(args, timeout_s=ctx.timeout_s)
+    result, outcomes = ctx.session.run_pytest(args, timeout_s=ctx.timeout_s, cache=ctx.run_cache)
+    ctx.cached_test_runs += result.cached
     if result.timed_out:
         return f"tests timed out after {result.seconds:.1f}s"
     failed = [(t, why or kind) for t, (kind, why) in outcomes.items() if kind in ("failed", "error")]

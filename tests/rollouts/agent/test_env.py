@@ -236,3 +236,42 @@ def test_an_agent_cannot_forge_its_reward_with_its_tools(task, scorer, name):
     assert last.done and last.reward <= 0.0 and last.info["status"] != "passed", last.info
     assert last.info["grading"] == "isolated"
     env.close()
+
+
+def test_a_run_cache_changes_no_episode_and_counts_the_runs_it_served(scorer):
+    """`agent.test_cache`: episodes sharing a `RunCache` are those of environments without it,
+    token for token and reward for reward; a `run_tests` on files some earlier run saw (this
+    episode's or another's) is read from the cache, and the metric says what share was."""
+    from rollouts.agent.demos import demonstrate, scripted_calls
+    from rollouts.agent.metrics import agent_metrics
+    from rollouts.sandbox.run_cache import RunCache
+    from rollouts.tasks.agent_family import agent_family_tasks
+
+    tasks = [agent_family_tasks(10, seed=3, templates=[t], names="fixed")[0]
+             for t in ("constant_keyed", "exception")]
+    options = AgentConfig(max_turns=10, max_context_tokens=4096, call_format="compact",
+                          max_output_chars=600, test_cache=True)
+    cache = RunCache()
+    plain = ToolEnvironment(TOK, options, scorer=scorer)
+    shared = ToolEnvironment(TOK, options, scorer=scorer, run_cache=cache)
+    try:
+        for task in tasks:
+            calls = scripted_calls(task, "replace_line")
+            edit = next(i for i, c in enumerate(calls) if c.name == "replace_line")
+            calls = [*calls[:edit], ToolCall("run_tests", {}), *calls[edit:]]  # before the edit
+            assert [c.name for c in calls].count("run_tests") == 3
+            want = demonstrate(plain, task, calls)
+            assert want.info["passed"] and want.info["cached_test_runs"] == 0
+            played = [demonstrate(shared, task, calls) for _ in range(2)]
+            for got in played:
+                assert (got.tokens, got.policy_mask, got.reward) == (
+                    want.tokens, want.policy_mask, want.reward)
+                assert {**got.info, "cached_test_runs": 0} == want.info
+            # the first play reads its second run (files unchanged by read_file); the next, all
+            assert [t.info["cached_test_runs"] for t in played] == [1, 3]
+            metrics = agent_metrics(played)
+            assert metrics["agent/test_runs_cached"] == pytest.approx(4 / 6)
+            assert agent_metrics([want])["agent/test_runs_cached"] == 0.0
+    finally:
+        plain.close()
+        shared.close()
