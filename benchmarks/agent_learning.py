@@ -47,10 +47,14 @@ from pathlib import Path
 # `base`: the config as it is; the feedback variants set the targeted feedback either way, with
 # the policy reading a hint, the task's scripted demonstration or the call grammar as the
 # teacher (at the betas measured in docs/agent.md); `guided`: every failed group's worst episode
-# replaced by the task's scripted demonstration (off-policy guidance)
+# replaced by the task's scripted demonstration (off-policy guidance); `uncached`: every
+# `run_tests` runs (no `agent.test_cache`: the same episodes, slower); `batch16`: 16 tasks a
+# step for half the steps (the same episodes in fewer, larger updates)
 VARIANTS = {
     "base": [],
     "guided": ["agent.guidance=1.0"],
+    "uncached": ["agent.test_cache=false"],
+    "batch16": ["train.prompts_per_step=16", "train.steps=30", "eval.every=15"],
     "feedback_off": ["agent.feedback_beta=0"],
     "feedback_on": ["agent.feedback_detectors=[bad_tool_call,test_edit,repeat]",
                     "agent.feedback_beta=0.1"],
