@@ -50,16 +50,19 @@ def workdir_digest(root: str | Path) -> bytes:
 
 
 class RunCache:
-    """The last `size` clean test runs (an `ExecResult` and its outcomes) by the digest of
-    what decided them; thread-safe, shared by many sessions. A lookup of a run in flight waits
-    for it (a group's episodes take their first turn together), and runs itself if that run
-    was not kept. `hits` and `misses` count lookups."""
+    """The last `size` clean test runs (an `ExecResult` and its outcomes, their output at most
+    `max_bytes` together) by the digest of what decided them; thread-safe, shared by many
+    sessions. A lookup of a run in flight waits for it (a group's episodes take their first
+    turn together), and runs itself if that run was not kept. `hits` and `misses` count
+    lookups."""
 
-    def __init__(self, size: int = 4096):
-        if size < 1:
-            raise ValueError(f"RunCache size must be >= 1, got {size}")
-        self.size, self.hits, self.misses = size, 0, 0
+    def __init__(self, size: int = 4096, max_bytes: int = 64 << 20):
+        if size < 1 or max_bytes < 1:
+            raise ValueError(f"RunCache size and max_bytes must be >= 1, got {size}, {max_bytes}")
+        self.size, self.max_bytes = size, max_bytes
+        self.hits = self.misses = self.bytes = 0
         self._runs: OrderedDict[bytes, Future] = OrderedDict()
+        self._sizes: dict[bytes, int] = {}  # the output bytes of each kept run
         self._lock = threading.Lock()
 
     @staticmethod
@@ -75,8 +78,7 @@ class RunCache:
             if shared is None:
                 self.misses += 1
                 mine = self._runs[key] = Future()
-                while len(self._runs) > self.size:
-                    self._runs.popitem(last=False)
+                self._evict()
             else:
                 self._runs.move_to_end(key)
         if shared is not None:
@@ -88,15 +90,23 @@ class RunCache:
                 return dataclasses.replace(result, cached=True), dict(outcomes)
             result, outcomes, _ = run()  # that run was not kept: this one is not either
             return result, outcomes
+        keep = False
         try:
             result, outcomes, keep = run()
-        except BaseException:
-            keep = False
-            raise
         finally:
-            if not keep:
-                with self._lock:
-                    if self._runs.get(key) is mine:
+            with self._lock:
+                if self._runs.get(key) is mine:
+                    if keep:
+                        self._sizes[key] = len(result.output)
+                        self.bytes += self._sizes[key]
+                        self._evict()
+                    else:
                         del self._runs[key]
             mine.set_result((result, outcomes) if keep else None)
         return result, outcomes
+
+    def _evict(self) -> None:
+        """Drop the least recently used runs past `size` or `max_bytes` (the lock held)."""
+        while self._runs and (len(self._runs) > self.size or self.bytes > self.max_bytes):
+            key, _ = self._runs.popitem(last=False)
+            self.bytes -= self._sizes.pop(key, 0)

@@ -100,6 +100,13 @@ def test_the_work_dir_digest_sees_names_bytes_modes_links_and_git(tmp_path):
 class _Result:
     value: int
     cached: bool = False
+    output: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    output: str
+    cached: bool = False
 
 
 def test_runs_of_one_key_in_flight_together_run_once_where_the_run_is_kept():
@@ -140,3 +147,14 @@ def test_the_cache_keeps_its_size_and_forgets_a_run_that_raised():
     assert cache.run(b"d", lambda: (_Result(3), {}, True))[0] == _Result(3)
     with pytest.raises(ValueError, match="size"):
         RunCache(size=0)
+
+
+def test_the_cache_keeps_at_most_max_bytes_of_output():
+    cache = RunCache(max_bytes=10)
+    for k in (b"a", b"b", b"c"):  # 4 bytes each: the third pushes the first out
+        cache.run(k, lambda: (_Output("1234"), {}, True))
+    assert cache.bytes == 8
+    assert cache.run(b"c", lambda: (_Output("new!"), {}, True))[0].cached
+    assert not cache.run(b"a", lambda: (_Output("1234"), {}, True))[0].cached
+    cache.run(b"big", lambda: (_Output("x" * 11), {}, True))  # more than all: not kept at all
+    assert cache.bytes == 0 and not cache.run(b"big", lambda: (_Output("x"), {}, True))[0].cached
