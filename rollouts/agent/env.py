@@ -26,8 +26,8 @@ from rollouts.environment import Environment, StepResult
 from rollouts.rewards import Scorer
 from rollouts.sandbox import Limits
 from rollouts.sandbox.launchers import DOCKER_IMAGE
-from rollouts.sandbox.run_cache import RunCache
 from rollouts.sandbox.lint import ruff_binary
+from rollouts.sandbox.run_cache import RunCache
 from rollouts.sandbox.session import Session
 from rollouts.tasks.task import Task
 from rollouts.tools import (
