@@ -39,8 +39,8 @@ from rollouts.agent.grammar import CallGrammar
 from rollouts.agent.producer import AgentRolloutProducer
 from rollouts.producer import RolloutProducer
 from rollouts.rewards import Scorer
-from rollouts.sandbox.run_cache import RunCache
 from rollouts.sampler import Sampler, SamplerConfig
+from rollouts.sandbox.run_cache import RunCache
 from rollouts.tasks import Task, load_tasks, synthetic_tasks, task_dataset
 from rollouts.tasks.agent_family import agent_task_splits, validation_tasks
 from rollouts.tasks.agent_family import parse_spec as parse_agent_spec
