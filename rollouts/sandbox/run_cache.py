@@ -30,23 +30,32 @@ from typing import Any
 
 def workdir_digest(root: str | Path) -> bytes:
     """sha256 over everything under `root`, .git included: each entry's relative path, kind,
-    permission bits, and a file's bytes or a link's target, in sorted order."""
+    permission bits, and a file's bytes or a link's target, in sorted order. Where an entry
+    cannot be read (a command made it unreadable to the host), a digest of its own that no
+    other call returns: such a work dir is never matched."""
     h = hashlib.sha256()
     root = str(root)
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(dirnames + filenames):
-            full = os.path.join(dirpath, name)
-            st = os.lstat(full)
-            rel = os.path.relpath(full, root).encode("utf-8", "surrogateescape")
-            h.update(b"\0%s\0%o\0" % (rel, st.st_mode))
-            if stat.S_ISLNK(st.st_mode):
-                h.update(os.fsencode(os.readlink(full)))
-            elif stat.S_ISREG(st.st_mode):
-                with open(full, "rb") as f:
-                    h.update(b"%d\0" % st.st_size)
-                    h.update(f.read())
+    try:
+        for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):
+            dirnames.sort()
+            for name in sorted(dirnames + filenames):
+                full = os.path.join(dirpath, name)
+                st = os.lstat(full)
+                rel = os.path.relpath(full, root).encode("utf-8", "surrogateescape")
+                h.update(b"\0%s\0%o\0" % (rel, st.st_mode))
+                if stat.S_ISLNK(st.st_mode):
+                    h.update(os.fsencode(os.readlink(full)))
+                elif stat.S_ISREG(st.st_mode):
+                    with open(full, "rb") as f:
+                        h.update(b"%d\0" % st.st_size)
+                        h.update(f.read())
+    except OSError:
+        return os.urandom(h.digest_size)
     return h.digest()
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 class RunCache:

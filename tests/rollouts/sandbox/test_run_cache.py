@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rollouts.sandbox import Limits, SandboxUnavailable
+from rollouts.sandbox import Limits, SandboxUnavailable, run_cache
 from rollouts.sandbox.run_cache import RunCache, workdir_digest
 from rollouts.sandbox.session import Session
 
@@ -94,6 +94,17 @@ def test_the_work_dir_digest_sees_names_bytes_modes_links_and_git(tmp_path):
     }
     digests = {what: tree(what, change) for what, change in changes.items()}
     assert base not in digests.values() and len(set(digests.values())) == len(changes)
+
+
+def test_a_work_dir_the_host_cannot_read_is_never_matched(tmp_path, monkeypatch):
+    (tmp_path / "x.py").write_text("x = 1\n")
+    assert workdir_digest(tmp_path) == workdir_digest(tmp_path)
+
+    def unreadable(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(run_cache, "open", unreadable, raising=False)
+    assert workdir_digest(tmp_path) != workdir_digest(tmp_path)
 
 
 @dataclasses.dataclass(frozen=True)
