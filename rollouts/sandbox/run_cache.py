@@ -62,8 +62,8 @@ class RunCache:
     """The last `size` clean test runs (an `ExecResult` and its outcomes, their output at most
     `max_bytes` together) by the digest of what decided them; thread-safe, shared by many
     sessions. A lookup of a run in flight waits for it (a group's episodes take their first
-    turn together), and runs itself if that run was not kept. `hits` and `misses` count
-    lookups."""
+    turn together), and runs itself if that run was not kept. `hits` count the lookups a kept
+    run answered, `misses` those that ran."""
 
     def __init__(self, size: int = 4096, max_bytes: int = 64 << 20):
         if size < 1 or max_bytes < 1:
@@ -97,6 +97,8 @@ class RunCache:
                     self.hits += 1
                 result, outcomes = kept
                 return dataclasses.replace(result, cached=True), dict(outcomes)
+            with self._lock:
+                self.misses += 1
             result, outcomes, _ = run()  # that run was not kept: this one is not either
             return result, outcomes
         keep = False
